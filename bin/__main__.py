@@ -1,0 +1,5 @@
+import sys
+
+from deepinfer.bin.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""One replica's compute: models, weight loading, runner, scheduler, sampler, structured output."""

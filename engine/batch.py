@@ -1,0 +1,74 @@
+"""The contract between the scheduler and the model runner: what one forward computes.
+
+A forward is a *varlen* batch: any mix of prefill chunks, single-token decodes, speculative
+verification runs and replays of many sequences. Every sequence brings
+
+- its SWA **slot** (fixed-size per-sequence state: sliding-window K=V rows and the
+  compressors' carry-over, all addressed by absolute position), and
+- its **block table** (physical ids of paged blocks holding compressed rows and indexer keys):
+
+    logical block:   0            1            2
+    source tokens:   [0, bs)      [bs, 2bs)    [2bs, 3bs)     bs = block_size
+    physical id:     table[0]     table[1]     table[2]
+    compressed row w of a ratio-r layer (covering source [w*r, (w+1)*r))
+    lives in logical block (w*r) // bs at row w % (bs // r).
+
+Because all state is position-addressed, rolling a sequence back (speculative tokens rejected,
+``num_computed_tokens`` lowered by at most ``lookahead`` positions) and recomputing from there
+is exact: rows of rejected positions are simply overwritten later and the causal masks never
+let a query read them before that.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class SeqStep:
+    """One sequence's share of a forward.
+
+    Positions ``[start_pos, start_pos + len(token_ids))`` are computed. Logits are returned for
+    the last ``num_logits`` of them (1 for a decode or a final prefill chunk, 0 for a middle
+    chunk, ``len(token_ids)`` for prompt logprobs, k+1 when verifying k draft tokens).
+
+    ``window_start``: sliding-window rows at positions below it are treated as absent, i.e.
+    attention windows are truncated to ``[window_start, t]``. 0 in normal operation; set to the
+    first replayed position when the SWA state is rebuilt by replay.
+
+    ``write_from``: compressed entries (and indexer keys) of windows that start below this
+    position are *read* from the block cache and never recomputed or written; the compressors'
+    carry-over state is still rebuilt from the replayed tokens. 0 in normal operation; the hit
+    length when replaying over prefix-cache blocks.
+    """
+
+    seq_id: int
+    slot: int
+    block_table: Sequence[int]
+    start_pos: int
+    token_ids: Sequence[int]
+    num_logits: int = 1
+    window_start: int = 0
+    write_from: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end_pos(self) -> int:
+        return self.start_pos + len(self.token_ids)
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    steps: list[SeqStep] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.steps)
+
+    @property
+    def num_logits(self) -> int:
+        return sum(s.num_logits for s in self.steps)

@@ -1,0 +1,90 @@
+"""Every environment variable DeepInfer reads, in one typed place (prefix ``DEEPINFER_``).
+
+Code never calls ``os.environ`` itself; it reads ``deepinfer.envs.get()`` (a frozen snapshot
+taken at first use) so tests can build a fresh snapshot with ``load(environ)``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+
+def _default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return str(Path(base) / "deepinfer")
+
+
+@dataclass(frozen=True, slots=True)
+class Envs:
+    # Model directory used when no --model/model= is given (name kept from DeepSeek's release).
+    hf_model_dir: str = ""
+    # Where the built-in tiny model and other generated artefacts are cached.
+    cache_dir: str = ""
+    # "nvidia" | "cpu" | "" (auto): which accelerator the kernels dispatch for.
+    accelerator: str = ""
+    # Log level for every daemon: DEBUG, INFO, WARNING, ERROR.
+    log_level: str = "INFO"
+    # Set to 0 to keep the standard asyncio loop instead of uvloop.
+    use_uvloop: bool = True
+    # Largest single ZeroMQ control frame accepted, in bytes (bulk data has its own limit).
+    max_control_frame_bytes: int = 16 * 1024 * 1024
+    # Largest bulk transfer accepted by a data-plane receiver, in bytes.
+    max_bulk_bytes: int = 8 * 1024 * 1024 * 1024
+
+
+_ENV_NAMES = {
+    "hf_model_dir": "DEEPINFER_HF_MODEL_DIR",
+    "cache_dir": "DEEPINFER_CACHE_DIR",
+    "accelerator": "DEEPINFER_ACCELERATOR",
+    "log_level": "DEEPINFER_LOG_LEVEL",
+    "use_uvloop": "DEEPINFER_USE_UVLOOP",
+    "max_control_frame_bytes": "DEEPINFER_MAX_CONTROL_FRAME_BYTES",
+    "max_bulk_bytes": "DEEPINFER_MAX_BULK_BYTES",
+}
+
+
+def _parse(name: str, raw: str, default):
+    if isinstance(default, bool):
+        low = raw.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off", ""):
+            return False
+        raise ValueError(f"{name}={raw!r} is not a boolean; use 1 or 0")
+    if isinstance(default, int):
+        try:
+            return int(raw)
+        except ValueError:
+            raise ValueError(f"{name}={raw!r} is not an integer") from None
+    return raw
+
+
+def load(environ: dict[str, str] | None = None) -> Envs:
+    """Build a snapshot from ``environ`` (default: the process environment)."""
+    env = os.environ if environ is None else environ
+    values = {}
+    for f in fields(Envs):
+        name = _ENV_NAMES[f.name]
+        if name in env:
+            values[f.name] = _parse(name, env[name], f.default)
+    snap = Envs(**values)
+    if not snap.cache_dir:
+        snap = Envs(**{**{f.name: getattr(snap, f.name) for f in fields(Envs)}, "cache_dir": _default_cache_dir()})
+    return snap
+
+
+_snapshot: Envs | None = None
+
+
+def get() -> Envs:
+    global _snapshot
+    if _snapshot is None:
+        _snapshot = load()
+    return _snapshot
+
+
+def names() -> dict[str, str]:
+    """Field name -> environment variable name, for --help texts and docs."""
+    return dict(_ENV_NAMES)

@@ -1,0 +1,1 @@
+"""Device ops: torch reference ops everywhere, Triton/CuPy kernels on NVIDIA GPUs."""

@@ -1,0 +1,1 @@
+"""Benchmarks, importable as the package ``deepinfer_bench`` (see deepinfer/bin/bench.py)."""

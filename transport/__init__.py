@@ -1,0 +1,1 @@
+"""Wire: msgspec messages, ZeroMQ control channels, bulk tensor data plane."""
