@@ -1,0 +1,519 @@
+"""Continuous-batching scheduler: a pure state machine with two verbs.
+
+``schedule()`` decides what every request computes in the next forward; ``update_from_output()``
+commits what the forward produced. There are no prefill/decode phases: each request's
+``num_computed_tokens`` catches up with its known tokens, in chunks sized by the token budget and
+the cost model, and one step mixes decodes, prefill chunks, replays and speculative runs.
+
+Order inside one ``schedule()``:
+  1. priority preemption: a waiting request with a strictly better priority than the worst
+     running one takes its slot/blocks when those are short;
+  2. running requests, decodes first (cheap, latency-bound), then prefill chunks, each in
+     (priority, arrival) order; when blocks run out the worst not-yet-scheduled running request
+     is preempted (recompute: blocks + slot freed, back to waiting, generated tokens kept);
+  3. waiting requests in (priority, arrival) order (head-of-line: a request that does not fit
+     stops admission, so later arrivals never overtake it), each looked up in the prefix cache.
+
+Async scheduling (one step in flight): ``schedule()`` advances ``num_computed_tokens`` at once, so
+it can run again before the previous step's tokens are known. A request whose in-flight step
+samples a token gets a *placeholder* position in the next step: its SeqStep carries
+``PLACEHOLDER_TOKEN_ID`` there, and the engine writes the sampled id into ``token_ids`` after
+sampling the previous step and before launching this one (see engine_core.py). The scheduler only
+ever appends to a block table list it handed to a SeqStep; rollback and preemption replace it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from deepinfer.cache.block_hash import MultiModalSpan, extend_block_hashes, root_hash
+from deepinfer.cache.block_pool import BlockPool
+from deepinfer.cache.slot_pool import SlotPool
+from deepinfer.engine.batch import ForwardBatch, SeqStep
+from deepinfer.engine.cost_model import CostModel, StepFeatures
+from deepinfer.engine.request import Request, RequestStatus, check_token_stop
+from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.engine.sched_queue import WaitingQueue
+
+PLACEHOLDER_TOKEN_ID = -1
+
+
+class SchedulerError(ValueError):
+    """A request the scheduler cannot take (empty or too long prompt, duplicate id)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    block_size: int
+    max_num_seqs: int  # = number of SWA slots
+    max_num_batched_tokens: int = 32768
+    max_model_len: int = 1 << 20
+    enable_prefix_caching: bool = True
+    # Tokens replayed before a prefix hit to rebuild the sliding-window state exactly:
+    # sliding_window * num_layers of the model. None replays the whole hit.
+    max_replay_tokens: int | None = None
+    model_id: str = ""
+    # Step-time target for chunk sizing with the cost model; None: token budget only.
+    step_time_target_s: float | None = None
+    # The first prefill chunk of a step gets at least this many tokens even when decodes alone
+    # already exceed the time target (prefills must make progress).
+    min_chunk_tokens: int = 64
+    max_num_spec_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise SchedulerError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One request's share of a step and what its logit rows mean.
+
+    The step's logits are ``[prompt-logprob rows][sample rows]``, the last ``num_logits``
+    positions of the SeqStep: row j of the prompt part scores prompt token j+1."""
+
+    request_id: str
+    step: SeqStep
+    num_replay_tokens: int  # positions below write_from: rebuild SWA state only
+    num_draft_tokens: int
+    num_sample_rows: int  # 1 + drafts when the step reaches the last known token, else 0
+    first_prompt_logprob_row: int
+    num_prompt_logprob_rows: int
+    has_placeholder: bool
+    preemption_epoch: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # finished since the previous schedule()
+    features: StepFeatures = field(default_factory=StepFeatures)
+    predicted_time_s: float | None = None
+
+    @property
+    def batch(self) -> ForwardBatch:
+        return ForwardBatch([s.step for s in self.scheduled])
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.step.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    request: Request
+    new_token_ids: list[int]
+    num_rejected: int
+    finish_status: RequestStatus | None
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_pool: BlockPool,
+        slot_pool: SlotPool,
+        cost_model: CostModel | None = None,
+    ) -> None:
+        if block_pool.block_size != config.block_size:
+            raise SchedulerError(f"block pool block_size {block_pool.block_size} != config {config.block_size}")
+        self.config = config
+        self.pool = block_pool
+        self.slots = slot_pool
+        self.cost_model = cost_model
+        self.requests: dict[str, Request] = {}
+        self.waiting = WaitingQueue()
+        self.running: list[Request] = []
+        self._finished_ids: list[str] = []
+        self._num_arrivals = 0
+        self._next_seq_id = 0
+        self.num_preemptions = 0
+
+    # ---- requests in / out ------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        *,
+        seed: int,
+        arrival_time: float = 0.0,
+        eos_token_ids: Iterable[int] = (),
+        mm_spans: Sequence[MultiModalSpan] = (),
+        cache_salt: str = "",
+    ) -> Request:
+        if request_id in self.requests:
+            raise SchedulerError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise SchedulerError(f"request {request_id!r}: the prompt is empty")
+        if len(prompt_token_ids) >= self.config.max_model_len:
+            raise SchedulerError(
+                f"request {request_id!r}: prompt of {len(prompt_token_ids)} tokens leaves no room under "
+                f"max_model_len {self.config.max_model_len}"
+            )
+        cfg = self.config
+        req = Request(
+            request_id=request_id,
+            seq_id=self._next_seq_id,
+            prompt_token_ids=list(prompt_token_ids),
+            sampling_params=sampling_params,
+            seed=seed,
+            arrival_index=self._num_arrivals,
+            arrival_time=arrival_time,
+            eos_token_ids=frozenset(eos_token_ids),
+            max_model_len=cfg.max_model_len,
+            mm_spans=tuple(mm_spans),
+            block_root=root_hash(cfg.model_id, cache_salt) if cfg.enable_prefix_caching else b"",
+        )
+        if req.block_root:
+            extend_block_hashes(req.block_hashes, req.all_token_ids, cfg.block_size, req.block_root, req.mm_spans)
+        self._next_seq_id += 1
+        self._num_arrivals += 1
+        self.requests[request_id] = req
+        self.waiting.push(req)
+        return req
+
+    def abort(self, request_ids: Iterable[str]) -> list[Request]:
+        """Finish requests as aborted, freeing everything they hold; unknown ids are ignored."""
+        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(
+        self, request_ids: Iterable[str], status: RequestStatus, stop_reason: int | str | None = None
+    ) -> list[Request]:
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None:
+                self._finish(req, status, stop_reason)
+                done.append(req)
+        return done
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- schedule ---------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        out = SchedulerOutput(finished_ids=self._finished_ids)
+        self._finished_ids = []
+        ctx = _StepContext(budget=cfg.max_num_batched_tokens, features=out.features)
+        if self.cost_model is not None and self.cost_model.is_fitted and cfg.step_time_target_s:
+            ctx.time_target = cfg.step_time_target_s
+
+        self._preempt_for_priority(out, ctx)
+        num_block_preemptions = len(out.preempted_ids)
+
+        order = sorted(self.running, key=lambda r: (not self._is_decode(r), r.sort_key))
+        for req in order:
+            if ctx.budget <= 0:
+                break
+            if req.status != RequestStatus.RUNNING or req.is_awaiting_verification or req.has_reached_length_limit:
+                continue
+            num_new = req.num_tokens_with_placeholders - req.num_computed_tokens
+            if num_new <= 0:
+                continue
+            drafts: list[int] = []
+            if num_new == 1 and req.num_output_placeholders == 0 and req.spec_token_ids:
+                drafts = req.spec_token_ids[: cfg.max_num_spec_tokens]
+            n = self._chunk_size(ctx, req.num_computed_tokens, num_new + len(drafts))
+            if n <= 0:
+                continue
+            end = req.num_computed_tokens + n
+            while not self._ensure_blocks(req, end):
+                victim = max(
+                    (r for r in self.running if r.request_id not in ctx.scheduled_ids), key=lambda r: r.sort_key
+                )
+                self._preempt(victim, out, ctx)
+                if victim is req:
+                    break
+            if req.status == RequestStatus.RUNNING:
+                self._emit(req, n, drafts[: max(0, n - num_new)], out, ctx)
+
+        if len(out.preempted_ids) == num_block_preemptions:
+            self._admit_waiting(out, ctx)
+        if self.cost_model is not None and self.cost_model.is_fitted:
+            out.predicted_time_s = self.cost_model.predict(out.features)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, ctx: _StepContext) -> None:
+        cfg = self.config
+        held_back: list[Request] = []
+        while ctx.budget > 0 and len(self.waiting) > 0:
+            req = self.waiting.peek()
+            if req.num_output_placeholders > 0 or req.request_id in ctx.preempted_ids:
+                # Preempted with a sampled token still in flight (its id is unknown) or in this
+                # very step: it waits one step.
+                held_back.append(self.waiting.pop())
+                continue
+            if len(self.running) >= cfg.max_num_seqs or self.slots.num_free_slots == 0:
+                break
+            hits = self._lookup_prefix(req)
+            hit_len = len(hits) * cfg.block_size
+            num_replay = hit_len if cfg.max_replay_tokens is None else min(hit_len, cfg.max_replay_tokens)
+            start = hit_len - num_replay
+            n = self._chunk_size(ctx, start, req.num_tokens - start)
+            if n <= 0:
+                break
+            num_new_blocks = max(0, _cdiv(start + n, cfg.block_size) - len(hits))
+            if num_new_blocks > self.pool.num_allocatable_with(hits):
+                break
+            self.waiting.pop()
+            self.pool.touch(hits)
+            req.block_ids = hits + self.pool.allocate(num_new_blocks)
+            req.num_registered_blocks = len(hits)
+            req.slot = self.slots.allocate()
+            req.num_computed_tokens = start
+            req.window_start = start
+            req.write_from = hit_len
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = hit_len
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self._emit(req, n, [], out, ctx)
+        for req in held_back:
+            self.waiting.push(req)
+
+    def _preempt_for_priority(self, out: SchedulerOutput, ctx: _StepContext) -> None:
+        """Let a strictly higher-priority waiting request displace the worst running ones."""
+        head = self.waiting.peek()
+        if head is None or head.num_output_placeholders > 0:
+            return
+        cfg = self.config
+        first_chunk = min(head.num_tokens, cfg.max_num_batched_tokens)
+        blocks_needed = _cdiv(first_chunk, cfg.block_size)
+        while self.running:
+            short_of_slot = len(self.running) >= cfg.max_num_seqs or self.slots.num_free_slots == 0
+            short_of_blocks = self.pool.num_free_blocks < blocks_needed
+            if not (short_of_slot or short_of_blocks):
+                return
+            victim = max(self.running, key=lambda r: r.sort_key)
+            if victim.priority <= head.priority:
+                return
+            self._preempt(victim, out, ctx)
+
+    def _chunk_size(self, ctx: _StepContext, prefix: int, wanted: int) -> int:
+        n = min(wanted, ctx.budget)
+        if ctx.time_target is not None and n > 1:
+            fit = self.cost_model.max_chunk(ctx.features, prefix, ctx.time_target, n)
+            floor = min(n, self.config.min_chunk_tokens) if ctx.num_chunks == 0 else 0
+            n = max(fit, floor)
+        return n
+
+    def _emit(self, req: Request, n: int, drafts: list[int], out: SchedulerOutput, ctx: _StepContext) -> None:
+        """Append req's SeqStep for positions [start, start + n) and advance its state."""
+        start = req.num_computed_tokens
+        n_known = n - len(drafts)
+        known_end = min(start + n_known, req.num_tokens)
+        num_placeholders = start + n_known - known_end
+        assert num_placeholders <= req.num_output_placeholders, "placeholder beyond the tokens in flight"
+        token_ids = req.all_token_ids[start:known_end]
+        if num_placeholders:
+            token_ids += [PLACEHOLDER_TOKEN_ID] * num_placeholders
+        token_ids += drafts
+        reaches_end = start + n_known == req.num_tokens_with_placeholders
+        num_sample_rows = 1 + len(drafts) if reaches_end else 0
+        first_row, num_prompt_rows = start, 0
+        if req.sampling_params.prompt_logprobs is not None:
+            first_row = max(start, req.num_prompt_logprob_rows_done)
+            num_prompt_rows = max(0, min(start + n_known, req.num_prompt_tokens - 1) - first_row)
+        step = SeqStep(
+            seq_id=req.seq_id,
+            slot=req.slot,
+            block_table=req.block_ids,
+            start_pos=start,
+            token_ids=token_ids,
+            num_logits=num_prompt_rows + num_sample_rows,
+            window_start=req.window_start,
+            write_from=req.write_from,
+        )
+        out.scheduled.append(
+            ScheduledSeq(
+                request_id=req.request_id,
+                step=step,
+                num_replay_tokens=max(0, min(start + n, req.write_from) - start),
+                num_draft_tokens=len(drafts),
+                num_sample_rows=num_sample_rows,
+                first_prompt_logprob_row=first_row,
+                num_prompt_logprob_rows=num_prompt_rows,
+                has_placeholder=num_placeholders > 0,
+                preemption_epoch=req.num_preemptions,
+            )
+        )
+        req.num_computed_tokens = start + n
+        if num_sample_rows:
+            req.num_output_placeholders += 1
+        if drafts:
+            req.is_awaiting_verification = True
+        req.spec_token_ids = []
+        ctx.budget -= n
+        ctx.scheduled_ids.add(req.request_id)
+        out.features.add(n, start)
+        if n > 1:
+            ctx.num_chunks += 1
+
+    # ---- commit -----------------------------------------------------------------------
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: Mapping[str, Sequence[int]]
+    ) -> list[RequestUpdate]:
+        """Commit a finished step. ``sampled[request_id]`` holds the accepted tokens of every
+        request with sample rows: 1 + the number of accepted drafts (fewer than scheduled rolls
+        ``num_computed_tokens`` back and frees blocks past the need). Requests finished or
+        aborted since ``schedule()`` are skipped; a request preempted since then (stale epoch)
+        keeps the tokens it sampled (they were computed from valid state) and nothing else."""
+        bs = self.config.block_size
+        updates: list[RequestUpdate] = []
+        for s in output.scheduled:
+            req = self.requests.get(s.request_id)
+            if req is None:
+                continue
+            is_stale = req.num_preemptions != s.preemption_epoch
+            tokens = list(sampled.get(s.request_id, ()))
+            if s.num_prompt_logprob_rows:
+                end_row = s.first_prompt_logprob_row + s.num_prompt_logprob_rows
+                req.num_prompt_logprob_rows_done = max(req.num_prompt_logprob_rows_done, end_row)
+            num_rejected = 0
+            if s.num_sample_rows:
+                if not 1 <= len(tokens) <= s.num_sample_rows:
+                    raise ValueError(
+                        f"request {s.request_id!r}: {len(tokens)} accepted tokens for {s.num_sample_rows} sample rows"
+                    )
+                req.num_output_placeholders -= 1
+                req.is_awaiting_verification = False
+                num_rejected = s.num_sample_rows - len(tokens)
+            elif tokens:
+                raise ValueError(f"request {s.request_id!r}: tokens given for a step that samples nothing")
+            if num_rejected and not is_stale:
+                req.num_computed_tokens -= num_rejected
+            stop = check_token_stop(req, tokens)
+            kept = tokens[: stop.num_kept]
+            if kept:
+                req.append_output_tokens(kept, bs)
+            if not is_stale and req.status == RequestStatus.RUNNING:
+                self._register_blocks(req, s.step.end_pos - num_rejected)
+                if num_rejected:
+                    self._trim_blocks(req)
+            if stop.status is not None:
+                self._finish(req, stop.status, stop.stop_reason)
+            updates.append(RequestUpdate(req, kept, num_rejected, stop.status))
+        return updates
+
+    # ---- block / slot bookkeeping -----------------------------------------------------
+    def _lookup_prefix(self, req: Request) -> list[int]:
+        if not req.block_hashes or req.sampling_params.prompt_logprobs is not None:
+            return []
+        # Never the whole sequence: at least one token is computed to produce logits.
+        num_blocks = (req.num_tokens - 1) // self.config.block_size
+        return self.pool.lookup_prefix(req.block_hashes[:num_blocks])
+
+    def _ensure_blocks(self, req: Request, end: int) -> bool:
+        need = _cdiv(end, self.config.block_size) - len(req.block_ids)
+        if need <= 0:
+            return True
+        if need > self.pool.num_free_blocks:
+            return False
+        req.block_ids.extend(self.pool.allocate(need))
+        return True
+
+    def _register_blocks(self, req: Request, computed_end: int) -> None:
+        """Publish full blocks whose positions are all computed with known tokens."""
+        num_full = min(computed_end, req.num_tokens) // self.config.block_size
+        num_full = min(num_full, len(req.block_hashes), len(req.block_ids))
+        for i in range(req.num_registered_blocks, num_full):
+            parent = req.block_hashes[i - 1] if i else None
+            self.pool.cache_block(req.block_ids[i], req.block_hashes[i], parent)
+        req.num_registered_blocks = max(req.num_registered_blocks, num_full)
+
+    def _trim_blocks(self, req: Request) -> None:
+        keep = max(_cdiv(req.num_tokens, self.config.block_size), req.num_registered_blocks)
+        if len(req.block_ids) > keep:
+            self.pool.free(req.block_ids[keep:])
+            req.block_ids = req.block_ids[:keep]
+
+    def _release(self, req: Request) -> None:
+        if req.block_ids:
+            self.pool.free(req.block_ids)
+            req.block_ids = []
+        if req.slot is not None:
+            self.slots.free(req.slot)
+            req.slot = None
+        req.num_registered_blocks = 0
+
+    def _preempt(self, req: Request, out: SchedulerOutput, ctx: _StepContext) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.window_start = req.write_from = 0
+        req.spec_token_ids = []
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push(req)
+        out.preempted_ids.append(req.request_id)
+        ctx.preempted_ids.add(req.request_id)
+
+    def _finish(self, req: Request, status: RequestStatus, stop_reason: int | str | None) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._release(req)
+        req.status = status
+        req.stop_reason = stop_reason
+        del self.requests[req.request_id]
+        self._finished_ids.append(req.request_id)
+
+    @staticmethod
+    def _is_decode(req: Request) -> bool:
+        return req.num_tokens_with_placeholders - req.num_computed_tokens <= 1
+
+    # ---- invariants -------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        bs = self.config.block_size
+        refs: dict[int, int] = {}
+        running_ids = {r.request_id for r in self.running}
+        waiting_ids = {r.request_id for r in self.waiting}
+        assert len(running_ids) == len(self.running), "a request is twice in running"
+        assert not running_ids & waiting_ids, "a request is both running and waiting"
+        assert running_ids | waiting_ids == set(self.requests), "requests map != running + waiting"
+        assert len(self.running) <= self.config.max_num_seqs, "more running requests than slots"
+        for req in self.running:
+            assert req.status == RequestStatus.RUNNING and req.slot is not None, f"{req.request_id}: bad running state"
+            assert len(req.block_ids) >= _cdiv(req.num_computed_tokens, bs), f"{req.request_id}: too few blocks"
+            assert req.num_registered_blocks <= len(req.block_ids)
+            for i, block_id in enumerate(req.block_ids):
+                refs[block_id] = refs.get(block_id, 0) + 1
+                h = self.pool.block_hash(block_id)
+                if h is not None:
+                    # A cached block in this table must hold exactly this request's tokens.
+                    assert i < len(req.block_hashes) and h == req.block_hashes[i], (
+                        f"{req.request_id}: block {block_id} at index {i} is cached under another prefix"
+                    )
+        for req in self.waiting:
+            assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), f"{req.request_id}: bad waiting state"
+            assert not req.block_ids and req.slot is None and req.num_computed_tokens == 0
+        self.pool.check_integrity(refs)
+        self.slots.check_integrity(r.slot for r in self.running)
+
+
+@dataclass(slots=True)
+class _StepContext:
+    budget: int
+    features: StepFeatures
+    time_target: float | None = None
+    num_chunks: int = 0
+    scheduled_ids: set[str] = field(default_factory=set)
+    preempted_ids: set[str] = field(default_factory=set)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
