@@ -1,0 +1,76 @@
+"""Counter-based random numbers for sampling: noise = hash(seed, position, token id).
+
+No generator state exists: the Gumbel noise a request sees for token ``v`` at absolute position
+``t`` is a pure function of (seed, t, v). A request's samples therefore never depend on which
+other requests share its batch, on the row it landed in, on preemption and recompute, or on how
+many steps it took to get there. The mixer is a 32-bit integer finaliser (xorshift-multiply
+rounds) evaluated in int64 tensors; every multiplier is < 2^31 so products of 32-bit values stay
+below 2^63 and int64 arithmetic never overflows, on any device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+M32 = 0xFFFFFFFF
+_MUL_A = 0x7FEB352D
+_MUL_B = 0x2C1B3C6D
+_TOKEN_SALT = 0x9E3779B9
+_KEY_SALT = 0x85EBCA6B
+
+
+def mix32(x: int) -> int:
+    """Scalar twin of ``mix32_tensor`` (per-row keys are mixed in Python: B values per step)."""
+    x &= M32
+    x ^= x >> 16
+    x = (x * _MUL_A) & M32
+    x ^= x >> 15
+    x = (x * _MUL_B) & M32
+    x ^= x >> 16
+    return x
+
+
+def mix32_tensor(x: torch.Tensor) -> torch.Tensor:
+    """Same as ``mix32`` on an int64 tensor whose values are in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = (x * _MUL_A) & M32
+    x = x ^ (x >> 15)
+    x = (x * _MUL_B) & M32
+    return x ^ (x >> 16)
+
+
+def row_keys(seed: int, position: int) -> tuple[int, int]:
+    """Two 32-bit keys for one (seed, position): all 64 bits of the seed enter the hash."""
+    seed &= (1 << 64) - 1
+    k = mix32(mix32((seed & M32) ^ _KEY_SALT) ^ (seed >> 32))
+    k1 = mix32(k ^ (position & M32))
+    k2 = mix32(k1 ^ (position >> 32) ^ _KEY_SALT)
+    return k1, k2
+
+
+class GumbelNoise:
+    """Gumbel(0, 1) noise for rows of logits, keyed per row by ``row_keys``."""
+
+    def __init__(self) -> None:
+        self._token_hash: torch.Tensor | None = None
+
+    def token_hash(self, vocab_size: int, device: torch.device) -> torch.Tensor:
+        th = self._token_hash
+        if th is None or th.numel() != vocab_size or th.device != device:
+            ids = torch.arange(vocab_size, dtype=torch.int64, device=device)
+            th = mix32_tensor((ids + _TOKEN_SALT) & M32)
+            self._token_hash = th
+        return th
+
+    def uniform(self, keys: torch.Tensor, token_ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
+        """U(0,1) float32 ``[B, V]`` (or ``[B, K]`` at ``token_ids [B, K]``); keys ``[B, 2]`` int64."""
+        th = self.token_hash(vocab_size, keys.device)
+        th = th[token_ids] if token_ids is not None else th.unsqueeze(0)
+        h = mix32_tensor(keys[:, :1] ^ th)
+        h = mix32_tensor(h ^ keys[:, 1:2])
+        # 24 bits: exactly representable in float32, strictly inside (0, 1)
+        return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+    def gumbel(self, keys: torch.Tensor, vocab_size: int, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        u = self.uniform(keys, token_ids, vocab_size)
+        return -torch.log(-torch.log(u))

@@ -1,0 +1,125 @@
+"""Sampling from the runner's logits: vectorised over rows, deterministic, batch-invariant.
+
+Order per row (each step is row-wise, so no row sees another):
+  raw logprobs (returned to the user, vLLM's default "raw" mode)
+  -> structured-output bitmask, min_tokens suppression
+  -> repetition / frequency / presence penalties
+  -> greedy rows: argmax
+  -> other rows: temperature, min-p, top-k, top-p, then Gumbel-max with counter-based noise
+     hash(seed, position, token): argmax(logits/T + G) draws exactly from softmax(logits/T).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.engine.counter_rng import GumbelNoise
+from deepinfer.engine.sampling_metadata import PenaltyTensors, SamplingMetadata
+
+_NEG_INF = float("-inf")
+
+
+@dataclass(slots=True)
+class LogprobsTensors:
+    """Top-k logprobs plus the chosen token's, for ``B`` rows (all on CPU)."""
+
+    top_ids: torch.Tensor  # [B, K] int64, most likely first
+    top_logprobs: torch.Tensor  # [B, K] float32
+    token_ids: torch.Tensor  # [B] the sampled (or, for prompts, the actual next) token
+    token_logprobs: torch.Tensor  # [B]
+    token_ranks: torch.Tensor  # [B] int64, 1 = most likely
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: torch.Tensor  # [B] int64 on CPU
+    logprobs: LogprobsTensors | None
+
+
+class Sampler:
+    def __init__(self) -> None:
+        self.noise = GumbelNoise()
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != meta.num_rows:
+            raise ValueError(f"sampler got logits of shape {tuple(logits.shape)} for {meta.num_rows} rows")
+        logits = logits.float()
+        raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
+        logits = logits.clone()
+        if meta.bitmask is not None:
+            apply_token_bitmask(logits, meta.bitmask)
+        if meta.suppress is not None:
+            logits[meta.suppress] = _NEG_INF
+        if meta.penalties is not None:
+            apply_penalties(logits, meta.penalties)
+
+        sampled = logits.argmax(dim=-1)
+        if not meta.all_greedy:
+            rows = torch.nonzero(~meta.is_greedy).squeeze(1)
+            sampled[rows] = self._sample_random(logits[rows], meta, rows)
+
+        lp = None
+        if raw_logprobs is not None:
+            lp = gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
+        return SamplerOutput(sampled.cpu(), lp)
+
+    def _sample_random(self, logits: torch.Tensor, meta: SamplingMetadata, rows: torch.Tensor) -> torch.Tensor:
+        logits = logits / meta.temperature[rows].unsqueeze(1)
+        if meta.min_p is not None:
+            probs = logits.softmax(dim=-1)
+            threshold = meta.min_p[rows].unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            logits = logits.masked_fill(probs < threshold, _NEG_INF)
+        if meta.top_k is not None or meta.top_p is not None:
+            logits = apply_top_k_top_p(
+                logits,
+                meta.top_k[rows] if meta.top_k is not None else None,
+                meta.top_p[rows] if meta.top_p is not None else None,
+            )
+        g = self.noise.gumbel(meta.keys[rows], logits.shape[1])
+        return (logits + g).argmax(dim=-1)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: token v of row i stays only if bit (v % 32) of ``bitmask[i, v // 32]`` is set
+    (xgrammar's layout). Works on any device; no per-row Python."""
+    b, v = logits.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(b, -1)[:, :v]
+    logits.masked_fill_(~allowed.to(logits.device), _NEG_INF)
+
+
+def apply_penalties(logits: torch.Tensor, pen: PenaltyTensors) -> None:
+    """vLLM semantics: repetition divides positive / multiplies negative logits of tokens seen
+    in prompt or output; frequency subtracts count * f; presence subtracts p once."""
+    rep = torch.where(logits > 0, 1.0 / pen.repetition, pen.repetition)
+    logits.mul_(torch.where(pen.seen_mask, rep, torch.ones_like(rep)))
+    logits.sub_(pen.frequency * pen.output_counts)
+    logits.sub_(pen.presence * (pen.output_counts > 0).float())
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask tokens outside each row's top-k and top-p nucleus (the most likely token always stays)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    if top_k is not None:
+        ranks = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
+        sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), _NEG_INF)
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        sorted_logits = sorted_logits.masked_fill(mass_before > top_p.unsqueeze(1), _NEG_INF)
+    return torch.full_like(logits, _NEG_INF).scatter(1, order, sorted_logits)
+
+
+def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> LogprobsTensors:
+    """Top-``num_top`` entries, the given tokens' logprobs and their ranks, from ``[B, V]`` logprobs."""
+    token_ids = token_ids.to(logprobs.device)
+    token_lp = logprobs.gather(1, token_ids.unsqueeze(1))
+    ranks = (logprobs > token_lp).sum(dim=-1) + 1
+    if num_top > 0:
+        top_lp, top_ids = logprobs.topk(num_top, dim=-1)
+    else:
+        top_lp = logprobs.new_empty(logprobs.shape[0], 0)
+        top_ids = token_ids.new_empty(logprobs.shape[0], 0)
+    return LogprobsTensors(top_ids.cpu(), top_lp.cpu(), token_ids.cpu(), token_lp.squeeze(1).cpu(), ranks.cpu())

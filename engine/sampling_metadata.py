@@ -1,0 +1,131 @@
+"""Per-step sampling inputs as batch tensors, built once per step from plain per-row values.
+
+One row = one sampled position (a decode, a final prefill chunk, or one position of a
+speculative run). Everything the sampler needs is a function of the row alone, which is what
+makes sampling batch-invariant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.engine.counter_rng import row_keys
+from deepinfer.engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SampleRow:
+    params: SamplingParams
+    seed: int
+    position: int  # absolute position of the token being sampled: the RNG counter
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()  # history for penalties (outputs + earlier drafts)
+    suppress_token_ids: Sequence[int] = ()  # masked to -inf (EOS/stop ids before min_tokens)
+
+
+@dataclass(slots=True)
+class PenaltyTensors:
+    output_counts: torch.Tensor  # [B, V] float32: occurrences in the output so far
+    seen_mask: torch.Tensor  # [B, V] bool: in prompt or output (repetition penalty)
+    repetition: torch.Tensor  # [B, 1]
+    frequency: torch.Tensor  # [B, 1]
+    presence: torch.Tensor  # [B, 1]
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    num_rows: int
+    is_greedy: torch.Tensor  # [B] bool
+    all_greedy: bool
+    temperature: torch.Tensor  # [B] float32 (1.0 on greedy rows, unused there)
+    keys: torch.Tensor  # [B, 2] int64 counter-RNG keys of (seed, position)
+    top_k: torch.Tensor | None  # [B] int64, vocab_size where disabled
+    top_p: torch.Tensor | None  # [B] float32
+    min_p: torch.Tensor | None  # [B] float32
+    penalties: PenaltyTensors | None
+    suppress: tuple[torch.Tensor, torch.Tensor] | None  # (row idx, token idx)
+    bitmask: torch.Tensor | None  # [B, ceil(V/32)] int32 allowed-token bits (structured output)
+    num_logprobs: list[int | None]  # per row: None = no logprobs
+    max_num_logprobs: int | None
+
+    @classmethod
+    def build(
+        cls,
+        rows: Sequence[SampleRow],
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+        bitmask: torch.Tensor | None = None,
+    ) -> SamplingMetadata:
+        b = len(rows)
+        params = [r.params for r in rows]
+        greedy = [p.temperature == 0.0 for p in params]
+        temps = [1.0 if g else float(p.temperature) for g, p in zip(greedy, params)]
+        keys = [row_keys(r.seed, r.position) for r in rows]
+
+        top_k = top_p = min_p = None
+        if any(p.top_k > 0 and not g for p, g in zip(params, greedy)):
+            top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], dtype=torch.int64)
+        if any(p.top_p < 1.0 and not g for p, g in zip(params, greedy)):
+            top_p = torch.tensor([float(p.top_p) for p in params], dtype=torch.float32)
+        if any(p.min_p > 0.0 and not g for p, g in zip(params, greedy)):
+            min_p = torch.tensor([float(p.min_p) for p in params], dtype=torch.float32)
+
+        penalties = None
+        if any(_has_penalty(p) for p in params):
+            penalties = _build_penalties(rows, vocab_size, device)
+
+        suppress = None
+        if any(r.suppress_token_ids for r in rows):
+            ri = [i for i, r in enumerate(rows) for _ in r.suppress_token_ids]
+            ti = [t for r in rows for t in r.suppress_token_ids]
+            suppress = (torch.tensor(ri, dtype=torch.int64, device=device), torch.tensor(ti, dtype=torch.int64, device=device))
+
+        nlp = [p.logprobs for p in params]
+        wanted = [n for n in nlp if n is not None]
+        return cls(
+            num_rows=b,
+            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            all_greedy=all(greedy),
+            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
+            keys=torch.tensor(keys, dtype=torch.int64, device=device).reshape(b, 2),
+            top_k=top_k.to(device) if top_k is not None else None,
+            top_p=top_p.to(device) if top_p is not None else None,
+            min_p=min_p.to(device) if min_p is not None else None,
+            penalties=penalties,
+            suppress=suppress,
+            bitmask=bitmask.to(device) if bitmask is not None else None,
+            num_logprobs=nlp,
+            max_num_logprobs=max(wanted) if wanted else None,
+        )
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _build_penalties(rows: Sequence[SampleRow], vocab_size: int, device) -> PenaltyTensors:
+    b = len(rows)
+    out_rows, out_toks, seen_rows, seen_toks = [], [], [], []
+    for i, r in enumerate(rows):
+        if not _has_penalty(r.params):
+            continue
+        out_rows += [i] * len(r.output_token_ids)
+        out_toks += r.output_token_ids
+        if r.params.repetition_penalty != 1.0:
+            seen_rows += [i] * len(r.prompt_token_ids)
+            seen_toks += r.prompt_token_ids
+    counts = torch.zeros(b, vocab_size, dtype=torch.float32, device=device)
+    if out_toks:
+        idx = (torch.tensor(out_rows, device=device), torch.tensor(out_toks, device=device))
+        counts.index_put_(idx, torch.ones(len(out_toks), device=device), accumulate=True)
+    seen = counts > 0
+    if seen_toks:
+        seen[torch.tensor(seen_rows, device=device), torch.tensor(seen_toks, device=device)] = True
+
+    def col(name: str) -> torch.Tensor:
+        return torch.tensor([float(getattr(r.params, name)) for r in rows], device=device).unsqueeze(1)
+
+    return PenaltyTensors(counts, seen, col("repetition_penalty"), col("frequency_penalty"), col("presence_penalty"))
