@@ -74,7 +74,7 @@ class SamplingMetadata:
             min_p = torch.tensor([float(p.min_p) for p in params], dtype=torch.float32)
 
         penalties = None
-        if any(_has_penalty(p) for p in params):
+        if any(has_penalties(p) for p in params):
             penalties = _build_penalties(rows, vocab_size, device)
 
         suppress = None
@@ -102,7 +102,7 @@ class SamplingMetadata:
         )
 
 
-def _has_penalty(p: SamplingParams) -> bool:
+def has_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 
@@ -110,7 +110,7 @@ def _build_penalties(rows: Sequence[SampleRow], vocab_size: int, device) -> Pena
     b = len(rows)
     out_rows, out_toks, seen_rows, seen_toks = [], [], [], []
     for i, r in enumerate(rows):
-        if not _has_penalty(r.params):
+        if not has_penalties(r.params):
             continue
         out_rows += [i] * len(r.output_token_ids)
         out_toks += r.output_token_ids

@@ -1,0 +1,331 @@
+"""The synchronous engine step: schedule -> runner.execute -> sample -> commit -> output deltas.
+
+``step()`` does all four in order. For overlap, the same work is exposed as four calls that
+``StepPipeline`` (threads) and AsyncEngine (asyncio) interleave so the device never waits for the
+CPU (one step in flight, "async scheduling"):
+
+    plan_n   = core.schedule_step()
+    future   = run core.execute(plan_n) in the device executor thread
+    loop:
+      plan_n1  = core.schedule_step()          # overlaps execute(plan_n); decodes whose token
+                                               # plan_n is sampling get a placeholder position
+      logits   = await future
+      sampled  = core.sample_step(plan_n, logits)
+      core.fill_placeholders(plan_n1, sampled) # writes plan_n's sampled ids into plan_n1
+      future   = run core.execute(plan_n1)     # device busy again
+      outputs  = core.commit_step(plan_n, sampled)  # overlaps execute(plan_n1): scheduler
+                                               # update, grammar, detokenize, stop strings
+      plan_n   = plan_n1
+
+Only ``execute`` runs off the caller's thread and it touches nothing but the runner and the
+plan's batch; every other call runs on the caller's thread between awaits. ``sample_step(N+1)``
+always follows ``commit_step(N)``, so penalties and grammar masks see every earlier token.
+Results of a request that finished (stop, abort) while a later step was in flight are dropped
+when that step commits.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+import torch
+
+from deepinfer.cache.block_hash import MultiModalSpan
+from deepinfer.cache.block_pool import BlockEvent, BlockPool
+from deepinfer.cache.slot_pool import SlotPool
+from deepinfer.engine.batch import ForwardBatch
+from deepinfer.engine.cost_model import CostModel
+from deepinfer.engine.output_processor import DetokenizerFactory, OutputProcessor, format_logprobs
+from deepinfer.engine.outputs import RequestOutput
+from deepinfer.engine.request import RequestStatus
+from deepinfer.engine.sampler import LogprobsTensors, Sampler, SamplerOutput, gather_logprobs
+from deepinfer.engine.sampling_metadata import SampleRow, SamplingMetadata, has_penalties
+from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.engine.scheduler import PLACEHOLDER_TOKEN_ID, Scheduler, SchedulerConfig, SchedulerOutput
+from deepinfer.engine.structured_output import GrammarState, StructuredOutputBackend
+
+
+class ModelRunner(Protocol):
+    def execute(self, batch: ForwardBatch) -> torch.Tensor:
+        """Logits ``[batch.num_logits, vocab]``: for each SeqStep in order, its last
+        ``num_logits`` positions. Must return once the logits are ready (synchronised)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCoreConfig:
+    scheduler: SchedulerConfig
+    num_blocks: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...] = ()
+    device: str = "cpu"  # where the logits live / sampling runs
+
+
+@dataclass(slots=True)
+class StepPlan:
+    sched: SchedulerOutput
+    batch: ForwardBatch
+    exec_seconds: float | None = None
+
+    @property
+    def is_empty(self) -> bool:
+        return self.sched.is_empty
+
+
+@dataclass(slots=True)
+class SampledStep:
+    accepted: dict[str, list[int]] = field(default_factory=dict)
+    sampler_output: SamplerOutput | None = None
+    request_rows: dict[str, range] = field(default_factory=dict)  # rows of sampler_output per request
+    prompt_logprobs: LogprobsTensors | None = None
+    prompt_rows: dict[str, range] = field(default_factory=dict)
+
+
+class EngineCore:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        config: EngineCoreConfig,
+        *,
+        detokenizer_factory: DetokenizerFactory | None = None,
+        decode_token: Callable[[int], str] | None = None,
+        structured_output: StructuredOutputBackend | None = None,
+        cost_model: CostModel | None = None,
+        seed_rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.runner = runner
+        self.config = config
+        sc = config.scheduler
+        self.cost_model = cost_model
+        self.scheduler = Scheduler(sc, BlockPool(config.num_blocks, sc.block_size, enable_prefix_caching=sc.enable_prefix_caching),
+                                   SlotPool(sc.max_num_seqs), cost_model)
+        self.sampler = Sampler()
+        self.outputs = OutputProcessor(detokenizer_factory, decode_token)
+        self.structured_output = structured_output
+        self._grammars: dict[str, GrammarState] = {}
+        self._children: dict[str, list[str]] = {}  # parent id -> engine request ids
+        self._parent_of: dict[str, str] = {}
+        self._seed_rng = seed_rng or random.SystemRandom()
+        self._clock = clock
+        self.num_steps = 0
+
+    # ---- requests -----------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+        mm_spans: Sequence[MultiModalSpan] = (),
+        cache_salt: str = "",
+    ) -> None:
+        """Queue a request (``n`` completions become ``n`` engine requests sharing the prompt).
+        Raises ValueError (one line) for bad input; compile grammars beforehand off-thread with
+        ``structured_output.compile`` to keep this call cheap (the cache makes it a lookup)."""
+        if request_id in self._children:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        vocab = self.config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"request {request_id!r}: prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        grammar = None
+        if params.structured_outputs is not None:
+            if self.structured_output is None:
+                raise ValueError("structured_outputs needs a tokenizer vocabulary; this engine has none")
+            grammar = self.structured_output.compile(params.structured_outputs)
+        arrival = self._clock() if arrival_time is None else arrival_time
+        child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        for i, cid in enumerate(child_ids):
+            child_params = params if params.n == 1 else replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            seed = child_params.seed if child_params.seed is not None else self._seed_rng.getrandbits(63)
+            self.outputs.add_request(cid, request_id, i, params.n, prompt, prompt_token_ids, child_params, arrival)
+            self.scheduler.add_request(cid, prompt_token_ids, child_params, seed=seed, arrival_time=arrival,
+                                       eos_token_ids=self.config.eos_token_ids, mm_spans=mm_spans, cache_salt=cache_salt)
+            if grammar is not None:
+                self._grammars[cid] = self.structured_output.new_state(grammar)
+            self._parent_of[cid] = request_id
+        self._children[request_id] = child_ids
+
+    def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+        """Abort requests (by the id given to add_request); frees their blocks and slots."""
+        outs = []
+        now = self._clock()
+        for rid in request_ids:
+            for cid in self._children.pop(rid, ()):
+                self.scheduler.abort([cid])
+                self._grammars.pop(cid, None)
+                self._parent_of.pop(cid, None)
+                out = self.outputs.abort(cid, now)
+                if out is not None:
+                    outs.append(out)
+        return outs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def drain_kv_events(self) -> list[BlockEvent]:
+        return self.scheduler.pool.drain_events()
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+        live = set(self.scheduler.requests)
+        assert set(self._grammars) <= live, "grammar state of a finished request"
+        assert all(self.outputs.has_request(r) for r in live), "a live request has no output state"
+
+    # ---- the step -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.schedule_step()
+        if plan.is_empty:
+            return []
+        logits = self.execute(plan)
+        return self.commit_step(plan, self.sample_step(plan, logits))
+
+    def schedule_step(self) -> StepPlan:
+        sched = self.scheduler.schedule()
+        return StepPlan(sched, sched.batch)
+
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        """The device part (thread-safe w.r.t. the other calls): runs and times the forward."""
+        t0 = time.perf_counter()
+        logits = self.runner.execute(plan.batch)
+        plan.exec_seconds = time.perf_counter() - t0
+        if logits.shape[0] != plan.batch.num_logits:
+            raise RuntimeError(f"runner returned {logits.shape[0]} logit rows for {plan.batch.num_logits} requested")
+        return logits
+
+    def fill_placeholders(self, plan: StepPlan, prev: SampledStep) -> None:
+        """Write the tokens ``prev`` sampled into ``plan``'s placeholder positions."""
+        for s in plan.sched.scheduled:
+            if s.has_placeholder:
+                toks = prev.accepted.get(s.request_id)
+                # A request that vanished in between gets any valid id: its result is dropped.
+                tok = toks[-1] if toks else 0
+                ids = s.step.token_ids
+                ids[ids.index(PLACEHOLDER_TOKEN_ID)] = tok
+
+    def sample_step(self, plan: StepPlan, logits: torch.Tensor) -> SampledStep:
+        out = SampledStep()
+        requests = self.scheduler.requests
+        rows: list[SampleRow] = []
+        row_index: list[int] = []
+        grammar_rows: list[tuple[GrammarState, int, list[int]]] = []
+        prompt_rows: list[int] = []
+        prompt_targets: list[int] = []
+        max_prompt_top = 0
+        offset = 0
+        for s in plan.sched.scheduled:
+            req = requests.get(s.request_id)
+            start, offset = offset, offset + s.step.num_logits
+            if req is None:
+                continue  # finished or aborted since it was scheduled
+            if s.num_prompt_logprob_rows:
+                first = s.first_prompt_logprob_row
+                out.prompt_rows[s.request_id] = range(len(prompt_rows), len(prompt_rows) + s.num_prompt_logprob_rows)
+                prompt_rows.extend(range(start, start + s.num_prompt_logprob_rows))
+                prompt_targets.extend(req.all_token_ids[first + 1 : first + 1 + s.num_prompt_logprob_rows])
+                max_prompt_top = max(max_prompt_top, req.sampling_params.prompt_logprobs)
+            if not s.num_sample_rows:
+                continue
+            drafts = list(s.step.token_ids[len(s.step.token_ids) - s.num_draft_tokens :]) if s.num_draft_tokens else []
+            params = req.sampling_params
+            suppress = tuple(req.eos_token_ids) + tuple(params.stop_token_ids)
+            out.request_rows[s.request_id] = range(len(rows), len(rows) + s.num_sample_rows)
+            grammar = self._grammars.get(s.request_id)
+            if grammar is not None:
+                grammar_rows.append((grammar, len(rows), drafts))
+            for k in range(s.num_sample_rows):
+                num_out = req.num_output_tokens + k
+                rows.append(SampleRow(
+                    params, req.seed, req.num_tokens + k, req.prompt_token_ids,
+                    req.output_token_ids + drafts[:k] if has_penalties(params) else (),
+                    suppress if num_out < params.min_tokens else (),
+                ))
+                row_index.append(start + s.num_prompt_logprob_rows + k)
+        if rows:
+            bitmask = None
+            if grammar_rows:
+                bitmask = self.structured_output.allocate_bitmask(len(rows))
+                for grammar, first, drafts in grammar_rows:
+                    grammar.fill_bitmasks_for_drafts(bitmask, first, drafts)
+            meta = SamplingMetadata.build(rows, logits.shape[1], logits.device, bitmask)
+            idx = torch.tensor(row_index, dtype=torch.int64, device=logits.device)
+            out.sampler_output = self.sampler(logits.index_select(0, idx), meta)
+            sampled = out.sampler_output.token_ids.tolist()
+            for s in plan.sched.scheduled:
+                r = out.request_rows.get(s.request_id)
+                if r is not None:
+                    out.accepted[s.request_id] = _verify(sampled[r.start : r.stop], s.step.token_ids, s.num_draft_tokens)
+        if prompt_rows:
+            idx = torch.tensor(prompt_rows, dtype=torch.int64, device=logits.device)
+            lp = logits.index_select(0, idx).float().log_softmax(dim=-1)
+            out.prompt_logprobs = gather_logprobs(lp, torch.tensor(prompt_targets, device=logits.device), max_prompt_top)
+        return out
+
+    def commit_step(self, plan: StepPlan, sampled: SampledStep) -> list[RequestOutput]:
+        self.num_steps += 1
+        if self.cost_model is not None and plan.exec_seconds is not None:
+            self.cost_model.observe(plan.sched.features, plan.exec_seconds)
+        now = self._clock()
+        outputs: list[RequestOutput] = []
+        for upd in self.scheduler.update_from_output(plan.sched, sampled.accepted):
+            req, rid = upd.request, upd.request.request_id
+            if rid in sampled.prompt_rows:
+                self.outputs.add_prompt_logprobs(rid, sampled.prompt_logprobs, sampled.prompt_rows[rid],
+                                                 req.sampling_params.prompt_logprobs)
+            tokens = upd.new_token_ids
+            finish = upd.finish_status
+            grammar = self._grammars.get(rid)
+            if grammar is not None and tokens:
+                if grammar.accept(tokens) < len(tokens):
+                    # Only possible when no token was allowed (e.g. min_tokens masks the EOS the
+                    # grammar requires): end this request, never the engine.
+                    finish = RequestStatus.FINISHED_ABORTED
+                elif grammar.is_terminated and finish is None:
+                    finish = RequestStatus.FINISHED_STOPPED
+            new_lp = None
+            if req.sampling_params.logprobs is not None and tokens and sampled.sampler_output is not None:
+                r = sampled.request_rows[rid]
+                new_lp = format_logprobs(sampled.sampler_output.logprobs, range(r.start, r.start + len(tokens)),
+                                         req.sampling_params.logprobs, self.outputs.decode_token)
+            processed = self.outputs.process(
+                rid, tokens, new_lp, finish.finish_reason if finish is not None else None,
+                req.stop_reason if upd.finish_status is not None else None, now, max(req.num_cached_tokens, 0),
+            )
+            if processed.stop_string is not None:
+                finish = RequestStatus.FINISHED_STOPPED
+                self.scheduler.finish_requests([rid], finish, processed.stop_string)
+            elif finish is not None and finish != upd.finish_status:
+                self.scheduler.finish_requests([rid], finish)
+            if finish is not None:
+                self._grammars.pop(rid, None)
+                self._forget_child(rid)
+            if processed.output is not None:
+                outputs.append(processed.output)
+        return outputs
+
+    def _forget_child(self, engine_request_id: str) -> None:
+        parent = self._parent_of.pop(engine_request_id, None)
+        kids = self._children.get(parent)
+        if kids is not None and not any(k in self._parent_of for k in kids):
+            del self._children[parent]
+
+
+def _verify(sampled: list[int], step_tokens: Sequence[int], num_drafts: int) -> list[int]:
+    """Accept drafts while each equals the token the sampler draws at its position, then the
+    first differing (or bonus) token. With counter-based sampling the result is exactly what
+    non-speculative decoding produces: drafts change speed, never outputs."""
+    if not num_drafts:
+        return sampled[:1]
+    drafts = step_tokens[len(step_tokens) - num_drafts :]
+    accepted = []
+    for k, tok in enumerate(sampled):
+        accepted.append(tok)
+        if k >= num_drafts or tok != drafts[k]:
+            break
+    return accepted
