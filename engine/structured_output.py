@@ -121,11 +121,12 @@ class StructuredOutputBackend:
                 return hit
         compiled = self._compile_uncached(spec)
         with self._lock:
-            self._cache[spec] = compiled
+            self.num_compiles += 1
+            # a thread that lost a compile race returns the winner: one object per spec
+            compiled = self._cache.setdefault(spec, compiled)
             self._cache.move_to_end(spec)
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
-            self.num_compiles += 1
         return compiled
 
     def _compile_uncached(self, spec: GrammarSpec) -> xgr.CompiledGrammar:

@@ -1,0 +1,108 @@
+from __future__ import annotations
+
+import string
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from deepinfer.engine.structured_output import GrammarSpec, StructuredOutputBackend, StructuredOutputError
+
+VOCAB = ["<eos>"] + list(string.printable[:95]) + ['{"', '"}', '":', ", ", "true", "false", "null", "12", "ab"]
+EOS = 0
+
+
+def tok(text: str) -> list[int]:
+    return [VOCAB.index(c) for c in text]
+
+
+@pytest.fixture(scope="module")
+def backend():
+    return StructuredOutputBackend(VOCAB, [EOS], vocab_size=len(VOCAB) + 7, any_whitespace=False)
+
+
+def test_spec_canonicalises_json_schema():
+    a = GrammarSpec.from_params({"json": {"type": "object", "properties": {"a": {"type": "integer"}}}})
+    b = GrammarSpec.from_params({"json": '{"properties": {"a": {"type": "integer"}}, "type": "object"}'})
+    assert a == b and a.kind == "json"
+    assert GrammarSpec.from_params({"json_object": True}).kind == "json_object"
+
+
+@pytest.mark.parametrize(
+    "so, needle",
+    [
+        ({"regex": "a(b"}, "invalid regex: Regex parsing error"),
+        ({"grammar": "root ::= foo"}, 'invalid EBNF grammar: EBNF parser error at line 1, column 10: Rule "foo" is not defined'),
+        ({"json": "{bad"}, "invalid JSON schema: not valid JSON"),
+        ({"json": {"type": "nonsense"}}, 'invalid JSON schema: Unsupported type "nonsense"'),
+        ({"json": {"type": "integer", "minimum": 5, "maximum": 1}}, "invalid JSON schema"),
+        ({"json": []}, "invalid JSON schema: it must be a JSON object"),
+        ({"regex": ""}, "regex must be a non-empty string"),
+        ({"xml": "x"}, "unknown structured output kind"),
+    ],
+)
+def test_invalid_specs_are_one_line_typed_errors(backend, so, needle):
+    with pytest.raises(StructuredOutputError) as e:
+        backend.compile(so)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_compile_is_cached_and_thread_safe(backend):
+    before = backend.num_compiles
+    specs = [{"regex": f"x{i}[a-z]+"} for i in range(6)]
+    with ThreadPoolExecutor(4) as ex:
+        first = list(ex.map(backend.compile, specs * 4))
+    assert backend.num_compiles - before <= 24  # concurrent first compiles may race...
+    n = backend.num_compiles
+    again = [backend.compile(s) for s in specs]
+    assert backend.num_compiles == n  # ...but afterwards every compile is a cache hit
+    assert all(a is b for a, b in zip(again, first[-6:]))  # one object per spec, racers included
+    assert all(a is b for a, b in zip(first, first[6:]))
+
+
+def test_lru_cache_is_bounded():
+    b = StructuredOutputBackend(VOCAB, [EOS], cache_size=2)
+    for i in range(4):
+        b.compile({"regex": f"a{i}"})
+    b.compile({"regex": "a3"})
+    assert b.num_compiles == 4
+    b.compile({"regex": "a0"})  # evicted: compiled again
+    assert b.num_compiles == 5
+
+
+def test_matcher_accept_rollback_terminate(backend):
+    st = backend.new_state({"regex": "(cat|car)s"})
+    mask = backend.allocate_bitmask(1)
+    st.fill_bitmask(mask, 0)
+    allowed = {v for v in range(len(VOCAB)) if (mask[0, v // 32] >> (v % 32)) & 1}
+    assert allowed == {VOCAB.index("c")}
+    assert st.accept(tok("cat")) == 3
+    st.rollback(1)
+    assert st.accept(tok("rx")) == 1  # "car" ok, "x" rejected
+    assert st.accept(tok("s")) == 1 and not st.is_terminated
+    assert st.accept([EOS]) == 1 and st.is_terminated
+    with pytest.raises(ValueError):
+        st.rollback(10)
+    # the padded vocabulary tail (ids past the tokenizer's) is never allowed
+    st2 = backend.new_state({"regex": "[a-z]+"})
+    st2.fill_bitmask(mask, 0)
+    assert all(not (mask[0, v // 32] >> (v % 32)) & 1 for v in range(len(VOCAB), len(VOCAB) + 7))
+
+
+def test_bitmasks_for_drafts(backend):
+    st = backend.new_state({"regex": "ab+c"})
+    mask = backend.allocate_bitmask(4)
+    st.fill_bitmasks_for_drafts(mask, 0, tok("abz"))
+    def allowed(row):
+        return {VOCAB[v] for v in range(len(VOCAB)) if (mask[row, v // 32] >> (v % 32)) & 1}
+    assert allowed(0) == {"a", "ab"}
+    assert allowed(1) == {"b"}
+    assert allowed(2) == {"b", "c"}
+    assert torch.all(mask[3] == -1)  # after the invalid draft "z": rows are rejected anyway
+    assert st.num_accepted == 0  # rolled back to where it started
+    assert st.accept(tok("abbc")) == 4
+
+
+def test_json_object(backend):
+    st = backend.new_state({"json_object": True})
+    assert st.accept(tok('{"a": [1, true]}')) == len('{"a": [1, true]}')
