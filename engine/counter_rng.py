@@ -39,17 +39,20 @@ def mix32_tensor(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def row_keys(seed: int, position: int) -> tuple[int, int]:
-    """Two 32-bit keys for one (seed, position): all 64 bits of the seed enter the hash."""
+def row_key(seed: int, position: int) -> int:
+    """A 32-bit key for one (seed, position): all 64 bits of the seed and of the position enter."""
     seed &= (1 << 64) - 1
     k = mix32(mix32((seed & M32) ^ _KEY_SALT) ^ (seed >> 32))
-    k1 = mix32(k ^ (position & M32))
-    k2 = mix32(k1 ^ (position >> 32) ^ _KEY_SALT)
-    return k1, k2
+    k = mix32(k ^ (position & M32))
+    return mix32(k ^ (position >> 32) ^ _KEY_SALT)
 
 
 class GumbelNoise:
-    """Gumbel(0, 1) noise for rows of logits, keyed per row by ``row_keys``."""
+    """Gumbel(0, 1) noise for rows of logits: ``u = mix32(key[row] ^ token_hash[v])``.
+
+    ``token_hash`` is a bijection of the token id (precomputed once), so within a row every
+    token's input to the mixer is distinct; one mixing round per element keeps this at ~16
+    elementwise passes over ``[B, V]``."""
 
     def __init__(self) -> None:
         self._token_hash: torch.Tensor | None = None
@@ -63,11 +66,10 @@ class GumbelNoise:
         return th
 
     def uniform(self, keys: torch.Tensor, token_ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
-        """U(0,1) float32 ``[B, V]`` (or ``[B, K]`` at ``token_ids [B, K]``); keys ``[B, 2]`` int64."""
+        """U(0,1) float32 ``[B, V]`` (or ``[B, K]`` at ``token_ids [B, K]``); keys ``[B]`` int64."""
         th = self.token_hash(vocab_size, keys.device)
         th = th[token_ids] if token_ids is not None else th.unsqueeze(0)
-        h = mix32_tensor(keys[:, :1] ^ th)
-        h = mix32_tensor(h ^ keys[:, 1:2])
+        h = mix32_tensor(keys.unsqueeze(1) ^ th)
         # 24 bits: exactly representable in float32, strictly inside (0, 1)
         return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 

@@ -1,27 +1,27 @@
 """The synchronous engine step: schedule -> runner.execute -> sample -> commit -> output deltas.
 
-``step()`` does all four in order. For overlap, the same work is exposed as four calls that
-``StepPipeline`` (threads) and AsyncEngine (asyncio) interleave so the device never waits for the
-CPU (one step in flight, "async scheduling"):
+``step()`` does it all in order. For overlap ("async scheduling", one step in flight) the same
+work is exposed as calls that ``StepPipeline`` (threads) and AsyncEngine (asyncio) interleave so
+the device never waits for Python bookkeeping:
 
-    plan_n   = core.schedule_step()
-    future   = run core.execute(plan_n) in the device executor thread
+    plan_n = core.schedule_step()
+    fut    = executor: core.device_step(plan_n, core.prepare_sampling(plan_n))  # forward + sample
     loop:
-      plan_n1  = core.schedule_step()          # overlaps execute(plan_n); decodes whose token
-                                               # plan_n is sampling get a placeholder position
-      logits   = await future
-      sampled  = core.sample_step(plan_n, logits)
-      core.fill_placeholders(plan_n1, sampled) # writes plan_n's sampled ids into plan_n1
-      future   = run core.execute(plan_n1)     # device busy again
-      outputs  = core.commit_step(plan_n, sampled)  # overlaps execute(plan_n1): scheduler
-                                               # update, grammar, detokenize, stop strings
-      plan_n   = plan_n1
+      plan_n1 = core.schedule_step()            # overlaps plan_n's forward; a decode whose token
+                                                # plan_n is sampling gets a placeholder position
+      sampled = await fut                       # plan_n's accepted tokens (CPU ints)
+      core.fill_placeholders(plan_n1, sampled)  # writes them into plan_n1's token_ids
+      prep    = concurrent.futures.Future()
+      fut     = executor: core.device_step(plan_n1, prep)  # forward starts; sampling waits on prep
+      outputs = core.commit_step(plan_n, sampled)  # scheduler update, grammar, detokenize, stop
+      prep.set_result(core.prepare_sampling(plan_n1))  # after the commit: penalties and grammar
+      plan_n  = plan_n1                             # masks see plan_n's tokens
 
-Only ``execute`` runs off the caller's thread and it touches nothing but the runner and the
-plan's batch; every other call runs on the caller's thread between awaits. ``sample_step(N+1)``
-always follows ``commit_step(N)``, so penalties and grammar masks see every earlier token.
-Results of a request that finished (stop, abort) while a later step was in flight are dropped
-when that step commits.
+Only ``device_step`` (``execute`` + ``run_sampling``) runs off the caller's thread, and it touches
+nothing but the runner, the plan's batch and the prepared tensors; every other call (and
+add_request / abort) runs on the caller's thread. Results of a request that finished or was
+aborted while a later step was in flight are dropped when that step commits; its blocks may be
+handed out again only to steps that execute after the in-flight one (execution is serial).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -73,6 +74,20 @@ class StepPlan:
     @property
     def is_empty(self) -> bool:
         return self.sched.is_empty
+
+
+@dataclass(slots=True)
+class SamplingPrep:
+    """What ``prepare_sampling`` hands to ``run_sampling`` (built from request state)."""
+
+    meta: SamplingMetadata | None = None
+    row_index: torch.Tensor | None = None  # logit rows that are sampled
+    request_rows: dict[str, range] = field(default_factory=dict)
+    drafts: dict[str, list[int]] = field(default_factory=dict)
+    prompt_index: torch.Tensor | None = None  # logit rows scored for prompt logprobs
+    prompt_targets: torch.Tensor | None = None
+    prompt_rows: dict[str, range] = field(default_factory=dict)
+    max_prompt_top: int = 0
 
 
 @dataclass(slots=True)
@@ -210,14 +225,24 @@ class EngineCore:
                 ids[ids.index(PLACEHOLDER_TOKEN_ID)] = tok
 
     def sample_step(self, plan: StepPlan, logits: torch.Tensor) -> SampledStep:
-        out = SampledStep()
+        return self.run_sampling(self.prepare_sampling(plan), logits)
+
+    def device_step(self, plan: StepPlan, prep: Future[SamplingPrep] | SamplingPrep) -> SampledStep:
+        """The executor thread's whole job: forward, then (once the caller has committed the
+        previous step and prepared this one's sampling) sampling, on tensors only."""
+        logits = self.execute(plan)
+        return self.run_sampling(prep.result() if isinstance(prep, Future) else prep, logits)
+
+    def prepare_sampling(self, plan: StepPlan) -> SamplingPrep:
+        """Per-row sampling inputs from request state (seeds, positions, penalty history, grammar
+        bitmasks). Must run after the previous step is committed; touches no logits."""
+        prep = SamplingPrep()
         requests = self.scheduler.requests
         rows: list[SampleRow] = []
         row_index: list[int] = []
         grammar_rows: list[tuple[GrammarState, int, list[int]]] = []
-        prompt_rows: list[int] = []
+        prompt_index: list[int] = []
         prompt_targets: list[int] = []
-        max_prompt_top = 0
         offset = 0
         for s in plan.sched.scheduled:
             req = requests.get(s.request_id)
@@ -226,45 +251,52 @@ class EngineCore:
                 continue  # finished or aborted since it was scheduled
             if s.num_prompt_logprob_rows:
                 first = s.first_prompt_logprob_row
-                out.prompt_rows[s.request_id] = range(len(prompt_rows), len(prompt_rows) + s.num_prompt_logprob_rows)
-                prompt_rows.extend(range(start, start + s.num_prompt_logprob_rows))
+                prep.prompt_rows[s.request_id] = range(len(prompt_index), len(prompt_index) + s.num_prompt_logprob_rows)
+                prompt_index.extend(range(start, start + s.num_prompt_logprob_rows))
                 prompt_targets.extend(req.all_token_ids[first + 1 : first + 1 + s.num_prompt_logprob_rows])
-                max_prompt_top = max(max_prompt_top, req.sampling_params.prompt_logprobs)
+                prep.max_prompt_top = max(prep.max_prompt_top, req.sampling_params.prompt_logprobs)
             if not s.num_sample_rows:
                 continue
             drafts = list(s.step.token_ids[len(s.step.token_ids) - s.num_draft_tokens :]) if s.num_draft_tokens else []
             params = req.sampling_params
             suppress = tuple(req.eos_token_ids) + tuple(params.stop_token_ids)
-            out.request_rows[s.request_id] = range(len(rows), len(rows) + s.num_sample_rows)
+            prep.request_rows[s.request_id] = range(len(rows), len(rows) + s.num_sample_rows)
+            prep.drafts[s.request_id] = drafts
             grammar = self._grammars.get(s.request_id)
             if grammar is not None:
                 grammar_rows.append((grammar, len(rows), drafts))
             for k in range(s.num_sample_rows):
-                num_out = req.num_output_tokens + k
                 rows.append(SampleRow(
                     params, req.seed, req.num_tokens + k, req.prompt_token_ids,
                     req.output_token_ids + drafts[:k] if has_penalties(params) else (),
-                    suppress if num_out < params.min_tokens else (),
+                    suppress if req.num_output_tokens + k < params.min_tokens else (),
                 ))
                 row_index.append(start + s.num_prompt_logprob_rows + k)
+        device = self.config.device
         if rows:
             bitmask = None
             if grammar_rows:
                 bitmask = self.structured_output.allocate_bitmask(len(rows))
                 for grammar, first, drafts in grammar_rows:
                     grammar.fill_bitmasks_for_drafts(bitmask, first, drafts)
-            meta = SamplingMetadata.build(rows, logits.shape[1], logits.device, bitmask)
-            idx = torch.tensor(row_index, dtype=torch.int64, device=logits.device)
-            out.sampler_output = self.sampler(logits.index_select(0, idx), meta)
+            prep.meta = SamplingMetadata.build(rows, self.config.vocab_size, device, bitmask)
+            prep.row_index = torch.tensor(row_index, dtype=torch.int64, device=device)
+        if prompt_index:
+            prep.prompt_index = torch.tensor(prompt_index, dtype=torch.int64, device=device)
+            prep.prompt_targets = torch.tensor(prompt_targets, dtype=torch.int64, device=device)
+        return prep
+
+    def run_sampling(self, prep: SamplingPrep, logits: torch.Tensor) -> SampledStep:
+        """Tensor work only (safe in the device thread): sample, verify drafts, logprobs."""
+        out = SampledStep(request_rows=prep.request_rows, prompt_rows=prep.prompt_rows)
+        if prep.meta is not None:
+            out.sampler_output = self.sampler(logits.index_select(0, prep.row_index), prep.meta)
             sampled = out.sampler_output.token_ids.tolist()
-            for s in plan.sched.scheduled:
-                r = out.request_rows.get(s.request_id)
-                if r is not None:
-                    out.accepted[s.request_id] = _verify(sampled[r.start : r.stop], s.step.token_ids, s.num_draft_tokens)
-        if prompt_rows:
-            idx = torch.tensor(prompt_rows, dtype=torch.int64, device=logits.device)
-            lp = logits.index_select(0, idx).float().log_softmax(dim=-1)
-            out.prompt_logprobs = gather_logprobs(lp, torch.tensor(prompt_targets, device=logits.device), max_prompt_top)
+            for rid, r in prep.request_rows.items():
+                out.accepted[rid] = _verify(sampled[r.start : r.stop], prep.drafts[rid])
+        if prep.prompt_index is not None:
+            lp = logits.index_select(0, prep.prompt_index).float().log_softmax(dim=-1)
+            out.prompt_logprobs = gather_logprobs(lp, prep.prompt_targets, prep.max_prompt_top)
         return out
 
     def commit_step(self, plan: StepPlan, sampled: SampledStep) -> list[RequestOutput]:
@@ -316,16 +348,13 @@ class EngineCore:
             del self._children[parent]
 
 
-def _verify(sampled: list[int], step_tokens: Sequence[int], num_drafts: int) -> list[int]:
+def _verify(sampled: list[int], drafts: list[int]) -> list[int]:
     """Accept drafts while each equals the token the sampler draws at its position, then the
     first differing (or bonus) token. With counter-based sampling the result is exactly what
     non-speculative decoding produces: drafts change speed, never outputs."""
-    if not num_drafts:
-        return sampled[:1]
-    drafts = step_tokens[len(step_tokens) - num_drafts :]
     accepted = []
     for k, tok in enumerate(sampled):
         accepted.append(tok)
-        if k >= num_drafts or tok != drafts[k]:
+        if k >= len(drafts) or tok != drafts[k]:
             break
     return accepted

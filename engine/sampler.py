@@ -68,17 +68,34 @@ class Sampler:
     def _sample_random(self, logits: torch.Tensor, meta: SamplingMetadata, rows: torch.Tensor) -> torch.Tensor:
         logits = logits / meta.temperature[rows].unsqueeze(1)
         if meta.min_p is not None:
-            probs = logits.softmax(dim=-1)
-            threshold = meta.min_p[rows].unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
-            logits = logits.masked_fill(probs < threshold, _NEG_INF)
-        if meta.top_k is not None or meta.top_p is not None:
-            logits = apply_top_k_top_p(
-                logits,
-                meta.top_k[rows] if meta.top_k is not None else None,
-                meta.top_p[rows] if meta.top_p is not None else None,
-            )
-        g = self.noise.gumbel(meta.keys[rows], logits.shape[1])
-        return (logits + g).argmax(dim=-1)
+            # p_i < min_p * p_max  <=>  l_i < l_max + log(min_p): no softmax needed
+            cutoff = logits.max(dim=-1, keepdim=True).values + torch.log(meta.min_p[rows]).unsqueeze(1)
+            logits = logits.masked_fill(logits < cutoff, _NEG_INF)
+        keys = meta.keys[rows]
+        top_p = meta.top_p[rows] if meta.top_p is not None else None
+        out = torch.empty(rows.numel(), dtype=torch.int64, device=logits.device)
+        has_k = meta.top_k[rows] < logits.shape[1] if meta.top_k is not None else None
+        if has_k is not None and bool(has_k.any()):
+            # Rows with a top-k: sample among their candidates only (noise gathered per token
+            # id, so the draw equals the full-vocabulary path's).
+            ik = torch.nonzero(has_k).squeeze(1)
+            top_k = meta.top_k[rows][ik]
+            cand, cand_ids = logits[ik].topk(int(top_k.max()), dim=-1)
+            ranks = torch.arange(cand.shape[1], device=cand.device).unsqueeze(0)
+            cand = cand.masked_fill(ranks >= top_k.unsqueeze(1), _NEG_INF)
+            if top_p is not None:
+                cand = _mask_top_p_sorted(cand, top_p[ik])
+            g = self.noise.gumbel(keys[ik], logits.shape[1], cand_ids)
+            out[ik] = cand_ids.gather(1, (cand + g).argmax(dim=-1, keepdim=True)).squeeze(1)
+            rest = torch.nonzero(~has_k).squeeze(1)
+        else:
+            rest = torch.arange(rows.numel(), device=logits.device)
+        if rest.numel():
+            sub = logits[rest]
+            if top_p is not None:
+                sub = apply_top_k_top_p(sub, None, top_p[rest])
+            out[rest] = (sub + self.noise.gumbel(keys[rest], sub.shape[1])).argmax(dim=-1)
+        return out
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
@@ -106,10 +123,15 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
         ranks = torch.arange(logits.shape[1], device=logits.device).unsqueeze(0)
         sorted_logits = sorted_logits.masked_fill(ranks >= top_k.unsqueeze(1), _NEG_INF)
     if top_p is not None:
-        probs = sorted_logits.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs
-        sorted_logits = sorted_logits.masked_fill(mass_before > top_p.unsqueeze(1), _NEG_INF)
+        sorted_logits = _mask_top_p_sorted(sorted_logits, top_p)
     return torch.full_like(logits, _NEG_INF).scatter(1, order, sorted_logits)
+
+
+def _mask_top_p_sorted(sorted_logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """On descending-sorted logits: drop tokens whose preceding mass already exceeds top_p."""
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    return sorted_logits.masked_fill(mass_before > top_p.unsqueeze(1), _NEG_INF)
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> LogprobsTensors:

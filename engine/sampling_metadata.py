@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.engine.counter_rng import row_keys
+from deepinfer.engine.counter_rng import row_key
 from deepinfer.engine.sampling_params import SamplingParams
 
 
@@ -41,7 +41,7 @@ class SamplingMetadata:
     is_greedy: torch.Tensor  # [B] bool
     all_greedy: bool
     temperature: torch.Tensor  # [B] float32 (1.0 on greedy rows, unused there)
-    keys: torch.Tensor  # [B, 2] int64 counter-RNG keys of (seed, position)
+    keys: torch.Tensor  # [B] int64 counter-RNG keys of (seed, position)
     top_k: torch.Tensor | None  # [B] int64, vocab_size where disabled
     top_p: torch.Tensor | None  # [B] float32
     min_p: torch.Tensor | None  # [B] float32
@@ -63,7 +63,7 @@ class SamplingMetadata:
         params = [r.params for r in rows]
         greedy = [p.temperature == 0.0 for p in params]
         temps = [1.0 if g else float(p.temperature) for g, p in zip(greedy, params)]
-        keys = [row_keys(r.seed, r.position) for r in rows]
+        keys = [row_key(r.seed, r.position) for r in rows]
 
         top_k = top_p = min_p = None
         if any(p.top_k > 0 and not g for p, g in zip(params, greedy)):
@@ -90,7 +90,7 @@ class SamplingMetadata:
             is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
             all_greedy=all(greedy),
             temperature=torch.tensor(temps, dtype=torch.float32, device=device),
-            keys=torch.tensor(keys, dtype=torch.int64, device=device).reshape(b, 2),
+            keys=torch.tensor(keys, dtype=torch.int64, device=device),
             top_k=top_k.to(device) if top_k is not None else None,
             top_p=top_p.to(device) if top_p is not None else None,
             min_p=min_p.to(device) if min_p is not None else None,

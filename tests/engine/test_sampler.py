@@ -3,7 +3,7 @@ from __future__ import annotations
 import torch
 import xgrammar as xgr
 
-from deepinfer.engine.counter_rng import GumbelNoise, mix32, mix32_tensor, row_keys
+from deepinfer.engine.counter_rng import GumbelNoise, mix32, mix32_tensor, row_key
 from deepinfer.engine.sampler import Sampler, apply_token_bitmask
 from deepinfer.engine.sampling_metadata import SampleRow, SamplingMetadata
 from deepinfer.engine.sampling_params import SamplingParams
@@ -23,8 +23,8 @@ def test_mix32_tensor_matches_scalar():
     xs = [0, 1, 2**31 - 1, 2**31, 2**32 - 1, 123456789]
     t = mix32_tensor(torch.tensor(xs, dtype=torch.int64))
     assert t.tolist() == [mix32(x) for x in xs]
-    assert row_keys(1, 5) != row_keys(1, 6) != row_keys(2, 5)
-    assert row_keys(2**64 + 7, 5) == row_keys(7, 5)  # seeds are taken mod 2^64
+    assert len({row_key(1, 5), row_key(1, 6), row_key(2, 5), row_key(2**32 + 1, 5), row_key(1, 2**32 + 5)}) == 5
+    assert row_key(2**64 + 7, 5) == row_key(7, 5)  # seeds are taken mod 2^64
 
 
 def test_greedy_is_argmax():
@@ -150,7 +150,7 @@ def test_logprobs_top_and_rank():
 
 def test_gumbel_noise_is_uniform_per_token():
     noise = GumbelNoise()
-    keys = torch.tensor([list(row_keys(9, p)) for p in range(2000)], dtype=torch.int64)
+    keys = torch.tensor([row_key(9, p) for p in range(2000)], dtype=torch.int64)
     u = noise.uniform(keys, None, 64)
     assert 0.0 < u.min().item() and u.max().item() < 1.0
     hist = torch.histc(u, bins=10, min=0, max=1) / u.numel()
@@ -158,3 +158,30 @@ def test_gumbel_noise_is_uniform_per_token():
     # gathered noise equals the full row's noise at those token ids
     ids = torch.tensor([[5, 9, 63]] * 2000)
     assert torch.equal(noise.uniform(keys, ids, 64), u.gather(1, ids))
+
+
+def test_consecutive_positions_are_independent():
+    """Joint frequencies of (token at t, token at t+1) match the product distribution."""
+    logits = torch.tensor([0.5, 0.0, -0.3])
+    probs = logits.softmax(-1)
+    n = 30000
+    rows = [SampleRow(SamplingParams(temperature=1.0), seed=7, position=i) for i in range(n)]
+    toks = Sampler()(logits.expand(n, -1), SamplingMetadata.build(rows, 3)).token_ids
+    pairs = torch.bincount(toks[:-1] * 3 + toks[1:], minlength=9).float()
+    expected = torch.outer(probs, probs).flatten() * (n - 1)
+    chi2 = ((pairs - expected) ** 2 / expected).sum().item()
+    assert chi2 < 27.9  # 8 dof, 99.95 % quantile
+
+
+def test_top_k_candidate_path_equals_full_vocabulary_path():
+    from deepinfer.engine.sampler import apply_top_k_top_p
+
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(64, V, generator=gen) * 3
+    rows = [SampleRow(SamplingParams(temperature=0.7, top_k=1 + i % 12, top_p=0.8 if i % 2 else 1.0), seed=5, position=i)
+            for i in range(64)]
+    m = meta(rows)
+    got = Sampler()(logits, m).token_ids
+    full = apply_top_k_top_p(logits / 0.7, m.top_k, m.top_p)
+    want = (full + GumbelNoise().gumbel(m.keys, V)).argmax(-1)
+    assert torch.equal(got, want)
