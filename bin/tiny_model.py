@@ -2,20 +2,46 @@
 
 from __future__ import annotations
 
-from deepinfer.bin.cli import NotBuiltError
+from deepinfer.bin.cli import CliError
 
 
 def add_parser(subparsers, name):
     p = subparsers.add_parser(
         name,
         help="write a tiny random checkpoint directory",
-        description="Write a complete, deterministic tiny checkpoint (config, safetensors, tokenizer).",
+        description="Write a complete, deterministic tiny checkpoint (config.json, model.safetensors, "
+        "tokenizer.json, tokenizer_config.json with a chat template). Same seed, same bytes.",
     )
-    p.add_argument("out", help="output directory")
+    p.add_argument("out", help="output directory (created if missing; files in it are overwritten)")
     p.add_argument("--arch", default="deepseek_v4", choices=["deepseek_v4"], help="model architecture")
-    p.add_argument("--seed", type=int, default=0, help="random seed for the weights")
+    p.add_argument("--seed", type=int, default=0, help="random seed for the weights (default 0)")
+    p.add_argument(
+        "--layers",
+        default="WWCHCHCH",
+        help="attention kind per layer: letters W (window only), C (CSA), H (HCA), or DeepSeek's "
+        "compress ratios like 0,0,4,128 (default WWCHCHCH)",
+    )
+    p.add_argument("--hash-layers", type=int, default=2, help="how many leading layers hash-route (default 2)")
+    p.add_argument("--native", action="store_true",
+                   help="write DeepSeek's native tensor names and config fields instead of transformers'")
+    p.add_argument("--fp8", action="store_true",
+                   help="store linears as FP8 E4M3 with 128x128 E8M0 block scales and experts as MXFP4")
     return p
 
 
 def run(args) -> int:
-    raise NotBuiltError("make-tiny-model ([model-v4])")
+    from deepinfer.engine.tiny_model import TinyModelError, write_tiny_model
+
+    try:
+        cfg = write_tiny_model(
+            args.out, seed=args.seed, layers=args.layers, num_hash_layers=args.hash_layers,
+            native=args.native, fp8=args.fp8,
+        )
+    except (TinyModelError, OSError) as exc:
+        raise CliError(str(exc)) from None
+    kinds = "".join({"sliding_attention": "W", "compressed_sparse_attention": "C",
+                     "heavily_compressed_attention": "H"}[t] for t in cfg.layer_types)
+    layout = ("native" if args.native else "transformers") + (" fp8/fp4" if args.fp8 else "")
+    print(f"wrote {args.arch} tiny checkpoint to {args.out}: {cfg.num_hidden_layers} layers {kinds}, "
+          f"{cfg.num_hash_layers} hash, vocab {cfg.vocab_size}, seed {args.seed}, {layout} layout")
+    return 0
