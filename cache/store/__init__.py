@@ -1,0 +1,1 @@
+"""Erasure-coded storage cluster: codec, fragment store, GC policy, placement, node daemon, client."""
