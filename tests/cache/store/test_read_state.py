@@ -1,0 +1,60 @@
+from __future__ import annotations
+
+import os
+
+from deepinfer.cache.store.ec import ECConfig, ErasureCodec
+from deepinfer.cache.store.read_state import KeyRead
+
+NODES = [f"n{i}" for i in range(12)]
+
+
+def _frags(key=b"key", seed=0):
+    return ErasureCodec(ECConfig(k=10, m=2)).encode(key, os.urandom(3000))
+
+
+def test_first_k_answers_win_without_waiting_for_the_slowest():
+    frags = _frags()
+    read = KeyRead(b"key", 10, NODES, first_wave_size=11)
+    assert read.start() == NODES[:11]
+    for i in range(10):
+        assert not read.is_ready
+        read.on_fragment(NODES[i], frags[i], write_id=1)
+    assert read.is_ready and read.hedge() == []  # the 11th node is never waited on
+    assert [f.header.index for f in read.fragments()] == list(range(10))
+
+
+def test_two_failures_in_the_first_wave_hedge_at_once():
+    frags = _frags()
+    read = KeyRead(b"key", 10, NODES, first_wave_size=11)
+    read.start()
+    read.on_absent("n0")
+    assert not read.must_hedge_now  # 10 pending can still make it
+    read.on_absent("n1")
+    assert read.must_hedge_now
+    assert read.hedge() == ["n11"]
+    for i in range(2, 12):
+        read.on_fragment(NODES[i], frags[i], write_id=1)
+    assert read.is_ready and not read.is_hopeless
+
+
+def test_hopeless_once_every_node_answered_short():
+    read = KeyRead(b"key", 10, NODES, first_wave_size=11)
+    read.start()
+    for n in NODES[:3]:
+        read.on_absent(n)
+    read.hedge()
+    assert read.is_hopeless  # 9 pending at most, need 10
+
+
+def test_two_writes_never_mix_and_foreign_fragments_are_ignored():
+    a, b = _frags(), _frags()  # same key, different bytes (two writes)
+    read = KeyRead(b"key", 10, NODES, first_wave_size=12)
+    read.start()
+    for i in range(5):
+        read.on_fragment(NODES[i], a[i], write_id=1)
+    for i in range(5, 10):
+        read.on_fragment(NODES[i], b[i], write_id=2)
+    read.on_fragment(NODES[10], _frags(b"other")[10], write_id=1)
+    assert not read.is_ready and read.num_best == 5 and read.num_bad == 1
+    read.on_fragment(NODES[11], b[11], write_id=2)
+    assert read.num_best == 6
