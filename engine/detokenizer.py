@@ -81,6 +81,10 @@ class ByteLevelDetokenizer:
         self.text += new_text
         return new_text
 
+    def step(self, token_id: int) -> str:
+        """One token (the engine's streaming protocol)."""
+        return self.push(token_id)
+
     def flush(self) -> str:
         """End of stream: bytes of a character that never finished become U+FFFD."""
         tail = self._utf8.decode(b"", final=True)
@@ -90,12 +94,18 @@ class ByteLevelDetokenizer:
 
 
 class OffsetDetokenizer:
-    def __init__(self, tokenizer: tokenizers.Tokenizer, skip_special_tokens: bool = True):
+    # prompt tokens kept as decoding context: enough for a space or byte sequence to resolve
+    CONTEXT_TOKENS = 6
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer, skip_special_tokens: bool = True,
+                 context_ids: Sequence[int] = ()):
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
-        self._ids: list[int] = []
-        self._prefix = 0  # ids[prefix:read] are already emitted; decoding from prefix gives context
-        self._read = 0
+        # Decoders such as Metaspace drop the leading space of the first token, so continuation
+        # text is decoded after a few prompt tokens that are never emitted themselves.
+        self._ids: list[int] = list(context_ids[-self.CONTEXT_TOKENS:]) if context_ids else []
+        self._prefix = 0  # ids[prefix:read] are already emitted (or context); decoding from prefix gives context
+        self._read = len(self._ids)
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
@@ -111,6 +121,9 @@ class OffsetDetokenizer:
         self._prefix, self._read = self._read, len(self._ids)
         self.text += new_text
         return new_text
+
+    def step(self, token_id: int) -> str:
+        return self.push(token_id)
 
     def flush(self) -> str:
         done = self._decode(self._ids[self._prefix: self._read])

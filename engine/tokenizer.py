@@ -157,11 +157,13 @@ class Tokenizer:
     def _token_bytes(self) -> list[bytes | None] | None:
         return token_bytes_table(self._tok) if isinstance(self._tok.decoder, decoders.ByteLevel) else None
 
-    def detokenizer(self, skip_special_tokens: bool = True) -> ByteLevelDetokenizer | OffsetDetokenizer:
-        """A fresh streaming detokenizer: ``push(ids) -> new text``, ``flush() -> tail``."""
-        if self._token_bytes is not None:
+    def detokenizer(self, skip_special_tokens: bool = True,
+                    prompt_token_ids: Sequence[int] = ()) -> ByteLevelDetokenizer | OffsetDetokenizer:
+        """A fresh streaming detokenizer for the text generated after ``prompt_token_ids``:
+        ``push(ids) -> new text`` (``step(id)`` for one), ``flush() -> tail`` at the end."""
+        if self._token_bytes is not None:  # byte-level text does not depend on what came before
             return ByteLevelDetokenizer(self._token_bytes, self._tok.get_added_tokens_decoder(), skip_special_tokens)
-        return OffsetDetokenizer(self._tok, skip_special_tokens)
+        return OffsetDetokenizer(self._tok, skip_special_tokens, prompt_token_ids)
 
     # ---- chat ------------------------------------------------------------------------
     def apply_chat_template(

@@ -40,6 +40,8 @@ from deepinfer.engine.quant_config import DEFAULT_BLOCK
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 _PACKED_FP4_DTYPES = ("I8", "U8")  # the header shape counts bytes: two values per byte
+_NEEDS_SCALE_DTYPES = ("F8_E4M3", "F8_E5M2", "F4")
+_DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
@@ -99,7 +101,7 @@ def resolve_dtype(dtype: torch.dtype | str, cfg: ModelConfig) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
     name = (cfg.checkpoint_dtype or "float32") if dtype == "auto" else dtype
-    resolved = getattr(torch, str(name), None)
+    resolved = getattr(torch, _DTYPE_ALIASES.get(str(name), str(name)), None)
     if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
         raise CheckpointError(f"dtype {dtype!r} is not a floating torch dtype; use float32, bfloat16, float16 or auto")
     return resolved
@@ -168,6 +170,9 @@ def _plan(stored: dict[str, _Stored], expected: dict[str, tuple[int, ...]], mode
             continue  # scales travel with their weight; MTP layers load with MTP/DSpark
         target = to_canonical(key)
         scale = scale_of.get(key)
+        if scale is None and item.dtype in _NEEDS_SCALE_DTYPES:
+            raise CheckpointError(f"tensor {key!r} in {model_dir} is stored as {item.dtype} but has no scale "
+                                  "tensor (.scale or .weight_scale_inv) next to it")
         shape = item.shape
         if scale is not None and item.dtype in _PACKED_FP4_DTYPES:
             shape = (*shape[:-1], 2 * shape[-1])

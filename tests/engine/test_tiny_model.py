@@ -64,6 +64,8 @@ def test_default_config_has_every_layer_kind_and_a_long_context(dirs):
     for name, ref in init_weights(cfg, seed=0).items():
         assert torch.equal(tensors[name], ref if tensors[name].dtype == torch.int64 or name.endswith(
             ("sinks", "position_bias", "bias", "norm.weight", "fn", "base", "scale")) else ref.bfloat16().float()), name
+    _, auto = load_checkpoint(dirs["a"], "auto", progress=False)  # the checkpoint's own dtype
+    assert auto["embed_tokens.weight"].dtype == torch.bfloat16 and auto["norm.weight"].dtype == torch.float32
     tid2eid = tensors["layers.0.mlp.gate.tid2eid"]
     assert all(len(set(row)) == 4 for row in tid2eid.tolist()[:512])  # distinct experts per token
     assert tensors["layers.3.self_attn.sinks"].abs().min() > 0

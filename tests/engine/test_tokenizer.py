@@ -160,3 +160,8 @@ def test_offset_detokenizer_for_byte_fallback_tokenizers():
     pieces, tail = stream(detok, ids)
     assert "".join(pieces) + tail == tok.decode(ids) == text
     assert "你" in pieces and all("\ufffd" not in p for p in pieces)
+    # after a prompt, the first generated word keeps its leading space
+    prompt = tok.encode("hello")
+    detok = tok.detokenizer(prompt_token_ids=prompt)
+    assert "".join(detok.step(i) for i in tok.encode("world")) + detok.flush() == " world"
+    assert tok.decode(tok.encode("world")) == "world"

@@ -130,8 +130,9 @@ def test_unprefixed_names_and_mtp_tensors(reference, tmp_path):
     assert_same_tensors(loaded, reference)
 
 
-def test_bfloat16_keeps_precision_critical_tensors_in_float32(hf_dir, reference):
-    _, tensors = load_checkpoint(hf_dir, "bfloat16", progress=False)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, "bfloat16", "bf16"])
+def test_bfloat16_keeps_precision_critical_tensors_in_float32(hf_dir, reference, dtype):
+    _, tensors = load_checkpoint(hf_dir, dtype, progress=False)
     for name, t in tensors.items():
         if name.endswith("tid2eid"):
             assert t.dtype == torch.int64 and torch.equal(t, reference[name])

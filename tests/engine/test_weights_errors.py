@@ -124,3 +124,10 @@ def test_bad_dtype_argument(cfg, weights, tmp_path):
     write(tmp_path, cfg, weights)
     with pytest.raises(CheckpointError, match="dtype 'int8'"):
         load_checkpoint(tmp_path, "int8", progress=False)
+
+
+def test_fp8_weight_without_its_scale(cfg, weights, tmp_path):
+    write(tmp_path, cfg, weights, Layout(native=True, quantize=True, expert_dtype="none"))
+    rewrite(tmp_path, lambda t: t.pop("layers.2.attn.wkv.scale"))
+    message = load_error(tmp_path)
+    assert "'layers.2.attn.wkv.weight'" in message and "no scale" in message
