@@ -40,6 +40,11 @@ from deepinfer.engine.layer_kinds import (
 from deepinfer.engine.quant_config import parse_quantization
 from deepinfer.engine.rope_config import RopeConfig, parse_rope
 
+__all__ = [
+    "CSA", "HASH_MOE", "HCA", "LAYER_TYPES", "MLP_LAYER_TYPES", "MOE", "SLIDING",
+    "ModelConfig", "ModelConfigError", "RopeConfig", "SUPPORTED_MODEL_TYPES",
+]
+
 SCORING_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
 SUPPORTED_MODEL_TYPES = ("deepseek_v4",)
 ARCHITECTURES = {"deepseek_v4": "DeepseekV4ForCausalLM"}
