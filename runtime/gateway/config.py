@@ -1,0 +1,49 @@
+"""The gateway's settings (one frozen value) and the per-app state handlers read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from deepinfer.runtime.gateway.engine_client import EngineClient
+from deepinfer.runtime.gateway.metrics import GatewayMetrics
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    # names a request's ``model`` may use; empty = the engine's model name only
+    served_model_names: tuple[str, ...] = ()
+    # bearer token required on /v1/* when set (health, metrics and version stay open)
+    api_key: str | None = None
+    # largest request body accepted (HTTP 413 beyond)
+    max_body_bytes: int = 4 * 1024 * 1024
+    # n per prompt, and prompts x n per request
+    max_n: int = 16
+    max_choices: int = 64
+    max_stop_strings: int = 16
+    # generation requests served at once (HTTP 429 beyond); None = let the engine's queue decide
+    max_concurrent_requests: int | None = None
+    retry_after_s: int = 1
+    # /v1/completions default max_tokens (OpenAI's); chat defaults to the rest of the context
+    default_completion_max_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
+        if self.max_n < 1 or self.max_choices < 1:
+            raise ValueError("max_n and max_choices must be >= 1")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("api_key must not be blank; leave it unset to disable authentication")
+
+
+@dataclass(slots=True)
+class GatewayState:
+    engine: EngineClient
+    config: GatewayConfig
+    metrics: GatewayMetrics
+    model_names: tuple[str, ...]
+    num_in_flight: int = 0  # generation requests being served now
+
+
+STATE_KEY = web.AppKey("deepinfer_gateway_state", GatewayState)

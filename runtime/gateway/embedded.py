@@ -1,0 +1,114 @@
+"""Run the gateway for an engine inside the caller's event loop.
+
+``start_gateway`` binds and returns at once (tests, embedding servers); ``serve`` is what
+``deepinfer serve`` calls: it starts the gateway, prints the URL and a ready-to-paste curl line,
+and runs until cancelled or sent SIGINT/SIGTERM. Neither owns the loop: the engine and the
+gateway share whatever loop the caller runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import shlex
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from deepinfer.runtime.gateway.app import build_app
+from deepinfer.runtime.gateway.config import GatewayConfig
+from deepinfer.runtime.gateway.engine_client import EngineClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class RunningGateway:
+    runner: web.AppRunner
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def app(self) -> web.Application:
+        return self.runner.app
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
+
+
+async def start_gateway(
+    engine: EngineClient,
+    config: GatewayConfig | None = None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+) -> RunningGateway:
+    """Bind ``host:port`` (port 0: any free port) and serve ``engine``; returns once listening."""
+    runner = web.AppRunner(build_app(engine, config), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    bound_port = port
+    for address in runner.addresses:
+        if isinstance(address, tuple) and len(address) >= 2:
+            bound_port = address[1]
+            break
+    return RunningGateway(runner, host, bound_port)
+
+
+def curl_example(url: str, model: str, needs_api_key: bool = False) -> str:
+    """A one-line curl that streams a chat completion from ``url`` (the key itself is never printed)."""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32,
+                       "stream": True})
+    auth = ' -H "Authorization: Bearer $DEEPINFER_API_KEY"' if needs_api_key else ""
+    return (f"curl -N {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+            f"-d {shlex.quote(body)}")
+
+
+async def serve(
+    engine: EngineClient,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    config: GatewayConfig | None = None,
+    print_fn: Callable[[str], None] = print,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Serve until ``stop`` is set, the task is cancelled, or SIGINT/SIGTERM arrives."""
+    if config is None:
+        config = GatewayConfig(api_key=api_key)
+    elif api_key is not None:
+        raise ValueError("give api_key either directly or inside config, not both")
+    gateway = await start_gateway(engine, config, host=host, port=port)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    installed = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+            installed.append(sig)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
+            pass
+    try:
+        model = (config.served_model_names or (engine.model_info.name,))[0]
+        print_fn(f"DeepInfer is serving {model!r} at {gateway.url} (OpenAI-compatible API under {gateway.url}/v1)")
+        print_fn("Try:")
+        print_fn(f"  {curl_example(gateway.url, model, config.api_key is not None)}")
+        await stop.wait()
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+        await gateway.close()

@@ -1,0 +1,214 @@
+"""One HTTP request's engine requests: start them, merge their deltas, abort what is left.
+
+A request with ``p`` prompts and ``n`` choices becomes ``p * n`` engine requests (choice
+``index = prompt * n + i``, seed ``seed + i``). They are submitted together (one pump task
+each, feeding one queue), so their prefills overlap. ``start()`` returns once every engine
+request has produced its first output -- that is where the engine reports bad input (invalid
+grammar, full queue), before any HTTP header has gone out. ``close()`` aborts every engine
+request that has not finished (client gone, handler cancelled, error) and is always called.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from deepinfer.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.runtime.gateway.engine_client import EngineClient, TokensPrompt
+from deepinfer.runtime.gateway.errors import GatewayError, from_engine_error
+from deepinfer.runtime.gateway.metrics import GatewayMetrics
+
+log = logging.getLogger(__name__)
+
+_END = object()
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    index: int  # choice index in the response
+    prompt_index: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """What one choice has produced so far (the sum of its deltas)."""
+
+    index: int
+    prompt_index: int
+    num_prompt_tokens: int
+    text_parts: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    last_token_time: float | None = None
+    is_done: bool = False  # the engine stream ended
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+
+class EngineFailure(GatewayError):
+    """The engine failed or aborted a request on its own while it was being served."""
+
+    def __init__(self, message: str):
+        super().__init__(message, status=503, code="engine_error")
+
+
+class Generation:
+    def __init__(
+        self,
+        engine: EngineClient,
+        requests: list[EngineRequest],
+        metrics: GatewayMetrics,
+        *,
+        arrival_time: float,
+        structured_param: str | None = None,
+    ):
+        self.engine = engine
+        self.requests = requests
+        self.metrics = metrics
+        self.arrival_time = arrival_time
+        self.structured_param = structured_param
+        self.choices = [ChoiceState(r.index, r.prompt_index, len(r.prompt_token_ids)) for r in requests]
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._pumps: list[asyncio.Task] = []
+        self._buffered: list[tuple[int, RequestOutput]] = []
+        self._closed = False
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Submit every engine request; wait for each one's first output (or its error)."""
+        for slot, r in enumerate(self.requests):
+            prompt: TokensPrompt = {"prompt_token_ids": r.prompt_token_ids}
+            stream = self.engine.generate(prompt, r.params, request_id=r.request_id)
+            self._pumps.append(asyncio.create_task(self._pump(slot, stream), name=f"gateway-pump-{r.request_id}"))
+        pending = set(range(len(self.requests)))
+        while pending:
+            slot, item = await self._queue.get()
+            if isinstance(item, BaseException):
+                raise self._map_error(item)
+            if item is _END:
+                self.choices[slot].is_done = True
+                raise EngineFailure(f"the engine ended request {self.requests[slot].request_id} without an output")
+            pending.discard(slot)
+            self._buffered.append((slot, item))
+
+    async def deltas(self) -> AsyncIterator[tuple[ChoiceState, CompletionOutput]]:
+        """Each engine delta, after it was folded into its choice's state; ends when all are done."""
+        for slot, out in self._buffered:
+            delta = self._apply(slot, out)
+            if delta is not None:
+                yield self.choices[slot], delta
+        self._buffered.clear()
+        while not all(c.is_done for c in self.choices):
+            slot, item = await self._queue.get()
+            if item is _END:
+                self.choices[slot].is_done = True
+                if self.choices[slot].finish_reason is None:
+                    raise EngineFailure(f"the engine ended request {self.requests[slot].request_id} before it finished")
+                continue
+            if isinstance(item, BaseException):
+                self.choices[slot].is_done = True
+                mapped = self._map_error(item)
+                raise mapped if isinstance(mapped, EngineFailure) else EngineFailure(mapped.message)
+            delta = self._apply(slot, item)
+            if delta is not None:
+                yield self.choices[slot], delta
+
+    async def close(self) -> None:
+        """Abort every unfinished engine request and stop the pumps (idempotent, survives cancel)."""
+        if self._closed:
+            return
+        self._closed = True
+        task = asyncio.ensure_future(self._cleanup())
+        await asyncio.shield(task)
+
+    async def _cleanup(self) -> None:
+        unfinished = [r.request_id for r, c in zip(self.requests, self.choices) if c.finish_reason is None]
+        for request_id in unfinished:
+            try:
+                await self.engine.abort(request_id)
+            except Exception:
+                log.exception("engine.abort(%s) failed", request_id)
+            self.metrics.requests_finished.labels("abort").inc()
+        for t in self._pumps:
+            t.cancel()
+        await asyncio.gather(*self._pumps, return_exceptions=True)
+
+    # ---- internals ------------------------------------------------------------------------
+    async def _pump(self, slot: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                self._queue.put_nowait((slot, out))
+                if out.finished:
+                    break
+        except Exception as exc:  # CancelledError (close) is not caught: it ends the task
+            self._queue.put_nowait((slot, exc))
+            return
+        finally:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                try:
+                    await aclose()
+                except Exception:
+                    log.exception("closing the engine stream of %s failed", self.requests[slot].request_id)
+        self._queue.put_nowait((slot, _END))
+
+    def _map_error(self, exc: BaseException) -> GatewayError:
+        if isinstance(exc, GatewayError):
+            return exc
+        mapped = from_engine_error(exc, self.structured_param) if isinstance(exc, Exception) else None
+        if mapped is not None:
+            return mapped
+        log.error("engine error", exc_info=exc)
+        return EngineFailure(f"the engine failed: {type(exc).__name__}: {exc}".splitlines()[0])
+
+    def _apply(self, slot: int, out: RequestOutput) -> CompletionOutput | None:
+        if not out.outputs:
+            return None
+        delta = out.outputs[0]
+        choice = self.choices[slot]
+        now = time.monotonic()
+        num_new = len(delta.token_ids)
+        if num_new:
+            is_first = choice.last_token_time is None
+            since = self.arrival_time if is_first else choice.last_token_time
+            self.metrics.observe_tokens(is_first=is_first, seconds=now - since, num_tokens=num_new)
+            choice.last_token_time = now
+        choice.num_tokens += num_new
+        choice.token_ids.extend(delta.token_ids)
+        if delta.text:
+            choice.text_parts.append(delta.text)
+        if delta.logprobs:
+            choice.logprobs.extend(delta.logprobs)
+        choice.num_cached_tokens = max(choice.num_cached_tokens, out.num_cached_tokens)
+        if delta.finish_reason is not None and choice.finish_reason is None:
+            if delta.finish_reason == "abort":
+                raise EngineFailure(f"the engine aborted request {self.requests[slot].request_id}")
+            choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
+            self.metrics.observe_finished(finish_reason=delta.finish_reason, e2e_seconds=now - self.arrival_time,
+                                          num_prompt_tokens=choice.num_prompt_tokens,
+                                          num_cached_tokens=out.num_cached_tokens)
+        return delta
+
+    # ---- totals ---------------------------------------------------------------------------
+    def usage_counts(self) -> tuple[int, int, int]:
+        """(prompt tokens, completion tokens, cached prompt tokens); a prompt counts once however
+        many choices it has."""
+        prompt: dict[int, int] = {}
+        cached: dict[int, int] = {}
+        for c in self.choices:
+            prompt[c.prompt_index] = c.num_prompt_tokens
+            cached[c.prompt_index] = max(cached.get(c.prompt_index, 0), c.num_cached_tokens)
+        return sum(prompt.values()), sum(c.num_tokens for c in self.choices), sum(cached.values())

@@ -1,0 +1,93 @@
+"""Prometheus metrics of one gateway app, in its own ``CollectorRegistry``.
+
+Latencies are observed where the gateway sees the engine's deltas: time to first token (from the
+HTTP request's arrival), inter-token latency (gap between deltas spread over the tokens each one
+carries), end-to-end latency. Queue lengths, running requests and the prefix-cache hit rate are
+read from ``EngineClient.stats()`` at scrape time, so /metrics never goes stale.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from deepinfer.runtime.gateway.engine_client import EngineClient
+
+log = logging.getLogger(__name__)
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0)
+ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
+
+
+class _EngineStatsCollector(Collector):
+    def __init__(self, engine: EngineClient):
+        self.engine = engine
+
+    def collect(self):
+        try:
+            stats = self.engine.stats()
+        except Exception:  # a scrape must not fail because the engine is busy or gone
+            log.exception("engine.stats() failed during a /metrics scrape")
+            return
+        yield GaugeMetricFamily("deepinfer_num_requests_running", "Requests the engine is generating for",
+                                value=stats.num_running)
+        yield GaugeMetricFamily("deepinfer_num_requests_waiting", "Requests queued in the engine",
+                                value=stats.num_waiting)
+        if stats.max_num_waiting is not None:
+            yield GaugeMetricFamily("deepinfer_queue_capacity", "Largest engine queue before HTTP 429",
+                                    value=stats.max_num_waiting)
+        if stats.prefix_cache_hit_rate is not None:
+            yield GaugeMetricFamily("deepinfer_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / "
+                                    "prompt tokens looked up", value=stats.prefix_cache_hit_rate)
+        if stats.kv_cache_usage is not None:
+            yield GaugeMetricFamily("deepinfer_kv_cache_usage", "Fraction of KV-cache blocks in use",
+                                    value=stats.kv_cache_usage)
+
+
+class GatewayMetrics:
+    def __init__(self, engine: EngineClient):
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.ttft = Histogram("deepinfer_time_to_first_token_seconds", "Time from request arrival to first token",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("deepinfer_inter_token_latency_seconds", "Time between consecutive output tokens",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("deepinfer_e2e_request_latency_seconds", "Time from request arrival to last token",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("deepinfer_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.cached_prompt_tokens = Counter("deepinfer_cached_prompt_tokens",
+                                            "Prompt tokens served from the prefix cache", registry=r)
+        self.generation_tokens = Counter("deepinfer_generation_tokens", "Generated tokens", registry=r)
+        self.requests_finished = Counter("deepinfer_requests_finished", "Engine requests by finish reason",
+                                         ["finish_reason"], registry=r)
+        self.http_responses = Counter("deepinfer_http_responses", "HTTP responses by status code", ["code"],
+                                      registry=r)
+        self.in_flight = Gauge("deepinfer_gateway_requests_in_flight", "Generation requests the gateway is serving",
+                               registry=r)
+        r.register(_EngineStatsCollector(engine))
+
+    def observe_tokens(self, *, is_first: bool, seconds: float, num_tokens: int) -> None:
+        """``seconds``: since arrival for the first delta, since the previous delta otherwise."""
+        if num_tokens <= 0:
+            return
+        self.generation_tokens.inc(num_tokens)
+        if is_first:
+            self.ttft.observe(seconds)
+            num_tokens -= 1  # the rest of a multi-token first delta arrived together with it
+            seconds = 0.0
+        for _ in range(num_tokens):
+            self.itl.observe(seconds / num_tokens)
+
+    def observe_finished(self, *, finish_reason: str, e2e_seconds: float, num_prompt_tokens: int,
+                         num_cached_tokens: int) -> None:
+        self.requests_finished.labels(finish_reason).inc()
+        self.e2e.observe(e2e_seconds)
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.cached_prompt_tokens.inc(num_cached_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,193 @@
+"""Response shapes of the OpenAI-compatible API (msgspec Structs) and the logprob formats.
+
+``None`` fields encode as ``null`` (OpenAI clients expect ``"finish_reason": null`` and
+``"logprobs": null``); fields left ``UNSET`` are omitted, which is how a chunk leaves out
+``usage`` unless ``stream_options.include_usage`` asked for it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import msgspec
+from msgspec import UNSET, Struct, UnsetType
+
+from deepinfer.engine.outputs import PositionLogprobs
+
+# JSON has no -inf; a token the grammar masked out gets vLLM's floor instead.
+LOGPROB_FLOOR = -9999.0
+
+
+class PromptTokensDetails(Struct):
+    cached_tokens: int
+
+
+class Usage(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+def make_usage(num_prompt: int, num_completion: int, num_cached: int) -> Usage:
+    return Usage(num_prompt, num_completion, num_prompt + num_completion, PromptTokensDetails(num_cached))
+
+
+# ---- /v1/completions ----------------------------------------------------------------------
+class CompletionLogprobs(Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None | UnsetType = UNSET
+    object: str = "text_completion"
+
+
+# ---- /v1/chat/completions -----------------------------------------------------------------
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct):
+    content: list[ChatTokenLogprob] | None
+
+
+class AssistantMessage(Struct):
+    content: str | None
+    role: str = "assistant"
+
+
+class ChatChoice(Struct):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None | UnsetType = UNSET
+    object: str = "chat.completion"
+
+
+class ChatDelta(Struct, omit_defaults=True):
+    role: str | UnsetType = UNSET
+    content: str | UnsetType = UNSET
+
+
+class ChatChunkChoice(Struct):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None | UnsetType = UNSET
+    object: str = "chat.completion.chunk"
+
+
+# ---- /v1/models ---------------------------------------------------------------------------
+class ModelCard(Struct):
+    id: str
+    created: int
+    max_model_len: int
+    owned_by: str = "deepinfer"
+    object: str = "model"
+
+
+class ModelList(Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+encoder = msgspec.json.Encoder()
+
+
+# ---- logprobs -----------------------------------------------------------------------------
+TokenText = Callable[[int, str | None], str]  # (token id, engine's decoded text or None) -> text
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else LOGPROB_FLOOR
+
+
+def _top(position: PositionLogprobs, num_top: int) -> list[tuple[int, float]]:
+    """The ``num_top`` most likely (token id, logprob) of a position, best first."""
+    ranked = sorted(position.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30, -kv[1].logprob))
+    return [(tid, lp.logprob) for tid, lp in ranked[:num_top]]
+
+
+def chat_logprobs(
+    token_ids: Sequence[int], positions: Sequence[PositionLogprobs], num_top: int, token_text: TokenText
+) -> list[ChatTokenLogprob]:
+    out = []
+    for tid, pos in zip(token_ids, positions):
+        chosen = pos.get(tid)
+        if chosen is None:  # an engine that left the sampled token out: nothing truthful to say
+            continue
+        text = token_text(tid, chosen.decoded_token)
+        tops = []
+        for top_id, top_lp in _top(pos, num_top):
+            top_text = token_text(top_id, pos[top_id].decoded_token)
+            tops.append(TopLogprob(top_text, _finite(top_lp), list(top_text.encode("utf-8", "replace"))))
+        out.append(ChatTokenLogprob(text, _finite(chosen.logprob), list(text.encode("utf-8", "replace")), tops))
+    return out
+
+
+def completion_logprobs(
+    token_ids: Sequence[int],
+    positions: Sequence[PositionLogprobs],
+    num_top: int,
+    token_text: TokenText,
+    text_offset: int,
+) -> tuple[CompletionLogprobs, int]:
+    """The legacy completions format for these tokens; also returns the offset after them."""
+    lp = CompletionLogprobs([], [], [], [])
+    for tid, pos in zip(token_ids, positions):
+        chosen = pos.get(tid)
+        if chosen is None:
+            continue
+        text = token_text(tid, chosen.decoded_token)
+        top = {token_text(t, pos[t].decoded_token): _finite(v) for t, v in _top(pos, num_top)}
+        top.setdefault(text, _finite(chosen.logprob))  # the sampled token is always listed, as in vLLM
+        lp.tokens.append(text)
+        lp.token_logprobs.append(_finite(chosen.logprob))
+        lp.top_logprobs.append(top)
+        lp.text_offset.append(text_offset)
+        text_offset += len(text)
+    return lp, text_offset

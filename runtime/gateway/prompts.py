@@ -1,0 +1,156 @@
+"""Prompts to token ids: completion prompt forms, chat messages through the chat template, and
+the context-length check that decides ``max_tokens``.
+
+Large texts are tokenized in a worker thread so one huge prompt never stalls the event loop
+(the Rust tokenizer releases the GIL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from deepinfer.runtime.gateway.engine_client import GatewayTokenizer
+from deepinfer.runtime.gateway.errors import GatewayError, bad_request
+from deepinfer.runtime.gateway.openai_protocol import ChatMessage, TextPart
+
+# chat_template_kwargs may not override what the gateway itself passes to the template
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "add_generation_prompt", "tokenize", "chat_template", "tools", "documents",
+    "bos_token", "eos_token", "pad_token", "unk_token",
+})
+THREAD_THRESHOLD_CHARS = 16384
+
+
+async def _off_loop(num_chars: int, fn, *args, **kwargs):
+    if num_chars >= THREAD_THRESHOLD_CHARS:
+        return await asyncio.to_thread(fn, *args, **kwargs)
+    return fn(*args, **kwargs)
+
+
+def _need_tokenizer(tokenizer: GatewayTokenizer | None, what: str, param: str) -> GatewayTokenizer:
+    if tokenizer is None:
+        raise bad_request(f"this model has no tokenizer, so {what} cannot be used; send token ids", param)
+    return tokenizer
+
+
+def _check_ids(ids: Sequence[int], vocab_size: int, param: str) -> list[int]:
+    if not ids:
+        raise bad_request(f"{param} must not be empty", param)
+    bad = next((t for t in ids if t >= vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"{param}: token id {bad} is outside the vocabulary [0, {vocab_size})", param)
+    return list(ids)
+
+
+async def completion_prompts(
+    prompt: str | list[Any], tokenizer: GatewayTokenizer | None, vocab_size: int
+) -> list[list[int]]:
+    """Token ids of each prompt of a /v1/completions request (string, strings, ids, id lists)."""
+    if isinstance(prompt, str):
+        texts, id_lists = [prompt], None
+    elif not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    elif all(isinstance(p, str) for p in prompt):
+        texts, id_lists = prompt, None
+    elif all(isinstance(p, int) for p in prompt):
+        texts, id_lists = None, [prompt]
+    elif all(isinstance(p, list) for p in prompt):
+        texts, id_lists = None, prompt
+    else:
+        raise bad_request("prompt must be a string, a list of strings, a list of token ids or a list of token-id "
+                          "lists (not a mix)", "prompt")
+    if id_lists is not None:
+        return [_check_ids(ids, vocab_size, "prompt") for ids in id_lists]
+    tok = _need_tokenizer(tokenizer, "a text prompt", "prompt")
+    out = []
+    for text in texts:
+        ids = await _off_loop(len(text), tok.encode, text, add_special_tokens=True)
+        out.append(_check_ids(ids, vocab_size, "prompt"))
+    return out
+
+
+def _message_text(i: int, message: ChatMessage) -> str:
+    content = message.content
+    if content is None:
+        raise bad_request(f"messages[{i}].content is required", f"messages[{i}].content")
+    if isinstance(content, str):
+        return content
+    parts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, TextPart):
+            raise bad_request(f"messages[{i}].content[{j}]: only text content is supported by this model",
+                              f"messages[{i}].content[{j}].type")
+        parts.append(part.text)
+    return "\n".join(parts)
+
+
+def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+    """Plain dicts for the chat template (``developer`` is OpenAI's newer name for ``system``)."""
+    out = []
+    for i, m in enumerate(messages):
+        d = {"role": "system" if m.role == "developer" else m.role, "content": _message_text(i, m)}
+        if m.name is not None:
+            d["name"] = m.name
+        out.append(d)
+    return out
+
+
+async def chat_prompt(
+    messages: Sequence[ChatMessage],
+    tokenizer: GatewayTokenizer | None,
+    vocab_size: int,
+    *,
+    add_generation_prompt: bool,
+    template_kwargs: dict[str, Any] | None,
+) -> list[int]:
+    tok = _need_tokenizer(tokenizer, "chat messages", "messages")
+    conversation = template_messages(messages)
+    kwargs = dict(template_kwargs or {})
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if reserved:
+        raise bad_request(f"chat_template_kwargs may not set {reserved[0]!r}", "chat_template_kwargs")
+    num_chars = sum(len(m["content"]) for m in conversation)
+    try:
+        text = await _off_loop(num_chars, tok.apply_chat_template, conversation,
+                               add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)
+    except (ValueError, TypeError) as exc:  # template refused the conversation (raise_exception) or bad kwargs
+        raise bad_request(f"messages could not be rendered with the chat template: {_one_line(exc)}",
+                          "messages", code="invalid_chat") from None
+    if not isinstance(text, str):
+        raise GatewayError("the tokenizer's chat template returned no text", status=500)
+    # the template writes the special tokens itself (BOS, role markers): add none
+    ids = await _off_loop(len(text), tok.encode, text, add_special_tokens=False)
+    return _check_ids(ids, vocab_size, "messages")
+
+
+def decide_max_tokens(
+    num_prompt_tokens: int,
+    requested: int | None,
+    requested_param: str,
+    default: int | None,
+    max_model_len: int,
+    prompt_param: str,
+) -> int:
+    """The completion budget: what was asked for, else ``default`` (None = the rest of the context),
+    never past the context; 400 naming the field when the request cannot fit."""
+    room = max_model_len - num_prompt_tokens
+    if room < 1:
+        raise GatewayError(
+            f"{prompt_param} has {num_prompt_tokens} tokens but the model's context is {max_model_len} tokens "
+            "(at least one must be left to generate); shorten it",
+            param=prompt_param, code="context_length_exceeded")
+    if requested is None:
+        return room if default is None else min(default, room)
+    if requested > room:
+        raise GatewayError(
+            f"{requested_param} ({requested}) plus the prompt ({num_prompt_tokens} tokens) exceeds the model's "
+            f"context of {max_model_len} tokens; lower {requested_param} to at most {room}",
+            param=requested_param, code="context_length_exceeded")
+    return requested
+
+
+def _one_line(exc: Exception) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return lines[0] if lines else type(exc).__name__

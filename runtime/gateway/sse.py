@@ -1,0 +1,65 @@
+"""Server-sent events as OpenAI streams them: ``data: {json}\\n\\n`` ... ``data: [DONE]\\n\\n``.
+
+A write to a client that went away raises ``ClientGone``; the serving code treats it like a
+cancelled handler: it stops reading the engine and aborts the request.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+DONE = b"data: [DONE]\n\n"
+
+
+class ClientGone(Exception):
+    """The client closed the connection while we were streaming to it."""
+
+
+class SSEWriter:
+    def __init__(self, request: web.Request):
+        self.request = request
+        self.response = web.StreamResponse(
+            status=200,
+            headers={
+                "Content-Type": "text/event-stream; charset=utf-8",
+                "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no",  # nginx: do not buffer the stream
+            },
+        )
+        self.is_started = False
+
+    async def start(self) -> None:
+        try:
+            await self.response.prepare(self.request)
+        except (ConnectionError, RuntimeError) as exc:  # RuntimeError: aiohttp's "closing transport"
+            raise ClientGone(str(exc)) from None
+        self.is_started = True
+
+    async def send(self, payload: bytes) -> None:
+        await self._write(b"data: " + payload + b"\n\n")
+
+    async def done(self) -> None:
+        await self._write(DONE)
+        try:
+            await self.response.write_eof()
+        except (ConnectionError, RuntimeError) as exc:
+            raise ClientGone(str(exc)) from None
+
+    async def fail(self, error_payload: bytes) -> None:
+        """End the stream with an in-band OpenAI error object (the status line is long gone)."""
+        try:
+            await self.send(error_payload)
+            await self.done()
+        except ClientGone:
+            pass
+
+    async def _write(self, data: bytes) -> None:
+        if not self.is_started:
+            await self.start()
+        transport = self.request.transport
+        if transport is None or transport.is_closing():
+            raise ClientGone("connection closed")
+        try:
+            await self.response.write(data)
+        except (ConnectionError, RuntimeError) as exc:
+            raise ClientGone(str(exc)) from None
