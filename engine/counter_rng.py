@@ -10,6 +10,8 @@ below 2^63 and int64 arithmetic never overflows, on any device.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 M32 = 0xFFFFFFFF
@@ -39,12 +41,17 @@ def mix32_tensor(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+@functools.lru_cache(maxsize=4096)
+def seed_key(seed: int) -> int:
+    """32-bit key of a 64-bit seed (cached: a request samples many positions with one seed)."""
+    seed &= (1 << 64) - 1
+    return mix32(mix32((seed & M32) ^ _KEY_SALT) ^ (seed >> 32))
+
+
 def row_key(seed: int, position: int) -> int:
     """A 32-bit key for one (seed, position): all 64 bits of the seed and of the position enter."""
-    seed &= (1 << 64) - 1
-    k = mix32(mix32((seed & M32) ^ _KEY_SALT) ^ (seed >> 32))
-    k = mix32(k ^ (position & M32))
-    return mix32(k ^ (position >> 32) ^ _KEY_SALT)
+    k = mix32(seed_key(seed) ^ (position & M32))
+    return mix32(k ^ (position >> 32) ^ _KEY_SALT) if position > M32 else k
 
 
 class GumbelNoise:

@@ -2,31 +2,41 @@
 
 ``step()`` does it all in order. For overlap ("async scheduling", one step in flight) the same
 work is exposed as calls that ``StepPipeline`` (threads) and AsyncEngine (asyncio) interleave so
-the device never waits for Python bookkeeping:
+the device never waits for Python bookkeeping. ``device_step`` jobs run in order on ONE worker
+thread (the "device thread"); everything else runs on the caller's thread:
 
     plan_n = core.schedule_step()
-    fut    = executor: core.device_step(plan_n, core.prepare_sampling(plan_n))  # forward + sample
+    prep_n = done Future(core.prepare_sampling(plan_n))
+    res_n  = worker.submit(core.device_step, plan_n, prep_n, None)
     loop:
-      plan_n1 = core.schedule_step()            # overlaps plan_n's forward; a decode whose token
-                                                # plan_n is sampling gets a placeholder position
-      sampled = await fut                       # plan_n's accepted tokens (CPU ints)
-      core.fill_placeholders(plan_n1, sampled)  # writes them into plan_n1's token_ids
-      prep    = concurrent.futures.Future()
-      fut     = executor: core.device_step(plan_n1, prep)  # forward starts; sampling waits on prep
-      outputs = core.commit_step(plan_n, sampled)  # scheduler update, grammar, detokenize, stop
-      prep.set_result(core.prepare_sampling(plan_n1))  # after the commit: penalties and grammar
-      plan_n  = plan_n1                             # masks see plan_n's tokens
+      plan_n1 = core.schedule_step()        # overlaps plan_n's forward; a decode whose token
+                                            # plan_n is sampling gets a placeholder position
+      prep_n1 = Future()
+      res_n1  = worker.submit(core.device_step, plan_n1, prep_n1, res_n)
+                                            # the worker fills plan_n1's placeholders from
+                                            # res_n and starts its forward right after
+                                            # sampling plan_n: no caller wake-up in between
+      sampled = res_n.result()              # (await asyncio.wrap_future(res_n) in asyncio)
+      outputs = core.commit_step(plan_n, sampled)  # scheduler update, grammar, detokenize,
+                                            # stop strings: overlaps plan_n1's forward
+      prep_n1.set_result(core.prepare_sampling(plan_n1))  # after the commit, so penalties and
+                                            # grammar masks see plan_n's tokens
+      plan_n, prep_n, res_n = plan_n1, prep_n1, res_n1
 
-Only ``device_step`` (``execute`` + ``run_sampling``) runs off the caller's thread, and it touches
-nothing but the runner, the plan's batch and the prepared tensors; every other call (and
-add_request / abort) runs on the caller's thread. Results of a request that finished or was
-aborted while a later step was in flight are dropped when that step commits; its blocks may be
-handed out again only to steps that execute after the in-flight one (execution is serial).
+If commit or prepare raises, set the exception on prep_n1 so the worker never blocks. The worker
+touches only the runner, the plans' batches and the prepared tensors; add_request / abort run on
+the caller's thread between these calls. Results of a request that finished or was aborted
+while a later step was in flight are dropped when that step commits; its blocks may be handed
+out again only to steps that execute after the in-flight one (execution is serial).
+On CPython the worker needs the GIL to launch each forward: keep ``sys.setswitchinterval`` small
+(``tune_interpreter_for_serving``) so the caller's Python work cannot hold it for long.
 """
 
 from __future__ import annotations
 
+import gc
 import random
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
@@ -48,6 +58,22 @@ from deepinfer.engine.sampling_metadata import SampleRow, SamplingMetadata, has_
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.scheduler import PLACEHOLDER_TOKEN_ID, Scheduler, SchedulerConfig, SchedulerOutput
 from deepinfer.engine.structured_output import GrammarState, StructuredOutputBackend
+
+
+def tune_interpreter_for_serving(gen0_threshold: int = 50_000, switch_interval_s: float = 0.0005) -> None:
+    """Process-wide CPython settings for an engine process; call once after start-up.
+
+    - Freeze everything allocated so far (model, tokenizer, caches) out of the cyclic GC and
+      collect young objects less often: per-step bookkeeping allocates thousands of small
+      objects and with default thresholds the collector rescans long-lived state many times a
+      step (it doubled commit time at batch 256).
+    - A short GIL switch interval: the device thread must get the GIL promptly to launch the
+      next forward while the caller's thread runs bookkeeping (default 5 ms = a whole step)."""
+    gc.collect()
+    gc.freeze()
+    _, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(gen0_threshold, gen1, gen2)
+    sys.setswitchinterval(switch_interval_s)
 
 
 class ModelRunner(Protocol):
@@ -81,7 +107,7 @@ class SamplingPrep:
     """What ``prepare_sampling`` hands to ``run_sampling`` (built from request state)."""
 
     meta: SamplingMetadata | None = None
-    row_index: torch.Tensor | None = None  # logit rows that are sampled
+    row_index: torch.Tensor | None = None  # logit rows that are sampled (None: all, in order)
     request_rows: dict[str, range] = field(default_factory=dict)
     drafts: dict[str, list[int]] = field(default_factory=dict)
     prompt_index: torch.Tensor | None = None  # logit rows scored for prompt logprobs
@@ -227,9 +253,17 @@ class EngineCore:
     def sample_step(self, plan: StepPlan, logits: torch.Tensor) -> SampledStep:
         return self.run_sampling(self.prepare_sampling(plan), logits)
 
-    def device_step(self, plan: StepPlan, prep: Future[SamplingPrep] | SamplingPrep) -> SampledStep:
-        """The executor thread's whole job: forward, then (once the caller has committed the
-        previous step and prepared this one's sampling) sampling, on tensors only."""
+    def device_step(
+        self,
+        plan: StepPlan,
+        prep: Future[SamplingPrep] | SamplingPrep,
+        prev: Future[SampledStep] | None = None,
+    ) -> SampledStep:
+        """The executor thread's whole job: fill placeholders from the previous step's result,
+        forward, then (once the caller has committed the previous step and prepared this one's
+        sampling inputs) sample. Touches only the plan, the runner and tensors."""
+        if prev is not None:
+            self.fill_placeholders(plan, prev.result())
         logits = self.execute(plan)
         return self.run_sampling(prep.result() if isinstance(prep, Future) else prep, logits)
 
@@ -259,18 +293,19 @@ class EngineCore:
                 continue
             drafts = list(s.step.token_ids[len(s.step.token_ids) - s.num_draft_tokens :]) if s.num_draft_tokens else []
             params = req.sampling_params
-            suppress = tuple(req.eos_token_ids) + tuple(params.stop_token_ids)
             prep.request_rows[s.request_id] = range(len(rows), len(rows) + s.num_sample_rows)
             prep.drafts[s.request_id] = drafts
             grammar = self._grammars.get(s.request_id)
             if grammar is not None:
                 grammar_rows.append((grammar, len(rows), drafts))
+            num_tokens, num_out = req.num_tokens, req.num_output_tokens
+            penalized = has_penalties(params)
             for k in range(s.num_sample_rows):
-                rows.append(SampleRow(
-                    params, req.seed, req.num_tokens + k, req.prompt_token_ids,
-                    req.output_token_ids + drafts[:k] if has_penalties(params) else (),
-                    suppress if req.num_output_tokens + k < params.min_tokens else (),
-                ))
+                suppress = ()
+                if num_out + k < params.min_tokens:
+                    suppress = tuple(req.eos_token_ids) + tuple(params.stop_token_ids)
+                history = req.output_token_ids + drafts[:k] if penalized else ()
+                rows.append(SampleRow(params, req.seed, num_tokens + k, req.prompt_token_ids, history, suppress))
                 row_index.append(start + s.num_prompt_logprob_rows + k)
         device = self.config.device
         if rows:
@@ -280,7 +315,8 @@ class EngineCore:
                 for grammar, first, drafts in grammar_rows:
                     grammar.fill_bitmasks_for_drafts(bitmask, first, drafts)
             prep.meta = SamplingMetadata.build(rows, self.config.vocab_size, device, bitmask)
-            prep.row_index = torch.tensor(row_index, dtype=torch.int64, device=device)
+            if len(row_index) != offset or row_index[-1] != offset - 1:  # not simply every row
+                prep.row_index = torch.tensor(row_index, dtype=torch.int64, device=device)
         if prompt_index:
             prep.prompt_index = torch.tensor(prompt_index, dtype=torch.int64, device=device)
             prep.prompt_targets = torch.tensor(prompt_targets, dtype=torch.int64, device=device)
@@ -290,7 +326,8 @@ class EngineCore:
         """Tensor work only (safe in the device thread): sample, verify drafts, logprobs."""
         out = SampledStep(request_rows=prep.request_rows, prompt_rows=prep.prompt_rows)
         if prep.meta is not None:
-            out.sampler_output = self.sampler(logits.index_select(0, prep.row_index), prep.meta)
+            sel = logits if prep.row_index is None else logits.index_select(0, prep.row_index)
+            out.sampler_output = self.sampler(sel, prep.meta)
             sampled = out.sampler_output.token_ids.tolist()
             for rid, r in prep.request_rows.items():
                 out.accepted[rid] = _verify(sampled[r.start : r.stop], prep.drafts[rid])

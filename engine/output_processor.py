@@ -52,6 +52,7 @@ class _Completion:
     is_prompt_logprobs_sent: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    max_stop_len: int = 0
 
 
 @dataclass(slots=True)
@@ -103,6 +104,7 @@ class OutputProcessor:
             logprobs=[] if params.logprobs is not None else None,
             cumulative_logprob=0.0 if params.logprobs is not None else None,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+            max_stop_len=max((len(x) for x in params.stop), default=0),
         )
         self._parents.setdefault(parent_id, _Parent(num_children))
 
@@ -126,7 +128,7 @@ class OutputProcessor:
     ) -> ProcessedStep:
         st = self._states[engine_request_id]
         num_kept, stop_string = len(new_token_ids), None
-        max_stop = max((len(s) for s in st.params.stop), default=0)
+        max_stop = st.max_stop_len
         for i, tok in enumerate(new_token_ids):
             st.token_ids.append(tok)
             delta = st.detokenizer.step(tok) if st.detokenizer is not None else ""

@@ -78,6 +78,7 @@ class Request:
     write_from: int = 0  # SeqStep.write_from: the prefix-hit length
     num_cached_tokens: int = -1  # prefix-hit length at first admission (-1: not admitted yet)
     num_preemptions: int = 0
+    scheduled_in: int = -1  # the scheduler's step counter when last scheduled
     num_prompt_logprob_rows_done: int = 0  # rows j (predicting prompt token j+1) already emitted
 
     stop_reason: int | str | None = None
@@ -131,7 +132,7 @@ class Request:
     def append_output_tokens(self, token_ids: Sequence[int], block_size: int) -> None:
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
-        if self.block_root:
+        if self.block_root and len(self.all_token_ids) // block_size > len(self.block_hashes):
             extend_block_hashes(self.block_hashes, self.all_token_ids, block_size, self.block_root, self.mm_spans)
 
 
@@ -155,6 +156,8 @@ def check_token_stop(request: Request, new_token_ids: Sequence[int]) -> TokenSto
     params = request.sampling_params
     num_out = request.num_output_tokens
     num_total = request.num_tokens
+    if not new_token_ids:
+        return _KEEP[0]
     for i, tok in enumerate(new_token_ids):
         n = num_out + i + 1
         if n >= params.min_tokens:
@@ -166,4 +169,8 @@ def check_token_stop(request: Request, new_token_ids: Sequence[int]) -> TokenSto
             return TokenStop(i + 1, RequestStatus.FINISHED_LENGTH, None)
         if num_total + i + 1 >= request.max_model_len:
             return TokenStop(i + 1, RequestStatus.FINISHED_LENGTH, None)
-    return TokenStop(len(new_token_ids))
+    n = len(new_token_ids)
+    return _KEEP[n] if n < len(_KEEP) else TokenStop(n)
+
+
+_KEEP = tuple(TokenStop(n) for n in range(16))  # shared results of the common no-stop case

@@ -47,7 +47,8 @@ class Sampler:
             raise ValueError(f"sampler got logits of shape {tuple(logits.shape)} for {meta.num_rows} rows")
         logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
-        logits = logits.clone()
+        if meta.bitmask is not None or meta.suppress is not None or meta.penalties is not None:
+            logits = logits.clone()  # masked in place below; the caller's logits stay intact
         if meta.bitmask is not None:
             apply_token_bitmask(logits, meta.bitmask)
         if meta.suppress is not None:

@@ -60,30 +60,40 @@ class SamplingMetadata:
         bitmask: torch.Tensor | None = None,
     ) -> SamplingMetadata:
         b = len(rows)
-        params = [r.params for r in rows]
-        greedy = [p.temperature == 0.0 for p in params]
-        temps = [1.0 if g else float(p.temperature) for g, p in zip(greedy, params)]
-        keys = [row_key(r.seed, r.position) for r in rows]
+        # one pass over the rows collects everything; tensors only for features in use
+        greedy, temps, keys, nlp = [], [], [], []
+        any_k = any_p = any_min_p = any_penalty = any_suppress = False
+        for r in rows:
+            p = r.params
+            g = p.temperature == 0.0
+            greedy.append(g)
+            temps.append(1.0 if g else float(p.temperature))
+            keys.append(row_key(r.seed, r.position))
+            nlp.append(p.logprobs)
+            if not g:
+                any_k = any_k or p.top_k > 0
+                any_p = any_p or p.top_p < 1.0
+                any_min_p = any_min_p or p.min_p > 0.0
+            any_penalty = any_penalty or has_penalties(p)
+            any_suppress = any_suppress or bool(r.suppress_token_ids)
+        params = [r.params for r in rows] if (any_k or any_p or any_min_p) else []
 
         top_k = top_p = min_p = None
-        if any(p.top_k > 0 and not g for p, g in zip(params, greedy)):
+        if any_k:
             top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params], dtype=torch.int64)
-        if any(p.top_p < 1.0 and not g for p, g in zip(params, greedy)):
+        if any_p:
             top_p = torch.tensor([float(p.top_p) for p in params], dtype=torch.float32)
-        if any(p.min_p > 0.0 and not g for p, g in zip(params, greedy)):
+        if any_min_p:
             min_p = torch.tensor([float(p.min_p) for p in params], dtype=torch.float32)
 
-        penalties = None
-        if any(has_penalties(p) for p in params):
-            penalties = _build_penalties(rows, vocab_size, device)
+        penalties = _build_penalties(rows, vocab_size, device) if any_penalty else None
 
         suppress = None
-        if any(r.suppress_token_ids for r in rows):
+        if any_suppress:
             ri = [i for i, r in enumerate(rows) for _ in r.suppress_token_ids]
             ti = [t for r in rows for t in r.suppress_token_ids]
             suppress = (torch.tensor(ri, dtype=torch.int64, device=device), torch.tensor(ti, dtype=torch.int64, device=device))
 
-        nlp = [p.logprobs for p in params]
         wanted = [n for n in nlp if n is not None]
         return cls(
             num_rows=b,

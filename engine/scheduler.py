@@ -24,6 +24,8 @@ ever appends to a block table list it handed to a SeqStep; rollback and preempti
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -134,6 +136,7 @@ class Scheduler:
         self._num_arrivals = 0
         self._next_seq_id = 0
         self.num_preemptions = 0
+        self._num_schedules = 0
 
     # ---- requests in / out ------------------------------------------------------------
     def add_request(
@@ -206,21 +209,28 @@ class Scheduler:
         cfg = self.config
         out = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
-        ctx = _StepContext(budget=cfg.max_num_batched_tokens, features=out.features)
+        self._num_schedules += 1
+        ctx = _StepContext(budget=cfg.max_num_batched_tokens, features=out.features, step_no=self._num_schedules)
         if self.cost_model is not None and self.cost_model.is_fitted and cfg.step_time_target_s:
             ctx.time_target = cfg.step_time_target_s
 
         self._preempt_for_priority(out, ctx)
         num_block_preemptions = len(out.preempted_ids)
 
-        order = sorted(self.running, key=lambda r: (not self._is_decode(r), r.sort_key))
-        for req in order:
+        # self.running is kept in (priority, arrival) order: decodes first, then chunks
+        decodes, chunks = [], []
+        for req in self.running:
+            (decodes if req.num_tokens_with_placeholders - req.num_computed_tokens <= 1 else chunks).append(req)
+        for req in itertools.chain(decodes, chunks):
             if ctx.budget <= 0:
                 break
-            if req.status != RequestStatus.RUNNING or req.is_awaiting_verification or req.has_reached_length_limit:
+            if req.status != RequestStatus.RUNNING or req.is_awaiting_verification:
                 continue
             num_new = req.num_tokens_with_placeholders - req.num_computed_tokens
-            if num_new <= 0:
+            if num_new <= 0 or req.has_reached_length_limit:
+                continue
+            if num_new == 1 and not req.spec_token_ids and (req.num_computed_tokens + 1) <= len(req.block_ids) * cfg.block_size:
+                self._emit_decode(req, out, ctx)  # the common case, kept cheap
                 continue
             drafts: list[int] = []
             if num_new == 1 and req.num_output_placeholders == 0 and req.spec_token_ids:
@@ -230,9 +240,7 @@ class Scheduler:
                 continue
             end = req.num_computed_tokens + n
             while not self._ensure_blocks(req, end):
-                victim = max(
-                    (r for r in self.running if r.request_id not in ctx.scheduled_ids), key=lambda r: r.sort_key
-                )
+                victim = max((r for r in self.running if r.scheduled_in != ctx.step_no), key=_sort_key)
                 self._preempt(victim, out, ctx)
                 if victim is req:
                     break
@@ -278,7 +286,7 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit_len
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            bisect.insort(self.running, req, key=_sort_key)
             self._emit(req, n, [], out, ctx)
         for req in held_back:
             self.waiting.push(req)
@@ -308,6 +316,23 @@ class Scheduler:
             floor = min(n, self.config.min_chunk_tokens) if ctx.num_chunks == 0 else 0
             n = max(fit, floor)
         return n
+
+    def _emit_decode(self, req: Request, out: SchedulerOutput, ctx: _StepContext) -> None:
+        """``_emit`` for one known-or-placeholder token, no drafts, blocks already in place."""
+        start = req.num_computed_tokens
+        has_placeholder = start == len(req.all_token_ids)
+        token_ids = [PLACEHOLDER_TOKEN_ID] if has_placeholder else [req.all_token_ids[start]]
+        step = SeqStep(req.seq_id, req.slot, req.block_ids, start, token_ids, 1, req.window_start, req.write_from)
+        out.scheduled.append(ScheduledSeq(req.request_id, step, 0, 0, 1, start, 0, has_placeholder, req.num_preemptions))
+        req.num_computed_tokens = start + 1
+        req.num_output_placeholders += 1
+        req.scheduled_in = ctx.step_no
+        ctx.budget -= 1
+        f = out.features
+        f.num_seqs += 1
+        f.sum_n += 1
+        f.sum_np += start
+        f.sum_n2 += 1
 
     def _emit(self, req: Request, n: int, drafts: list[int], out: SchedulerOutput, ctx: _StepContext) -> None:
         """Append req's SeqStep for positions [start, start + n) and advance its state."""
@@ -356,7 +381,7 @@ class Scheduler:
             req.is_awaiting_verification = True
         req.spec_token_ids = []
         ctx.budget -= n
-        ctx.scheduled_ids.add(req.request_id)
+        req.scheduled_in = ctx.step_no
         out.features.add(n, start)
         if n > 1:
             ctx.num_chunks += 1
@@ -372,12 +397,18 @@ class Scheduler:
         keeps the tokens it sampled (they were computed from valid state) and nothing else."""
         bs = self.config.block_size
         updates: list[RequestUpdate] = []
+        requests = self.requests
         for s in output.scheduled:
-            req = self.requests.get(s.request_id)
+            req = requests.get(s.request_id)
             if req is None:
                 continue
             is_stale = req.num_preemptions != s.preemption_epoch
-            tokens = list(sampled.get(s.request_id, ()))
+            if s.num_sample_rows == 1 and not s.num_prompt_logprob_rows and not is_stale:
+                upd = self._commit_one_token(req, s, sampled.get(s.request_id))
+                if upd is not None:
+                    updates.append(upd)
+                    continue
+            tokens = sampled.get(s.request_id, ())
             if s.num_prompt_logprob_rows:
                 end_row = s.first_prompt_logprob_row + s.num_prompt_logprob_rows
                 req.num_prompt_logprob_rows_done = max(req.num_prompt_logprob_rows_done, end_row)
@@ -395,7 +426,7 @@ class Scheduler:
             if num_rejected and not is_stale:
                 req.num_computed_tokens -= num_rejected
             stop = check_token_stop(req, tokens)
-            kept = tokens[: stop.num_kept]
+            kept = list(tokens[: stop.num_kept])
             if kept:
                 req.append_output_tokens(kept, bs)
             if not is_stale and req.status == RequestStatus.RUNNING:
@@ -406,6 +437,27 @@ class Scheduler:
                 self._finish(req, stop.status, stop.stop_reason)
             updates.append(RequestUpdate(req, kept, num_rejected, stop.status))
         return updates
+
+    def _commit_one_token(self, req: Request, s: ScheduledSeq, tokens: Sequence[int] | None) -> RequestUpdate | None:
+        """Fast path of update_from_output for one sampled token that stops nothing; None
+        (nothing changed) sends the request down the general path."""
+        if tokens is None or len(tokens) != 1:
+            return None
+        tok = tokens[0]
+        params = req.sampling_params
+        num_out = len(req.output_token_ids) + 1
+        if (
+            (num_out >= params.min_tokens and ((tok in req.eos_token_ids and not params.ignore_eos) or tok in params.stop_token_ids))
+            or (params.max_tokens is not None and num_out >= params.max_tokens)
+            or len(req.all_token_ids) + 1 >= req.max_model_len
+        ):
+            return None
+        req.num_output_placeholders -= 1
+        req.is_awaiting_verification = False
+        req.append_output_tokens(tokens, self.config.block_size)
+        if req.status == RequestStatus.RUNNING and s.step.end_pos // self.config.block_size > req.num_registered_blocks:
+            self._register_blocks(req, s.step.end_pos)
+        return RequestUpdate(req, [tok], 0, None)
 
     # ---- block / slot bookkeeping -----------------------------------------------------
     def _lookup_prefix(self, req: Request) -> list[int]:
@@ -427,6 +479,8 @@ class Scheduler:
     def _register_blocks(self, req: Request, computed_end: int) -> None:
         """Publish full blocks whose positions are all computed with known tokens."""
         num_full = min(computed_end, req.num_tokens) // self.config.block_size
+        if num_full <= req.num_registered_blocks:
+            return
         num_full = min(num_full, len(req.block_hashes), len(req.block_ids))
         for i in range(req.num_registered_blocks, num_full):
             parent = req.block_hashes[i - 1] if i else None
@@ -472,10 +526,6 @@ class Scheduler:
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
 
-    @staticmethod
-    def _is_decode(req: Request) -> bool:
-        return req.num_tokens_with_placeholders - req.num_computed_tokens <= 1
-
     # ---- invariants -------------------------------------------------------------------
     def check_integrity(self) -> None:
         bs = self.config.block_size
@@ -511,8 +561,12 @@ class _StepContext:
     features: StepFeatures
     time_target: float | None = None
     num_chunks: int = 0
-    scheduled_ids: set[str] = field(default_factory=set)
+    step_no: int = 0
     preempted_ids: set[str] = field(default_factory=set)
+
+
+def _sort_key(req: Request) -> tuple[int, int]:
+    return req.sort_key
 
 
 def _cdiv(a: int, b: int) -> int:

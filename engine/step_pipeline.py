@@ -1,9 +1,15 @@
-"""Depth-1 step overlap on a thread executor: the blocking twin of AsyncEngine's loop.
+"""Depth-1 step overlap on a one-thread executor: the blocking twin of AsyncEngine's loop.
 
-The executor thread runs ``device_step``: the forward, then sampling on tensors. Meanwhile the
-caller's thread schedules N+1; once N's tokens are back it launches N+1 (placeholders filled),
-commits N (scheduler update, grammar, detokenize, stop strings) and prepares N+1's sampling
-inputs, all while N+1's forward runs. See engine_core.py for the exact order and why it is safe.
+The executor's single worker runs ``device_step`` jobs back to back: job N+1 is queued as soon as
+step N+1 is scheduled (while N's forward runs), and when the worker reaches it, it writes N's
+sampled tokens into N+1's placeholders itself and launches the forward: consecutive forwards
+never wait for the caller's thread. The caller's thread meanwhile commits N (scheduler update,
+grammar, detokenize, stop strings) and prepares N+1's sampling inputs, which the worker needs
+only after N+1's forward. See engine_core.py for why this order is safe.
+
+Timeline (D = device worker, M = caller's thread):
+    D: | fwd N | sample N | fill N+1 | fwd N+1 | sample N+1 | fill N+2 | fwd N+2 ...
+    M:   sched N+1 .. wait N | commit N, prepare N+1, sched N+2 .. wait N+1 | commit N+1 ...
 """
 
 from __future__ import annotations
@@ -16,43 +22,47 @@ from deepinfer.engine.outputs import RequestOutput
 
 class StepPipeline:
     def __init__(self, core: EngineCore, executor: Executor) -> None:
+        """``executor`` must run jobs in order on one thread (ThreadPoolExecutor(1))."""
         self.core = core
         self.executor = executor
-        self._inflight: tuple[StepPlan, Future[SampledStep]] | None = None
+        self._inflight: tuple[StepPlan, Future[SampledStep], Future[SamplingPrep]] | None = None
 
     def has_work(self) -> bool:
         return self._inflight is not None or self.core.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        """Commit the step in flight (launching the next one first); [] when idle."""
+        """Commit the step in flight (having queued the next one first); [] when idle."""
         core = self.core
         if self._inflight is None:
             plan = core.schedule_step()
             if plan.is_empty:
                 return []
-            self._inflight = (plan, self.executor.submit(core.device_step, plan, core.prepare_sampling(plan)))
-        plan, result = self._inflight
-        nxt = core.schedule_step()  # overlaps the device step of `plan`
-        sampled = result.result()
-        prep: Future[SamplingPrep] = Future()
-        if nxt.is_empty:
-            self._inflight = None
-        else:
-            core.fill_placeholders(nxt, sampled)
-            self._inflight = (nxt, self.executor.submit(core.device_step, nxt, prep))
+            prep: Future[SamplingPrep] = Future()
+            prep.set_result(core.prepare_sampling(plan))
+            self._inflight = (plan, self.executor.submit(core.device_step, plan, prep, None), prep)
+        plan, result, _ = self._inflight
+        nxt = core.schedule_step()  # overlaps the forward of `plan`
+        nxt_prep: Future[SamplingPrep] = Future()
+        self._inflight = None
+        if not nxt.is_empty:
+            # queued behind `plan` on the same worker: starts the moment plan's sampling ends
+            self._inflight = (nxt, self.executor.submit(core.device_step, nxt, nxt_prep, result), nxt_prep)
         try:
+            sampled = result.result()
             outputs = core.commit_step(plan, sampled)  # overlaps the forward of `nxt`
             if not nxt.is_empty:
-                prep.set_result(core.prepare_sampling(nxt))  # needs `plan` committed
+                nxt_prep.set_result(core.prepare_sampling(nxt))  # needs `plan` committed
         except BaseException as e:
-            prep.set_exception(e)  # never leave the device thread waiting
+            if not nxt_prep.done():
+                nxt_prep.set_exception(e)  # never leave the worker waiting
+            self._inflight = None
             raise
         return outputs
 
     def drain(self) -> list[RequestOutput]:
-        """Finish the step in flight without launching another (before shutdown)."""
+        """Finish the step in flight without scheduling another (before shutdown)."""
         if self._inflight is None:
             return []
-        plan, result = self._inflight
+        plan, result, _ = self._inflight
         self._inflight = None
         return self.core.commit_step(plan, result.result())
