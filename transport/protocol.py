@@ -1,0 +1,244 @@
+"""Every message DeepInfer puts on the wire, as msgspec Structs — the one protocol module.
+
+Conventions (follow them when adding a section):
+
+- One tagged union per channel *direction* (``NodeControlRequest``, ``NodeControlReply``, ...).
+  The tag is the class name (``tag=True``), written as the first array element, so a decoder
+  typed for one union rejects a message meant for another channel with a typed error.
+- ``array_like=True`` (positional arrays, no field names on the wire) and ``omit_defaults=True``.
+  Adding a field: append it at the END with a default, so older peers still decode.
+- ``gc=False`` on hot messages (sent per step, per chunk or per heartbeat). Those Structs must
+  never hold reference cycles.
+- Enums are ``IntEnum`` (ints on the wire).
+- Decode with one reused ``deepinfer.transport.codec.Codec(UNION)`` per socket; never pickle.
+
+Sections: common, node control (ROUTER/DEALER), peer events (PUB/SUB), bulk data plane.
+Later sections (storage, engine requests/outputs, P/D handoff, cache events) go at the end, each
+under its own banner naming its channel and direction.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+
+class _Message(msgspec.Struct, array_like=True, omit_defaults=True, tag=True, frozen=True):
+    """Base of every wire message (tag = class name)."""
+
+
+class _HotMessage(_Message, gc=False):
+    """Base of messages sent at high rate: not tracked by the cycle collector."""
+
+
+# =====================================================================================
+# Common: error codes, roles, the error reply every request/response channel may return.
+# =====================================================================================
+
+
+class ErrorCode(enum.IntEnum):
+    OK = 0
+    MALFORMED = 1  # not decodable (bad msgpack, wrong number of frames, bad envelope)
+    UNEXPECTED_MESSAGE = 2  # decodable, but not a message this channel accepts
+    OVERSIZED = 3  # a frame or transfer over the receiver's limit
+    DEADLINE_EXCEEDED = 4  # no reply before the caller's deadline
+    DRAINING = 5  # the receiver is draining and accepts no new work
+    HANDLER_FAILED = 6  # the receiver's handler raised
+    CLOSED = 7  # the channel was closed while the operation was pending
+    TRANSFER_FAILED = 8  # a bulk transfer broke off (sender gone, bad segment, idle too long)
+    UNAVAILABLE = 9  # the peer is down or unknown
+    NOT_FOUND = 10  # the addressed object does not exist
+
+
+class Role(enum.IntEnum):
+    GATEWAY = 1
+    ENCODER = 2
+    PREFILL = 3
+    DECODE = 4
+    STORAGE = 5
+
+
+class ErrorReply(_Message):
+    """Any request/response channel answers with this when it cannot produce a normal reply."""
+
+    code: ErrorCode
+    message: str = ""
+
+
+# =====================================================================================
+# Node control channel: ROUTER (node) <- DEALER (peers, operators).
+# Request frames: [request_id u64le, body]; reply frames: [request_id u64le, body].
+# =====================================================================================
+
+
+class Hello(_Message):
+    """Introduces the caller. ``instance_id`` is random per process start, so a restarted peer
+    is never confused with its previous life."""
+
+    node_name: str
+    role: Role
+    instance_id: int
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class Drain(_Message):
+    """Ask the node to drain: refuse new work, finish in-flight work within ``deadline_s``."""
+
+    deadline_s: float
+
+
+class StatusRequest(_Message):
+    pass
+
+
+class Welcome(_Message):
+    """Reply to Hello: who answered."""
+
+    node_name: str
+    role: Role
+    instance_id: int
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class DrainAck(_Message):
+    node_name: str
+    num_in_flight: int
+
+
+class NodeStatus(_Message):
+    node_name: str
+    role: Role
+    instance_id: int
+    is_draining: bool
+    uptime_s: float
+    peers_up: list[str] = []
+
+
+NodeControlRequest = Hello | Drain | StatusRequest
+NodeControlReply = Welcome | DrainAck | NodeStatus | ErrorReply
+
+
+# =====================================================================================
+# Peer events: PUB (every node) -> SUB (every peer). Frames: [topic, body].
+# Heartbeats go out under TOPIC_HEARTBEAT; the node's own view of its peers (PeerUp/PeerDown)
+# under TOPIC_PEER so local and remote subscribers see the same events.
+# =====================================================================================
+
+TOPIC_HEARTBEAT = b"hb"
+TOPIC_PEER = b"peer"
+
+
+class DownReason(enum.IntEnum):
+    MISSED_BEATS = 1  # no heartbeat for missed_beats intervals
+    RESTARTED = 2  # a heartbeat arrived with a new instance id
+    LEFT = 3  # the peer said goodbye (graceful stop)
+
+
+class Heartbeat(_HotMessage):
+    node_name: str
+    role: Role
+    instance_id: int
+    seq: int
+    is_draining: bool = False
+
+
+class Leave(_Message):
+    """Sent once by a node that stops gracefully, so peers need not wait for missed beats."""
+
+    node_name: str
+    instance_id: int
+
+
+class PeerUp(_Message):
+    node_name: str
+    role: Role
+    instance_id: int
+
+
+class PeerDown(_Message):
+    node_name: str
+    role: Role
+    instance_id: int
+    reason: DownReason
+
+
+PeerEvent = Heartbeat | Leave | PeerUp | PeerDown
+
+
+# =====================================================================================
+# Bulk data plane: DEALER (sender) -> ROUTER (receiver), acks back on the same pair.
+# A transfer is a sequence of messages (a ROUTER receiver sees the sender's identity first):
+#   [BulkBegin, seg, seg, ...]  [BulkChunk(seq=1), seg, ...]  [BulkChunk(seq=2), seg, ...]
+# where the payload (the concatenation of all buffers) is cut into segments that never cross a
+# buffer boundary and each message carries at most ``chunk_bytes`` of them; both sides derive
+# the same plan from (specs, chunk_bytes). On one host BulkBegin may instead carry a CmaSource:
+# the message is then the header alone and the receiver pulls the bytes from the sender's
+# memory. The receiver answers each transfer with exactly one BulkAck; a sender that gives up
+# sends BulkAbort. See transport/dataplane.py and transport/cma.py.
+# =====================================================================================
+
+
+class BufferSpec(_HotMessage):
+    """One buffer of a transfer. ``dtype`` is a numpy dtype string or ``torch.<name>``;
+    ``shape`` None means a flat 1-D buffer."""
+
+    num_bytes: int
+    dtype: str = "uint8"
+    shape: tuple[int, ...] | None = None
+
+
+class CmaSource(_HotMessage):
+    """Same-host fast path: the receiver copies the buffers straight out of the sender's memory
+    (Linux cross-memory attach, ``process_vm_readv``) instead of receiving frames.
+
+    ``addresses[i]`` is buffer i's address in process ``pid``. To prove that ``pid`` really is
+    the sender, the receiver first reads 16 bytes at ``proof_address`` and compares them with
+    ``proof`` (only the sender could have put that random value there).
+    """
+
+    pid: int
+    addresses: list[int]
+    proof: bytes
+    proof_address: int
+
+
+class BulkBegin(_HotMessage):
+    transfer_id: int
+    specs: list[BufferSpec]
+    chunk_bytes: int
+    meta: bytes = b""  # opaque to the data plane: the caller's own encoded description
+    source: CmaSource | None = None  # set: no segment frames follow, the receiver pulls the data
+
+
+class BulkChunk(_HotMessage):
+    transfer_id: int
+    seq: int  # 1, 2, ... (BulkBegin is message 0)
+
+
+class BulkAbort(_Message):
+    """The sender gives up on a transfer (deadline, caller cancelled): free its buffers now."""
+
+    transfer_id: int
+    reason: str = ""
+
+
+class BulkAck(_HotMessage):
+    """The receiver holds every byte of the transfer (code OK), or gave up on it (code != OK)."""
+
+    transfer_id: int
+    code: ErrorCode
+    num_bytes: int = 0
+    message: str = ""
+
+
+BulkFrame = BulkBegin | BulkChunk | BulkAbort
+BulkReply = BulkAck
+
+
+# =====================================================================================
+# Later sections go below, one banner each (channel, direction, frame layout):
+# storage cluster, engine requests/outputs, P/D handoff, cache events.
+# =====================================================================================

@@ -1,0 +1,79 @@
+"""Socket plumbing shared by every channel: context, options, bind/connect, drop accounting.
+
+Every socket is made with ``linger=0`` (close never blocks on unsent data), optional CURVE keys
+and an optional hard ``ZMQ_MAXMSGSIZE`` (a peer sending a larger frame is disconnected by libzmq
+before the frame is buffered). ``bind`` accepts ``tcp://HOST:0`` and returns the resolved address.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import zmq
+import zmq.asyncio
+
+from deepinfer.transport.errors import TransportError
+from deepinfer.transport.protocol import ErrorCode
+from deepinfer.transport.security import CurveKeys, apply_curve
+
+# A frame above HARD_LIMIT_FACTOR x the soft limit is cut off by libzmq (peer disconnected);
+# between the two it is received, dropped and answered with OVERSIZED where possible.
+HARD_LIMIT_FACTOR = 4
+
+_NUM_DROPS_LOGGED = 10  # then one line per 1000 drops: a flood of bad frames must not flood logs
+
+
+def default_context() -> zmq.asyncio.Context:
+    """The process-wide asyncio context (one io thread)."""
+    return zmq.asyncio.Context.instance()
+
+
+def new_socket(
+    ctx: zmq.asyncio.Context | None,
+    kind: int,
+    *,
+    curve: CurveKeys | None = None,
+    hard_max_bytes: int | None = None,
+    sndhwm: int | None = None,
+    rcvhwm: int | None = None,
+) -> zmq.asyncio.Socket:
+    sock = (ctx or default_context()).socket(kind)
+    sock.linger = 0
+    apply_curve(sock, curve)
+    if hard_max_bytes is not None:
+        sock.setsockopt(zmq.MAXMSGSIZE, hard_max_bytes)
+    if sndhwm is not None:
+        sock.sndhwm = sndhwm
+    if rcvhwm is not None:
+        sock.rcvhwm = rcvhwm
+    return sock
+
+
+def bind(sock: zmq.Socket, address: str) -> str:
+    """Bind and return the resolved endpoint (``tcp://127.0.0.1:0`` -> the chosen port)."""
+    try:
+        sock.bind(address)
+    except zmq.ZMQError as exc:
+        raise OSError(f"cannot bind {address}: {exc}") from None
+    return sock.last_endpoint.decode()
+
+
+@dataclass(slots=True)
+class ChannelStats:
+    """Counters of one channel; exported as metrics by the runtime."""
+
+    num_received: int = 0
+    num_sent: int = 0
+    num_dropped: int = 0
+    num_late_replies: int = 0
+    dropped_by_code: dict[ErrorCode, int] = field(default_factory=dict)
+    last_error: TransportError | None = None
+
+    def record_drop(self, error: TransportError, logger: logging.Logger, channel: str) -> None:
+        self.num_dropped += 1
+        self.dropped_by_code[error.code] = self.dropped_by_code.get(error.code, 0) + 1
+        self.last_error = error
+        if self.num_dropped <= _NUM_DROPS_LOGGED or self.num_dropped % 1000 == 0:
+            logger.warning("%s: dropped frame (%s, %d dropped so far): %s",
+                           channel, error.code.name, self.num_dropped, error)
