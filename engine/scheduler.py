@@ -32,88 +32,30 @@ from dataclasses import dataclass, field
 from deepinfer.cache.block_hash import MultiModalSpan, extend_block_hashes, root_hash
 from deepinfer.cache.block_pool import BlockPool
 from deepinfer.cache.slot_pool import SlotPool
-from deepinfer.engine.batch import ForwardBatch, SeqStep
+from deepinfer.engine.batch import SeqStep
 from deepinfer.engine.cost_model import CostModel, StepFeatures
+from deepinfer.engine.kv_manager import KVManager
 from deepinfer.engine.request import Request, RequestStatus, check_token_stop
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.sched_queue import WaitingQueue
+from deepinfer.engine.sched_types import (
+    PLACEHOLDER_TOKEN_ID,
+    RequestUpdate,
+    ScheduledSeq,
+    SchedulerConfig,
+    SchedulerError,
+    SchedulerOutput,
+)
 
-PLACEHOLDER_TOKEN_ID = -1
-
-
-class SchedulerError(ValueError):
-    """A request the scheduler cannot take (empty or too long prompt, duplicate id)."""
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    block_size: int
-    max_num_seqs: int  # = number of SWA slots
-    max_num_batched_tokens: int = 32768
-    max_model_len: int = 1 << 20
-    enable_prefix_caching: bool = True
-    # Tokens replayed before a prefix hit to rebuild the sliding-window state exactly:
-    # sliding_window * num_layers of the model. None replays the whole hit.
-    max_replay_tokens: int | None = None
-    model_id: str = ""
-    # Step-time target for chunk sizing with the cost model; None: token budget only.
-    step_time_target_s: float | None = None
-    # The first prefill chunk of a step gets at least this many tokens even when decodes alone
-    # already exceed the time target (prefills must make progress).
-    min_chunk_tokens: int = 64
-    max_num_spec_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise SchedulerError("block_size, max_num_seqs and max_num_batched_tokens must be >= 1")
-
-
-@dataclass(slots=True)
-class ScheduledSeq:
-    """One request's share of a step and what its logit rows mean.
-
-    The step's logits are ``[prompt-logprob rows][sample rows]``, the last ``num_logits``
-    positions of the SeqStep: row j of the prompt part scores prompt token j+1."""
-
-    request_id: str
-    step: SeqStep
-    num_replay_tokens: int  # positions below write_from: rebuild SWA state only
-    num_draft_tokens: int
-    num_sample_rows: int  # 1 + drafts when the step reaches the last known token, else 0
-    first_prompt_logprob_row: int
-    num_prompt_logprob_rows: int
-    has_placeholder: bool
-    preemption_epoch: int
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledSeq] = field(default_factory=list)
-    preempted_ids: list[str] = field(default_factory=list)
-    finished_ids: list[str] = field(default_factory=list)  # finished since the previous schedule()
-    features: StepFeatures = field(default_factory=StepFeatures)
-    predicted_time_s: float | None = None
-
-    @property
-    def batch(self) -> ForwardBatch:
-        return ForwardBatch([s.step for s in self.scheduled])
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(s.step.num_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass(slots=True)
-class RequestUpdate:
-    request: Request
-    new_token_ids: list[int]
-    num_rejected: int
-    finish_status: RequestStatus | None
-
+__all__ = [
+    "PLACEHOLDER_TOKEN_ID",
+    "RequestUpdate",
+    "ScheduledSeq",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerError",
+    "SchedulerOutput",
+]
 
 class Scheduler:
     def __init__(
@@ -126,6 +68,7 @@ class Scheduler:
         if block_pool.block_size != config.block_size:
             raise SchedulerError(f"block pool block_size {block_pool.block_size} != config {config.block_size}")
         self.config = config
+        self.kv = KVManager(block_pool, slot_pool)
         self.pool = block_pool
         self.slots = slot_pool
         self.cost_model = cost_model
@@ -239,7 +182,7 @@ class Scheduler:
             if n <= 0:
                 continue
             end = req.num_computed_tokens + n
-            while not self._ensure_blocks(req, end):
+            while not self.kv.ensure_blocks(req, end):
                 victim = max((r for r in self.running if r.scheduled_in != ctx.step_no), key=_sort_key)
                 self._preempt(victim, out, ctx)
                 if victim is req:
@@ -265,21 +208,16 @@ class Scheduler:
                 continue
             if len(self.running) >= cfg.max_num_seqs or self.slots.num_free_slots == 0:
                 break
-            hits = self._lookup_prefix(req)
+            hits = self.kv.lookup_prefix(req)
             hit_len = len(hits) * cfg.block_size
             num_replay = hit_len if cfg.max_replay_tokens is None else min(hit_len, cfg.max_replay_tokens)
             start = hit_len - num_replay
             n = self._chunk_size(ctx, start, req.num_tokens - start)
             if n <= 0:
                 break
-            num_new_blocks = max(0, _cdiv(start + n, cfg.block_size) - len(hits))
-            if num_new_blocks > self.pool.num_allocatable_with(hits):
+            if not self.kv.admit(req, hits, start + n):
                 break
             self.waiting.pop()
-            self.pool.touch(hits)
-            req.block_ids = hits + self.pool.allocate(num_new_blocks)
-            req.num_registered_blocks = len(hits)
-            req.slot = self.slots.allocate()
             req.num_computed_tokens = start
             req.window_start = start
             req.write_from = hit_len
@@ -430,9 +368,9 @@ class Scheduler:
             if kept:
                 req.append_output_tokens(kept, bs)
             if not is_stale and req.status == RequestStatus.RUNNING:
-                self._register_blocks(req, s.step.end_pos - num_rejected)
+                self.kv.register_blocks(req, s.step.end_pos - num_rejected)
                 if num_rejected:
-                    self._trim_blocks(req)
+                    self.kv.trim_blocks(req)
             if stop.status is not None:
                 self._finish(req, stop.status, stop.stop_reason)
             updates.append(RequestUpdate(req, kept, num_rejected, stop.status))
@@ -456,55 +394,13 @@ class Scheduler:
         req.is_awaiting_verification = False
         req.append_output_tokens(tokens, self.config.block_size)
         if req.status == RequestStatus.RUNNING and s.step.end_pos // self.config.block_size > req.num_registered_blocks:
-            self._register_blocks(req, s.step.end_pos)
+            self.kv.register_blocks(req, s.step.end_pos)
         return RequestUpdate(req, [tok], 0, None)
 
     # ---- block / slot bookkeeping -----------------------------------------------------
-    def _lookup_prefix(self, req: Request) -> list[int]:
-        if not req.block_hashes or req.sampling_params.prompt_logprobs is not None:
-            return []
-        # Never the whole sequence: at least one token is computed to produce logits.
-        num_blocks = (req.num_tokens - 1) // self.config.block_size
-        return self.pool.lookup_prefix(req.block_hashes[:num_blocks])
-
-    def _ensure_blocks(self, req: Request, end: int) -> bool:
-        need = _cdiv(end, self.config.block_size) - len(req.block_ids)
-        if need <= 0:
-            return True
-        if need > self.pool.num_free_blocks:
-            return False
-        req.block_ids.extend(self.pool.allocate(need))
-        return True
-
-    def _register_blocks(self, req: Request, computed_end: int) -> None:
-        """Publish full blocks whose positions are all computed with known tokens."""
-        num_full = min(computed_end, req.num_tokens) // self.config.block_size
-        if num_full <= req.num_registered_blocks:
-            return
-        num_full = min(num_full, len(req.block_hashes), len(req.block_ids))
-        for i in range(req.num_registered_blocks, num_full):
-            parent = req.block_hashes[i - 1] if i else None
-            self.pool.cache_block(req.block_ids[i], req.block_hashes[i], parent)
-        req.num_registered_blocks = max(req.num_registered_blocks, num_full)
-
-    def _trim_blocks(self, req: Request) -> None:
-        keep = max(_cdiv(req.num_tokens, self.config.block_size), req.num_registered_blocks)
-        if len(req.block_ids) > keep:
-            self.pool.free(req.block_ids[keep:])
-            req.block_ids = req.block_ids[:keep]
-
-    def _release(self, req: Request) -> None:
-        if req.block_ids:
-            self.pool.free(req.block_ids)
-            req.block_ids = []
-        if req.slot is not None:
-            self.slots.free(req.slot)
-            req.slot = None
-        req.num_registered_blocks = 0
-
     def _preempt(self, req: Request, out: SchedulerOutput, ctx: _StepContext) -> None:
         self.running.remove(req)
-        self._release(req)
+        self.kv.release(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.window_start = req.write_from = 0
@@ -520,7 +416,7 @@ class Scheduler:
             self.running.remove(req)
         else:
             self.waiting.remove(req)
-        self._release(req)
+        self.kv.release(req)
         req.status = status
         req.stop_reason = stop_reason
         del self.requests[req.request_id]
@@ -528,31 +424,19 @@ class Scheduler:
 
     # ---- invariants -------------------------------------------------------------------
     def check_integrity(self) -> None:
-        bs = self.config.block_size
-        refs: dict[int, int] = {}
         running_ids = {r.request_id for r in self.running}
         waiting_ids = {r.request_id for r in self.waiting}
         assert len(running_ids) == len(self.running), "a request is twice in running"
         assert not running_ids & waiting_ids, "a request is both running and waiting"
         assert running_ids | waiting_ids == set(self.requests), "requests map != running + waiting"
         assert len(self.running) <= self.config.max_num_seqs, "more running requests than slots"
+        assert [r.sort_key for r in self.running] == sorted(r.sort_key for r in self.running), "running out of order"
         for req in self.running:
             assert req.status == RequestStatus.RUNNING and req.slot is not None, f"{req.request_id}: bad running state"
-            assert len(req.block_ids) >= _cdiv(req.num_computed_tokens, bs), f"{req.request_id}: too few blocks"
-            assert req.num_registered_blocks <= len(req.block_ids)
-            for i, block_id in enumerate(req.block_ids):
-                refs[block_id] = refs.get(block_id, 0) + 1
-                h = self.pool.block_hash(block_id)
-                if h is not None:
-                    # A cached block in this table must hold exactly this request's tokens.
-                    assert i < len(req.block_hashes) and h == req.block_hashes[i], (
-                        f"{req.request_id}: block {block_id} at index {i} is cached under another prefix"
-                    )
         for req in self.waiting:
             assert req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), f"{req.request_id}: bad waiting state"
             assert not req.block_ids and req.slot is None and req.num_computed_tokens == 0
-        self.pool.check_integrity(refs)
-        self.slots.check_integrity(r.slot for r in self.running)
+        self.kv.check_integrity(self.running)
 
 
 @dataclass(slots=True)

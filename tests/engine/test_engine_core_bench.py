@@ -11,7 +11,8 @@ from deepinfer.bin.bench import load_bench_module
 def test_bench_engine_quick(tmp_path):
     bench = load_bench_module("engine")
     out = tmp_path / "engine.json"
-    assert bench.main(["--quick", "--batches", "1,4", "--step-ms", "2", "--json", str(out)]) == 0
+    argv = ["--quick", "--batches", "1,4", "--step-ms", "2", "--default-interpreter", "--json", str(out)]
+    assert bench.main(argv) == 0  # --default-interpreter: no process-wide GC/GIL changes in pytest
     data = json.loads(out.read_text())
     for b in (1, 4):
         assert data[f"overhead_ms_b{b}"] > 0
