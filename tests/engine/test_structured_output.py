@@ -106,3 +106,21 @@ def test_bitmasks_for_drafts(backend):
 def test_json_object(backend):
     st = backend.new_state({"json_object": True})
     assert st.accept(tok('{"a": [1, true]}')) == len('{"a": [1, true]}')
+
+
+def test_backend_from_a_tokenizers_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(['{"name": "bob", "age": 12}', "hello world"] * 20, trainer)
+    eos = tok.token_to_id("<eos>")
+    b = StructuredOutputBackend.from_hf_tokenizer(tok, [eos], vocab_size=tok.get_vocab_size() + 3)
+    st = b.new_state({"regex": "hello [a-z]+"})
+    ids = tok.encode("hello world").ids
+    assert st.accept(ids) == len(ids)
+    assert st.accept(tok.encode(" 1").ids) == 0  # a digit cannot follow
+    assert st.accept([eos]) == 1 and st.is_terminated
