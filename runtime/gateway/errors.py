@@ -126,7 +126,8 @@ def from_engine_error(exc: Exception, structured_param: str | None) -> GatewayEr
         retry = max(1, round(exc.retry_after_s))
         return GatewayError(str(exc), status=429, code="queue_full", headers={"Retry-After": str(retry)})
     if isinstance(exc, StructuredOutputError):
-        return GatewayError(str(exc), status=422, param=structured_param, code="invalid_structured_output")
+        message = f"{structured_param}: {exc}" if structured_param else str(exc)
+        return GatewayError(message, status=422, param=structured_param, code="invalid_structured_output")
     if isinstance(exc, SamplingParamsError):
         field = str(exc).split(" ", 1)[0]
         return bad_request(str(exc), field)
