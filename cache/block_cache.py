@@ -1,0 +1,108 @@
+"""Paged device tensors for the prefix-cacheable KV state: compressed rows and indexer keys.
+
+A block holds ``block_size`` *source* tokens of every paged tensor at once, so one physical id
+addresses the same token range in all of them (and one block is one unit for the prefix cache
+and the storage cluster). A tensor of a ratio-r layer keeps ``block_size // r`` rows per block:
+
+    logical block b of a sequence  ->  physical id table[b]
+    compressed row w (source [w*r, (w+1)*r))  ->  block w*r // block_size, row w % (block_size // r)
+    flat row id = table[w*r // block_size] * (block_size // r) + w % (block_size // r)
+
+The model declares which tensors exist (``PagedSpec``); this module only owns the memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+class BlockCacheError(ValueError):
+    """An impossible cache geometry or a block id out of range; the message says which."""
+
+
+@dataclass(frozen=True, slots=True)
+class PagedSpec:
+    """One paged tensor: ``rows_per_block`` rows of ``width`` values per block."""
+
+    layer: int
+    name: str  # e.g. "compressed", "indexer_keys"
+    ratio: int  # source tokens per row
+    width: int
+
+
+class BlockCache:
+    def __init__(
+        self,
+        specs: Sequence[PagedSpec],
+        *,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if num_blocks < 1:
+            raise BlockCacheError(f"num_blocks must be >= 1, got {num_blocks}")
+        for spec in specs:
+            if spec.ratio < 1 or block_size % spec.ratio:
+                raise BlockCacheError(
+                    f"block_size {block_size} must be a multiple of every compress ratio "
+                    f"(layer {spec.layer} {spec.name} has ratio {spec.ratio})"
+                )
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.specs = tuple(specs)
+        # zero-filled: rows never written are read only under a mask and must stay finite
+        self._tensors: dict[tuple[int, str], torch.Tensor] = {
+            (s.layer, s.name): torch.zeros(num_blocks, block_size // s.ratio, s.width, dtype=dtype, device=device)
+            for s in self.specs
+        }
+
+    def tensor(self, layer: int, name: str) -> torch.Tensor:
+        """``[num_blocks, rows_per_block, width]``."""
+        return self._tensors[(layer, name)]
+
+    def flat(self, layer: int, name: str) -> torch.Tensor:
+        """``[num_blocks * rows_per_block, width]`` view addressed by flat row ids."""
+        t = self._tensors[(layer, name)]
+        return t.view(-1, t.shape[-1])
+
+    @property
+    def bytes_per_block(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in self._tensors.values())
+
+    def _check_ids(self, ids: Sequence[int]) -> None:
+        bad = [i for i in ids if not 0 <= i < self.num_blocks]
+        if bad:
+            raise BlockCacheError(f"block ids {bad[:4]} out of range [0, {self.num_blocks})")
+
+    def copy_blocks(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Copy every paged tensor's rows of block ``src[i]`` into block ``dst[i]``."""
+        if len(src) != len(dst):
+            raise BlockCacheError(f"copy_blocks got {len(src)} sources and {len(dst)} destinations")
+        self._check_ids([*src, *dst])
+        if not src:
+            return
+        first = next(iter(self._tensors.values()), None)
+        if first is None:
+            return
+        s = torch.tensor(list(src), device=first.device)
+        d = torch.tensor(list(dst), device=first.device)
+        for t in self._tensors.values():
+            t[d] = t[s]
+
+    def read_block(self, block_id: int) -> dict[str, torch.Tensor]:
+        """Copies of one block's rows, keyed ``"<layer>.<name>"`` (for host tiers and the store)."""
+        self._check_ids([block_id])
+        return {f"{layer}.{name}": t[block_id].clone() for (layer, name), t in self._tensors.items()}
+
+    def write_block(self, block_id: int, rows: dict[str, torch.Tensor]) -> None:
+        self._check_ids([block_id])
+        expected = {f"{layer}.{name}" for layer, name in self._tensors}
+        if set(rows) != expected:
+            missing, extra = sorted(expected - set(rows)), sorted(set(rows) - expected)
+            raise BlockCacheError(f"write_block: missing tensors {missing[:4]}, unexpected {extra[:4]}")
+        for (layer, name), t in self._tensors.items():
+            t[block_id].copy_(rows[f"{layer}.{name}"])

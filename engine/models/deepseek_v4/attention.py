@@ -1,0 +1,142 @@
+"""V4 attention over the serving caches: shared-KV MQA with sink, sliding window + compressed KV.
+
+Per token t (head_dim D, the last ``rope_dim`` channels rotate):
+  q = rope(rms(q_b(rms(q_a(h)))) per head),   kv = rope(kv_norm(kv_proj(h)))   (K = V)
+  keys = its window rows [t-W+1, t] + compressed entries (HCA: all closed; CSA: indexer top-k)
+  out  = softmax([q.k * D^-0.5 ..., sink]) @ keys, un-rotated at t, then the grouped low-rank
+         output projection (o_a per head group, o_b across groups).
+
+Cache traffic per layer, in this order: closed windows' entries -> block cache; fresh compressor
+rows -> compressor rings; window pool gathered; fresh kv rows -> window ring; attention reads
+the pool and the block cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer.cache.block_cache import BlockCache
+from deepinfer.cache.swa_state import SwaArena
+from deepinfer.engine.model_config import ModelConfig
+from deepinfer.engine.models.deepseek_v4.compressor import Compressor, Indexer
+from deepinfer.engine.models.deepseek_v4.context import ForwardContext, RingWrite
+from deepinfer.engine.models.deepseek_v4.layers import Norm, fuse_linears, linear_holder
+from deepinfer.kernels import ops
+
+
+def _write_ring(ring: torch.Tensor, fresh: torch.Tensor, write: RingWrite) -> None:
+    ring.index_copy_(0, write.rows, fresh.index_select(0, write.src))
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, device=None, dtype=None):
+        super().__init__()
+        c = config
+        self.layer = layer
+        self.num_heads, self.head_dim, self.eps = c.num_attention_heads, c.head_dim, c.rms_norm_eps
+        self.o_groups, self.o_lora_rank = c.o_groups, c.o_lora_rank
+        self.ratio = c.compress_ratio(layer)
+        self.is_csa = self.ratio > 0 and c.layer_types[layer] == "compressed_sparse_attention"
+        self.rope_name = "compress" if self.ratio else "main"
+        h, hd = c.hidden_size, c.head_dim
+        self.q_a_proj = linear_holder(h, c.q_lora_rank, device, dtype)
+        self.q_a_norm = Norm(c.q_lora_rank, device)
+        self.q_b_proj = linear_holder(c.q_lora_rank, c.num_attention_heads * hd, device, dtype)
+        self.kv_proj = linear_holder(h, hd, device, dtype)
+        self.kv_norm = Norm(hd, device)
+        self.o_a_proj = linear_holder(c.num_attention_heads * hd // c.o_groups, c.o_groups * c.o_lora_rank, device, dtype)
+        self.o_b_proj = linear_holder(c.o_groups * c.o_lora_rank, h, device, dtype)
+        self.sinks = nn.Parameter(torch.empty(c.num_attention_heads, device=device, dtype=torch.float32), requires_grad=False)
+        self.compressor: Compressor | None = None
+        if self.ratio:
+            self.compressor = Compressor(h, hd, self.ratio, self.is_csa, c.rms_norm_eps, device, dtype)
+            if self.is_csa:
+                self.compressor.indexer = Indexer(
+                    h, c.q_lora_rank, c.index_n_heads, c.index_head_dim, self.ratio, c.index_topk,
+                    c.rms_norm_eps, device, dtype,
+                )  # fmt: skip
+        self.w_in: torch.Tensor | None = None
+        self.in_sizes: list[int] = []
+        self.w_qb: torch.Tensor | None = None
+
+    @property
+    def indexer(self) -> Indexer | None:
+        return self.compressor.indexer if self.is_csa else None
+
+    def finalize(self) -> None:
+        """Fuse the projections that read the same input (call once weights are in place)."""
+        inputs = [self.q_a_proj, self.kv_proj]
+        if self.compressor is not None:
+            inputs += self.compressor.input_linears()
+        if self.indexer is not None:
+            inputs += self.indexer.input_linears()
+        self.w_in, self.in_sizes = fuse_linears(inputs)
+        q_bs = [self.q_b_proj] + ([self.indexer.q_b_proj] if self.indexer is not None else [])
+        self.w_qb, _ = fuse_linears(q_bs)
+
+    def forward(self, h: torch.Tensor, ctx: ForwardContext, blocks: BlockCache, swa: SwaArena) -> torch.Tensor:
+        bi, t, layer = ctx.batch_invariant, h.shape[0], self.layer
+        hd, nh = self.head_dim, self.num_heads
+        proj = ops.linear(h, self.w_in, bi).split(self.in_sizes, dim=-1)
+        q_res = ops.rms_norm(proj[0], self.q_a_norm.weight, self.eps)
+        q_all = ops.linear(q_res, self.w_qb, bi)
+        cos, sin = ctx.rope[self.rope_name]
+        q = ops.apply_rope(ops.rms_norm_unweighted(q_all[:, : nh * hd].view(t, nh, hd), self.eps), cos, sin)
+        kv = ops.apply_rope(ops.rms_norm(proj[1], self.kv_norm.weight, self.eps), cos, sin)
+
+        index_q = index_w = None
+        if self.compressor is not None:
+            plan = ctx.compress[(self.ratio, self.is_csa)]
+            self._compress(self.compressor, proj[2], proj[3], plan, blocks, swa, "comp", "compressed")
+            if self.indexer is not None:
+                ix = self.indexer
+                self._compress(ix, proj[4], proj[5], plan, blocks, swa, "index", "indexer_keys")
+                index_w = proj[6].float() * ix.num_heads**-0.5
+                index_q = q_all[:, nh * hd :].reshape(t, ix.num_heads, ix.head_dim)
+                index_q = ops.apply_rope(index_q, *ctx.rope["compress"])
+            groups = plan.groups
+        else:
+            groups = ctx.window.groups
+
+        window_ring = swa.flat(layer, "window")
+        pool = torch.cat([window_ring.index_select(0, ctx.window.ring_rows), kv])
+        _write_ring(window_ring, kv, ctx.window.ring_write)
+
+        out = None if len(groups) == 1 and groups[0].token_index is None else q.new_empty(q.shape)
+        for g in groups:
+            sel = g.token_index
+            pick = (lambda x: x) if sel is None else (lambda x: x.index_select(0, sel))
+            key_index = pick(ctx.window.key_index)
+            num = key_index.shape[0]
+            keys = [pool.index_select(0, key_index.reshape(-1)).view(num, -1, hd)]
+            biases = [pick(ctx.window.key_bias)]
+            if g.num_candidates:
+                if self.indexer is not None:
+                    cand_keys = blocks.flat(layer, "indexer_keys").index_select(0, g.cand_rows.reshape(-1))
+                    cand_keys = cand_keys.view(num, g.num_candidates, -1)
+                    rows, bias = self.indexer.select(pick(index_q), pick(index_w), cand_keys, g, bi)
+                else:
+                    rows, bias = g.cand_rows, g.cand_bias
+                compressed = blocks.flat(layer, "compressed").index_select(0, rows.reshape(-1))
+                keys.append(compressed.view(num, -1, hd))
+                biases.append(bias)
+            part = ops.attention_with_sink(pick(q), keys, biases, self.sinks, hd**-0.5, bi)
+            if out is None:
+                out = part
+            else:
+                out.index_copy_(0, sel, part)
+
+        out = ops.apply_rope(out, cos, -sin)  # undo the rotation V carried on its rope channels
+        grouped = out.reshape(t, self.o_groups, -1)
+        o_a = self.o_a_proj.weight.view(self.o_groups, self.o_lora_rank, -1)
+        mixed = ops.grouped_linear(grouped, o_a, bi).reshape(t, -1)
+        return ops.linear(mixed, self.o_b_proj.weight, bi)
+
+    def _compress(self, comp: Compressor, kv, gate, plan, blocks: BlockCache, swa: SwaArena, ring: str, paged: str):
+        ring_kv, ring_gate = swa.flat(self.layer, f"{ring}_kv"), swa.flat(self.layer, f"{ring}_gate")
+        if plan.entries is not None:
+            entries = comp.close_entries(kv, gate, ring_kv, ring_gate, plan.entries)
+            blocks.flat(self.layer, paged).index_copy_(0, plan.entries.dst_rows, entries)
+        _write_ring(ring_kv, kv, plan.ring_write)
+        _write_ring(ring_gate, gate, plan.ring_write)

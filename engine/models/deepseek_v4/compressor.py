@@ -1,0 +1,122 @@
+"""Gated compressors (CSA with overlap, HCA without) and the CSA lightning indexer.
+
+A compressor turns every ``ratio`` source tokens into one entry:
+
+    entry w = kv_norm( sum_j softmax_j(gate_j + position_bias_j) * kv_j )   rotated at w * ratio
+
+HCA pools the r rows of window w. CSA projects two series per token (Ca = first half, Cb =
+second half) and pools 2r slots: Ca of window w-1 and Cb of window w (stride r, width 2r); for
+w = 0 the Ca slots are absent. The source rows of windows still open live in the SWA slot's
+rings (``comp_kv``/``comp_gate``, ``index_kv``/``index_gate``); closed entries go to the paged
+block cache (``compressed``, ``indexer_keys``).
+
+The indexer scores compressed entries per query with ``sum_h w_h * relu(q_h . k)`` and keeps the
+top ``index_topk`` closed ones for the CSA attention.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer.engine.models.deepseek_v4.context import NEG_INF, EntryPlan, TokenGroup
+from deepinfer.engine.models.deepseek_v4.layers import Norm, linear_holder
+from deepinfer.kernels import ops
+
+
+class Compressor(nn.Module):
+    def __init__(self, hidden_size: int, head_dim: int, ratio: int, overlap: bool, eps: float, device=None, dtype=None):
+        super().__init__()
+        self.head_dim, self.ratio, self.overlap, self.eps = head_dim, ratio, overlap, eps
+        width = 2 * head_dim if overlap else head_dim  # projected features per source token
+        self.width = width
+        self.kv_proj = linear_holder(hidden_size, width, device, dtype)
+        self.gate_proj = linear_holder(hidden_size, width, device, dtype)
+        self.position_bias = nn.Parameter(
+            torch.empty(ratio, width, device=device, dtype=torch.float32), requires_grad=False
+        )
+        self.kv_norm = Norm(head_dim, device)
+
+    def input_linears(self) -> list[nn.Linear]:
+        return [self.kv_proj, self.gate_proj]
+
+    def close_entries(
+        self,
+        kv: torch.Tensor,
+        gate: torch.Tensor,
+        ring_kv: torch.Tensor,
+        ring_gate: torch.Tensor,
+        plan: EntryPlan,
+    ) -> torch.Tensor:
+        """Entries ``[E, head_dim]`` of the windows that close in this forward.
+
+        ``kv``/``gate [T, width]`` are this forward's projections; ``ring_*`` the flat rings
+        holding earlier positions. Sources come from ``pool = cat(ring rows, fresh rows)``.
+        """
+        num_entries, span = plan.src_index.shape
+        r, d = self.ratio, self.head_dim
+        pool_kv = torch.cat([ring_kv.index_select(0, plan.ring_rows), kv])
+        pool_gate = torch.cat([ring_gate.index_select(0, plan.ring_rows), gate])
+        flat_index = plan.src_index.reshape(-1)
+        src_kv = pool_kv.index_select(0, flat_index).view(num_entries, span, self.width)
+        src_gate = pool_gate.index_select(0, flat_index).view(num_entries, span, self.width).float()
+        bias = self.position_bias
+        if self.overlap:
+            # slots 0..r-1: Ca of window w-1, slots r..2r-1: Cb of window w
+            src_kv = torch.cat([src_kv[:, :r, :d], src_kv[:, r:, d:]], dim=1)
+            src_gate = torch.cat([src_gate[:, :r, :d] + bias[:, :d], src_gate[:, r:, d:] + bias[:, d:]], dim=1)
+        else:
+            src_gate = src_gate + bias
+        src_gate = src_gate.masked_fill(~plan.src_valid[..., None], NEG_INF)
+        weights = src_gate.softmax(dim=1).to(src_kv.dtype)
+        pooled = ops.rms_norm((src_kv * weights).sum(dim=1), self.kv_norm.weight, self.eps)
+        return ops.apply_rope(pooled, plan.cos, plan.sin)
+
+
+class Scorer(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int, device=None, dtype=None):
+        super().__init__()
+        self.weights_proj = linear_holder(hidden_size, num_heads, device, dtype)
+
+
+class Indexer(Compressor):
+    """CSA lightning indexer: its own overlapping compressor at ``index_head_dim`` plus scoring."""
+
+    def __init__(self, hidden_size, q_lora_rank, num_heads, head_dim, ratio, top_k, eps, device=None, dtype=None):
+        super().__init__(hidden_size, head_dim, ratio, True, eps, device, dtype)
+        self.num_heads, self.top_k = num_heads, top_k
+        self.q_b_proj = linear_holder(q_lora_rank, num_heads * head_dim, device, dtype)
+        self.scorer = Scorer(hidden_size, num_heads, device, dtype)
+
+    def input_linears(self) -> list[nn.Linear]:
+        return [self.kv_proj, self.gate_proj, self.scorer.weights_proj]
+
+    def select(
+        self,
+        q: torch.Tensor,
+        head_weights: torch.Tensor,
+        keys: torch.Tensor,
+        group: TokenGroup,
+        batch_invariant: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k closed entries per token, ascending: (flat block-cache rows [G, k], bias [G, 1, k]).
+
+        ``q [G, H, Di]`` (rotated), ``head_weights [G, H]`` float32, ``keys [G, B, Di]`` the
+        candidates of ``group``. Candidates never closed score -inf and, if picked because a
+        token has fewer than k closed entries, are masked out of the attention.
+        """
+        scores = ops.bmm(q, keys.transpose(1, 2), batch_invariant).float()  # [G, H, B]
+        scores = torch.relu(scores) * self.head_dim**-0.5
+        total = (scores * head_weights[:, :, None]).sum(dim=1)  # [G, B]
+        total = total.masked_fill(~group.cand_valid, NEG_INF)
+        k = min(self.top_k, group.num_candidates)
+        picked = torch.topk(total, k, dim=-1).indices
+        is_valid = group.cand_valid.gather(1, picked)
+        # a canonical order (valid ascending, then invalid) so the attention sum never depends
+        # on the order topk happens to return
+        sort_key = torch.where(is_valid, picked, picked + group.num_candidates)
+        picked = picked.gather(1, sort_key.argsort(dim=-1))
+        is_valid = group.cand_valid.gather(1, picked)
+        rows = group.cand_rows.gather(1, picked)
+        bias = torch.zeros(is_valid.shape, dtype=torch.float32, device=q.device).masked_fill_(~is_valid, NEG_INF)
+        return rows, bias[:, None, :]

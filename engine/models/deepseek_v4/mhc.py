@@ -1,0 +1,52 @@
+"""Manifold-constrained hyper-connections (mHC): ``hc_mult`` residual streams per token.
+
+Each block reads one collapsed stream (weights ``pre``) and writes ``post_k * out`` plus a
+Sinkhorn-normalised mix ``comb`` of the old streams back into every stream; ``hc_head``
+collapses the streams once more before the final norm.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from deepinfer.kernels import ops
+
+
+class HyperConnection(nn.Module):
+    def __init__(self, hc_mult: int, hidden_size: int, *, sinkhorn_iters: int, hc_eps: float, norm_eps: float, device=None):
+        super().__init__()
+        n = hc_mult
+        self.hc_mult, self.sinkhorn_iters, self.hc_eps, self.norm_eps = n, sinkhorn_iters, hc_eps, norm_eps
+        f32 = dict(device=device, dtype=torch.float32)
+        self.fn = nn.Parameter(torch.empty((2 + n) * n, n * hidden_size, **f32), requires_grad=False)
+        self.base = nn.Parameter(torch.empty((2 + n) * n, **f32), requires_grad=False)
+        self.scale = nn.Parameter(torch.empty(3, **f32), requires_grad=False)
+
+    def pre(self, streams: torch.Tensor, batch_invariant: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``streams [T, N, D]`` -> (post [T, N], comb [T, N, N], block input [T, D])."""
+        return ops.hc_pre(
+            streams, self.fn, self.base, self.scale,
+            norm_eps=self.norm_eps, hc_eps=self.hc_eps, sinkhorn_iters=self.sinkhorn_iters,
+            batch_invariant=batch_invariant,
+        )  # fmt: skip
+
+    @staticmethod
+    def post(block_out, streams, post, comb, batch_invariant: bool) -> torch.Tensor:
+        return ops.hc_post(block_out, streams, post, comb, batch_invariant)
+
+
+class HyperHead(nn.Module):
+    def __init__(self, hc_mult: int, hidden_size: int, *, hc_eps: float, norm_eps: float, device=None):
+        super().__init__()
+        self.hc_eps, self.norm_eps = hc_eps, norm_eps
+        f32 = dict(device=device, dtype=torch.float32)
+        self.hc_fn = nn.Parameter(torch.empty(hc_mult, hc_mult * hidden_size, **f32), requires_grad=False)
+        self.hc_base = nn.Parameter(torch.empty(hc_mult, **f32), requires_grad=False)
+        self.hc_scale = nn.Parameter(torch.empty(1, **f32), requires_grad=False)
+
+    def forward(self, streams: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
+        return ops.hc_head(
+            streams, self.hc_fn, self.hc_base, self.hc_scale,
+            norm_eps=self.norm_eps, hc_eps=self.hc_eps, batch_invariant=batch_invariant,
+        )  # fmt: skip

@@ -1,0 +1,166 @@
+"""Reference-model helpers for parity tests and benchmarks (needs ``transformers``, a test extra).
+
+``hf_reference(...)`` builds a transformers ``DeepseekV4ForCausalLM`` with weights that exercise
+every path (non-zero sinks, position biases, router correction biases, a random hash table,
+O(1) activations) and the matching ``ModelConfig`` + canonical state dict for our runner.
+``SeqDriver`` runs sequences through a ``ModelRunner`` with naive slot/block bookkeeping.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer.engine.batch import ForwardBatch, SeqStep
+from deepinfer.engine.model_config import ModelConfig
+
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+
+TINY_DEFAULTS = dict(
+    vocab_size=512, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+    head_dim=32, q_lora_rank=32, partial_rotary_factor=0.25, n_routed_experts=8, num_experts_per_tok=2,
+    sliding_window=16, o_groups=2, o_lora_rank=16, index_n_heads=16, index_head_dim=16, index_topk=4,
+    hc_mult=2, layer_types=[SLIDING, CSA, HCA, CSA],
+    compress_rates={CSA: 4, HCA: 16}, mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+    max_position_embeddings=4096,
+)  # fmt: skip
+
+
+def hf_config(**overrides):
+    from transformers import DeepseekV4Config
+
+    kwargs = {**TINY_DEFAULTS, **overrides}
+    if "layer_types" in overrides and "num_hidden_layers" not in overrides:
+        kwargs["num_hidden_layers"] = len(kwargs["layer_types"])
+    if len(kwargs["mlp_layer_types"]) != kwargs["num_hidden_layers"]:
+        kwargs["mlp_layer_types"] = ["hash_moe"] + ["moe"] * (kwargs["num_hidden_layers"] - 1)
+    return DeepseekV4Config(**kwargs)
+
+
+def randomize_(model, seed: int) -> None:
+    """Fill every tensor of an HF V4 model with values that keep all paths non-trivial."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = model.config
+
+    def randn(shape):
+        return torch.randn(shape, generator=g)
+
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if name.endswith("tid2eid"):
+                perms = [torch.randperm(cfg.n_routed_experts, generator=g)[: cfg.num_experts_per_tok] for _ in range(t.shape[0])]
+                t.copy_(torch.stack(perms))
+            elif name.endswith(("norm.weight", "layernorm.weight")):
+                t.copy_(1 + 0.1 * randn(t.shape))
+            elif name.endswith("sinks"):
+                t.copy_(randn(t.shape))
+            elif name.endswith("position_bias"):
+                t.copy_(0.5 * randn(t.shape))
+            elif name.endswith("e_score_correction_bias"):
+                t.copy_(0.2 * randn(t.shape))
+            elif name.endswith((".scale", "hc_scale")):
+                t.copy_(1 + 0.2 * randn(t.shape))
+            elif name.endswith((".base", "hc_base")):
+                t.copy_(0.2 * randn(t.shape))
+            elif t.is_floating_point():
+                t.copy_(randn(t.shape) / math.sqrt(t.shape[-1]))
+
+
+def canonical_state_dict(hf_model) -> dict[str, torch.Tensor]:
+    return {k.removeprefix("model."): v.detach().clone() for k, v in hf_model.state_dict().items()}
+
+
+@dataclass(slots=True)
+class Reference:
+    hf_model: object
+    config: ModelConfig
+    state_dict: dict[str, torch.Tensor]
+
+
+def hf_reference(seed: int = 0, **overrides) -> Reference:
+    from transformers import DeepseekV4ForCausalLM
+
+    hc = hf_config(**overrides)
+    model = DeepseekV4ForCausalLM(hc).eval()
+    randomize_(model, seed)
+    return Reference(model, ModelConfig.from_dict(hc.to_dict()), canonical_state_dict(model))
+
+
+def hf_prompt_logprobs(hf_model, ids: list[int]) -> torch.Tensor:
+    """log p(ids[i+1] | ids[:i+1]) for every i, one transformers forward."""
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+@dataclass(slots=True)
+class SeqState:
+    slot: int
+    blocks: list[int]
+    tokens: list[int]
+    num_computed: int = 0
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+
+class SeqDriver:
+    """Drive sequences through a runner: slot i and a private range of blocks per sequence."""
+
+    def __init__(self, runner, blocks_per_seq: int):
+        self.runner = runner
+        self.blocks_per_seq = blocks_per_seq
+        self.seqs: dict[int, SeqState] = {}
+
+    def add(self, seq_id: int, tokens: list[int], slot: int | None = None) -> SeqState:
+        slot = len(self.seqs) if slot is None else slot
+        first = slot * self.blocks_per_seq
+        state = SeqState(slot, list(range(first, first + self.blocks_per_seq)), list(tokens))
+        self.seqs[seq_id] = state
+        return state
+
+    def step(self, plan: dict[int, tuple[int, int]]) -> dict[int, torch.Tensor]:
+        """One forward: seq_id -> (num new tokens from its pending tokens, num_logits)."""
+        steps = []
+        for seq_id, (n, num_logits) in plan.items():
+            s = self.seqs[seq_id]
+            toks = s.tokens[s.num_computed : s.num_computed + n]
+            steps.append(SeqStep(seq_id, s.slot, s.blocks, s.num_computed, toks, num_logits=num_logits))
+        logits = self.runner.execute(ForwardBatch(steps))
+        out, row = {}, 0
+        for st in steps:
+            self.seqs[st.seq_id].num_computed += st.num_tokens
+            out[st.seq_id] = logits[row : row + st.num_logits]
+            row += st.num_logits
+        return out
+
+    def prefill(self, seq_ids: list[int], chunk: int | None = None, all_logits: bool = True) -> dict[int, torch.Tensor]:
+        """Run every pending token of ``seq_ids`` (in chunks of at most ``chunk``), batched together."""
+        got: dict[int, list[torch.Tensor]] = {i: [] for i in seq_ids}
+        while True:
+            plan = {}
+            for i in seq_ids:
+                s = self.seqs[i]
+                left = len(s.tokens) - s.num_computed
+                if left:
+                    n = left if chunk is None else min(chunk, left)
+                    plan[i] = (n, n if all_logits else int(n == left))
+            if not plan:
+                return {i: torch.cat(v) for i, v in got.items()}
+            for i, lg in self.step(plan).items():
+                got[i].append(lg)
+
+    def greedy(self, seq_ids: list[int], num_tokens: int, first_logits: dict[int, torch.Tensor]):
+        """Greedy decode ``num_tokens`` per sequence in one batch; returns (tokens, logprob rows)."""
+        last = {i: first_logits[i][-1] for i in seq_ids}
+        toks: dict[int, list[int]] = {i: [] for i in seq_ids}
+        rows: dict[int, list[torch.Tensor]] = {i: [] for i in seq_ids}
+        for k in range(num_tokens):
+            for i in seq_ids:
+                t = int(last[i].argmax())
+                toks[i].append(t)
+                rows[i].append(torch.log_softmax(last[i], -1))
+                self.seqs[i].tokens.append(t)
+            if k + 1 < num_tokens:
+                last = {i: lg[-1] for i, lg in self.step({i: (1, 1) for i in seq_ids}).items()}
+        return toks, {i: torch.stack(v) for i, v in rows.items()}
