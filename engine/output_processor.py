@@ -25,6 +25,9 @@ from deepinfer.engine.sampling_params import SamplingParams
 
 
 class Detokenizer(Protocol):
+    """``step(id) -> new text`` per token; an optional ``flush() -> str`` returns text still held
+    back (e.g. an incomplete UTF-8 sequence) and is called once when the request finishes."""
+
     def step(self, token_id: int) -> str:
         """Append one token; return the text it adds (may be "" while bytes are incomplete)."""
 
@@ -148,6 +151,9 @@ class OutputProcessor:
             st.metrics.first_token_time = now
         st.metrics.num_cached_tokens = num_cached_tokens
         if finish_reason is not None:
+            flush = getattr(st.detokenizer, "flush", None)
+            if flush is not None and stop_string is None:
+                st.text += flush()
             st.finish_reason, st.stop_reason = finish_reason, stop_reason
             st.metrics.finished_time = now
         return ProcessedStep(self._delta(engine_request_id, st, max_stop), num_kept, stop_string)

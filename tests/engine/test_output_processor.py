@@ -115,3 +115,23 @@ def test_abort_emits_final_output():
     out = op.abort("r", now=5.0)
     assert out.finished and out.outputs[0].finish_reason == "abort" and out.outputs[0].token_ids == []
     assert op.abort("r", now=6.0) is None
+
+
+def test_flush_on_finish_appends_held_back_text():
+    class Holding:
+        def __init__(self):
+            self.pending = ""
+
+        def step(self, token_id):
+            out, self.pending = self.pending, WORDS[token_id]
+            return out
+
+        def flush(self):
+            out, self.pending = self.pending, ""
+            return out
+
+    op = OutputProcessor(lambda prompt, p: Holding())
+    op.add_request("r", "r", 0, 1, None, [1], SamplingParams(max_tokens=2), 0.0)
+    acc = merge_output(None, op.process("r", [2], None, None, None, now=0).output)
+    acc = merge_output(acc, op.process("r", [3], None, "length", None, now=0).output)
+    assert acc.outputs[0].text == "Hello"
