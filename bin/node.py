@@ -2,20 +2,64 @@
 
 from __future__ import annotations
 
-from deepinfer.bin.cli import NotBuiltError
+import logging
+
+from deepinfer import envs
+from deepinfer.bin.cli import CliError, NotBuiltError
 
 
 def add_parser(subparsers, name):
     p = subparsers.add_parser(
         name,
         help="run one cluster node daemon in a role",
-        description="Run one node daemon (gateway, encoder, prefill, decode or storage) from a cluster config.",
+        description="Run one node daemon (gateway, encoder, prefill, decode or storage) from a cluster config. "
+                    "SIGTERM/SIGINT drain it gracefully; a second signal stops it at once.",
     )
     p.add_argument("--role", required=True, choices=["gateway", "encoder", "prefill", "decode", "storage"])
     p.add_argument("--cluster", required=True, help="cluster config TOML file")
-    p.add_argument("--name", default=None, help="this node's name in the cluster config")
+    p.add_argument("--name", default=None, help="this node's name in the cluster config "
+                                                "(default: the only node with --role)")
     return p
 
 
 def run(args) -> int:
-    raise NotBuiltError(f"the {args.role} role of the node daemon")
+    from deepinfer.runtime import loop
+    from deepinfer.runtime.cluster_config import ClusterConfigError, NodeRole, load_cluster_config
+    from deepinfer.runtime.node import Node, NodeSettings
+    from deepinfer.runtime.roles import RoleNotBuilt, role_factory
+
+    role = NodeRole(args.role)
+    try:
+        make_role = role_factory(role)
+    except RoleNotBuilt as exc:
+        raise NotBuiltError(str(exc)) from None
+    try:
+        config = load_cluster_config(args.cluster)
+    except ClusterConfigError as exc:
+        raise CliError(str(exc)) from None
+    name = args.name or _only_node_with_role(config, role)
+    try:
+        spec = config.node(name)
+        if spec.role != role:
+            raise CliError(f"node {name!r} has role {spec.role.value} in {args.cluster}, not {role.value}")
+        settings = NodeSettings.from_cluster(config, name)
+    except (KeyError, ValueError, FileNotFoundError) as exc:
+        raise CliError(str(exc).strip('"')) from None
+    logging.basicConfig(level=envs.get().log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    async def serve() -> None:
+        node = Node(settings, [make_role(role=role, config=config, node_name=name)])
+        await node.start()
+        node.install_signal_handlers()
+        await node.wait_stopped()
+
+    loop.run(serve())
+    return 0
+
+
+def _only_node_with_role(config, role) -> str:
+    names = [spec.name for spec in config.nodes_with_role(role)]
+    if len(names) != 1:
+        listed = ", ".join(names) or "none"
+        raise CliError(f"--name is required: the config has {len(names)} {role.value} nodes ({listed})")
+    return names[0]

@@ -92,7 +92,7 @@ class BulkReceiver:
     async def start(self) -> str:
         self._sock = new_socket(self._ctx, zmq.ROUTER, curve=self._curve, rcvhwm=self._window)
         self._sock.rcvbuf = SOCKET_BUFFER_BYTES
-        self.address = bind(self._sock, self.address)
+        self.address = await bind(self._sock, self.address)
         self._tasks = [asyncio.create_task(self._recv_loop(), name=f"{self.name}-recv"),
                        asyncio.create_task(self._sweep_idle(), name=f"{self.name}-sweep")]
         return self.address

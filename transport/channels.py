@@ -131,7 +131,7 @@ class RequestServer:
 
     async def start(self) -> str:
         self._sock = new_socket(self._ctx, zmq.ROUTER, curve=self._curve, hard_max_bytes=self._hard_max_bytes)
-        self.address = bind(self._sock, self.address)
+        self.address = await bind(self._sock, self.address)
         self._recv_task = asyncio.create_task(self._recv_loop(), name=f"{self.name}-recv")
         return self.address
 

@@ -242,3 +242,109 @@ BulkReply = BulkAck
 # Later sections go below, one banner each (channel, direction, frame layout):
 # storage cluster, engine requests/outputs, P/D handoff, cache events.
 # =====================================================================================
+
+
+# =====================================================================================
+# Storage cluster: ROUTER (storage node) <- DEALER (store clients: engines, tools, benchmarks).
+# Request frames: [request_id u64le, body, payload, payload, ...]; replies the same.
+# Fragment payloads travel as raw attachments (zero-copy), attachment i belonging to the i-th
+# FragmentMeta of the message. A node holds at most one fragment per object key.
+# =====================================================================================
+
+
+class FragmentStatus(enum.IntEnum):
+    OK = 0
+    NOT_FOUND = 1
+    CORRUPT = 2  # failed its checksum on the node: counted, deleted, never served
+    EXPIRED = 3  # past its traffic class's TTL
+    NO_SPACE = 4  # does not fit even after garbage collection
+    INVALID = 5  # malformed write (bad key, payload does not match its crc)
+
+
+class FragmentMeta(_HotMessage):
+    """Everything about a fragment but its payload (see cache/store/ec.py FragmentHeader)."""
+
+    key: bytes
+    index: int
+    k: int
+    m: int
+    object_size: int
+    payload_crc: int
+    write_id: int
+
+
+class PutFragments(_HotMessage):
+    traffic_class: str  # decides the TTL on the node ("agent", "chat", ...)
+    fragments: list[FragmentMeta]
+
+
+class GetFragments(_HotMessage):
+    keys: list[bytes]
+    timeout_ms: float = 0.0  # the caller's remaining budget; the node skips work past it (0: none)
+
+
+class TouchFragments(_HotMessage):
+    """Mark fragments as just used, without reading them (LRU for nodes a read did not need)."""
+
+    keys: list[bytes]
+
+
+class StorageStatsRequest(_Message):
+    pass
+
+
+class RunGc(_Message):
+    pass
+
+
+class DebugSet(_Message):
+    """Test-only (refused unless the node runs with --debug-hooks): set the node's wall clock
+    (``now`` > 0) and/or its per-request delay (``delay_ms`` >= 0), then run GC."""
+
+    now: float = 0.0
+    delay_ms: float = -1.0
+
+
+class PutAck(_HotMessage):
+    statuses: list[FragmentStatus]  # one per fragment, in order
+
+
+class FragmentsReply(_HotMessage):
+    statuses: list[FragmentStatus]  # one per requested key, in order
+    fragments: list[FragmentMeta] = []  # one per OK status, in order; payload i = attachment i
+
+
+class TouchAck(_HotMessage):
+    num_touched: int
+
+
+class StorageStats(_Message):
+    node_name: str
+    num_fragments: int
+    used_bytes: int
+    capacity_bytes: int
+    high_watermark_bytes: int
+    low_watermark_bytes: int
+    num_puts: int
+    num_gets: int
+    num_hits: int
+    num_misses: int
+    num_expired: int
+    num_evicted: int
+    num_corrupt: int
+    num_rejected: int
+    num_bytes_written: int
+    num_bytes_read: int
+    read_GBps: float  # over the last few seconds
+    write_GBps: float
+    uptime_s: float
+
+
+class GcDone(_Message):
+    num_expired: int
+    num_evicted: int
+    num_bytes_freed: int
+
+
+StorageRequest = PutFragments | GetFragments | TouchFragments | StorageStatsRequest | RunGc | DebugSet
+StorageReply = PutAck | FragmentsReply | TouchAck | StorageStats | GcDone | ErrorReply

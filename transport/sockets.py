@@ -7,6 +7,8 @@ before the frame is buffered). ``bind`` accepts ``tcp://HOST:0`` and returns the
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import logging
 from dataclasses import dataclass, field
 
@@ -50,13 +52,22 @@ def new_socket(
     return sock
 
 
-def bind(sock: zmq.Socket, address: str) -> str:
-    """Bind and return the resolved endpoint (``tcp://127.0.0.1:0`` -> the chosen port)."""
-    try:
-        sock.bind(address)
-    except zmq.ZMQError as exc:
-        raise OSError(f"cannot bind {address}: {exc}") from None
-    return sock.last_endpoint.decode()
+async def bind(sock: zmq.Socket, address: str, *, retry_s: float = 2.0) -> str:
+    """Bind and return the resolved endpoint (``tcp://127.0.0.1:0`` -> the chosen port).
+
+    An address still held by a socket that was just closed (libzmq closes asynchronously, so a
+    node restarted in the same process can race its previous life) is retried for ``retry_s``.
+    """
+    loop = asyncio.get_running_loop()
+    give_up_at = loop.time() + retry_s
+    while True:
+        try:
+            sock.bind(address)
+            return sock.last_endpoint.decode()
+        except zmq.ZMQError as exc:
+            if exc.errno != errno.EADDRINUSE or loop.time() >= give_up_at:
+                raise OSError(f"cannot bind {address}: {exc}") from None
+        await asyncio.sleep(0.02)
 
 
 @dataclass(slots=True)

@@ -55,7 +55,7 @@ class _Channel:
                                 hard_max_bytes=HARD_LIMIT_FACTOR * self.max_frame_bytes)
         self._configure(self._sock)
         if self.is_bind:
-            self.address = bind(self._sock, self.address)
+            self.address = await bind(self._sock, self.address)
         elif self.address:
             self._sock.connect(self.address)
         return self

@@ -1,0 +1,190 @@
+"""Cluster config: one TOML file describing every node, read with tomllib + msgspec.
+
+    [cluster]
+    name = "local"
+    heartbeat_interval_s = 0.5     # every node publishes a Heartbeat this often
+    missed_beats = 3               # a peer silent for this many intervals is marked down
+    drain_deadline_s = 30          # SIGTERM: in-flight work gets this long to finish
+
+    [security]                     # optional
+    curve = true                   # every node then needs curve_public_key
+    allow_clients = ["Z85..."]     # extra client keys (operators, tools) admitted by every node
+
+    [storage]                      # erasure coding of the KV store
+    ec_k = 10
+    ec_m = 2
+
+    [[nodes]]
+    name = "prefill-0"
+    role = "prefill"               # gateway | encoder | prefill | decode | storage
+    control = "tcp://10.0.0.5:7100"   # ROUTER: Hello / Drain / Status
+    events = "tcp://10.0.0.5:7101"    # PUB: heartbeats and this node's view of its peers
+    data = "tcp://10.0.0.5:7102"      # bulk data plane receiver (roles that receive bulk data)
+    curve_public_key = "Z85..."
+    curve_secret_key_file = "/etc/deepinfer/prefill-0.key_secret"   # read only by that node
+
+Every error names the file and the bad key in one line, e.g.
+``cluster.toml: nodes[2].role: expected one of gateway, encoder, prefill, decode, storage, got 'x'``.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+
+from deepinfer.transport.protocol import Role
+
+
+class NodeRole(enum.StrEnum):
+    GATEWAY = "gateway"
+    ENCODER = "encoder"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    STORAGE = "storage"
+
+    @property
+    def wire(self) -> Role:
+        return Role[self.name]
+
+
+class ClusterConfigError(ValueError):
+    """One line naming the file, the key and what was wrong with it."""
+
+
+class _Section(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    pass
+
+
+class ClusterSection(_Section):
+    name: str = "deepinfer"
+    heartbeat_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 0.5
+    missed_beats: Annotated[int, msgspec.Meta(ge=1)] = 3
+    drain_deadline_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+
+    @property
+    def down_after_s(self) -> float:
+        """Silence after which a peer is declared down."""
+        return self.heartbeat_interval_s * self.missed_beats
+
+
+class SecuritySection(_Section):
+    curve: bool = False
+    allow_clients: list[str] = []
+
+
+class StorageSection(_Section):
+    ec_k: Annotated[int, msgspec.Meta(ge=1)] = 10
+    ec_m: Annotated[int, msgspec.Meta(ge=0)] = 2
+
+
+class NodeSpec(_Section):
+    name: Annotated[str, msgspec.Meta(min_length=1)]
+    role: NodeRole
+    control: str
+    events: str
+    data: str = ""
+    curve_public_key: str = ""
+    curve_secret_key_file: str = ""
+
+
+class ClusterConfig(_Section):
+    nodes: Annotated[list[NodeSpec], msgspec.Meta(min_length=1)]
+    cluster: ClusterSection = ClusterSection()
+    security: SecuritySection = SecuritySection()
+    storage: StorageSection = StorageSection()
+
+    def node(self, name: str) -> NodeSpec:
+        for spec in self.nodes:
+            if spec.name == name:
+                return spec
+        raise KeyError(f"no node named {name!r}; the config lists {', '.join(n.name for n in self.nodes)}")
+
+    def nodes_with_role(self, role: NodeRole | str) -> list[NodeSpec]:
+        return [spec for spec in self.nodes if spec.role == role]
+
+    def peers_of(self, name: str) -> list[NodeSpec]:
+        return [spec for spec in self.nodes if spec.name != name]
+
+
+_ENUM_KEYS = {"role": NodeRole}
+_ADDRESS_RE = re.compile(r"^(tcp://[^:/\s]+:\d+|ipc://\S+)$")
+_MSGSPEC_ERROR_RE = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.S)
+
+
+def load_cluster_config(path: str | Path) -> ClusterConfig:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ClusterConfigError(f"{path}: cannot read the cluster config: {exc.strerror}") from None
+    return parse_cluster_config(text, source=str(path))
+
+
+def parse_cluster_config(text: str, source: str = "cluster.toml") -> ClusterConfig:
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ClusterConfigError(f"{source}: not valid TOML: {exc}") from None
+    try:
+        config = msgspec.convert(raw, ClusterConfig)
+    except msgspec.ValidationError as exc:
+        raise ClusterConfigError(f"{source}: {_describe(str(exc))}") from None
+    problem = _check(config)
+    if problem:
+        raise ClusterConfigError(f"{source}: {problem}")
+    return config
+
+
+def _describe(message: str) -> str:
+    """Turn msgspec's 'Expected `int`, got `str` - at `$.nodes[0].x`' into 'nodes[0].x: ...'."""
+    match = _MSGSPEC_ERROR_RE.match(message)
+    msg, path = match.group("msg"), (match.group("path") or "").lstrip(".")
+    if (unknown := re.match(r"Object contains unknown field `(\w+)`", msg)) is not None:
+        return f"{_join(path, unknown.group(1))}: unknown key"
+    if (missing := re.match(r"Object missing required field `(\w+)`", msg)) is not None:
+        return f"{_join(path, missing.group(1))}: required key is missing"
+    if msg.startswith("Invalid enum value"):
+        enum_type = _ENUM_KEYS.get(path.rsplit(".", 1)[-1])
+        if enum_type is not None:
+            got = msg.removeprefix("Invalid enum value ").strip()
+            return f"{path}: expected one of {', '.join(m.value for m in enum_type)}, got {got}"
+    return f"{path or 'top level'}: {msg[:1].lower()}{msg[1:]}"
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _check(config: ClusterConfig) -> str | None:
+    """Rules msgspec's types cannot express; the first broken one, as '<key>: <problem>'."""
+    seen_names: dict[str, int] = {}
+    seen_addresses: dict[str, str] = {}
+    for i, spec in enumerate(config.nodes):
+        if spec.name in seen_names:
+            return f"nodes[{i}].name: duplicate node name {spec.name!r} (also nodes[{seen_names[spec.name]}])"
+        seen_names[spec.name] = i
+        for key in ("control", "events", "data"):
+            address = getattr(spec, key)
+            if not address and key == "data":
+                continue
+            if not _ADDRESS_RE.match(address):
+                return f"nodes[{i}].{key}: expected tcp://HOST:PORT or ipc://PATH, got {address!r}"
+            if address in seen_addresses:
+                return f"nodes[{i}].{key}: address {address} is already used by {seen_addresses[address]}"
+            seen_addresses[address] = f"nodes[{i}].{key}"
+        if config.security.curve and len(spec.curve_public_key) != 40:
+            return f"nodes[{i}].curve_public_key: a 40-character Z85 key is required when security.curve = true"
+    for j, key in enumerate(config.security.allow_clients):
+        if len(key) != 40:
+            return f"security.allow_clients[{j}]: expected a 40-character Z85 public key"
+    num_storage = len(config.nodes_with_role(NodeRole.STORAGE))
+    width = config.storage.ec_k + config.storage.ec_m
+    if num_storage and num_storage < width:
+        return (f"storage: ec_k + ec_m = {width} needs at least {width} storage nodes, the config lists "
+                f"{num_storage}; lower ec_k/ec_m or add nodes")
+    return None
