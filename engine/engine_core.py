@@ -137,6 +137,7 @@ class EngineCore:
         cost_model: CostModel | None = None,
         seed_rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
+        step_timer: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.runner = runner
         self.config = config
@@ -151,7 +152,8 @@ class EngineCore:
         self._children: dict[str, list[str]] = {}  # parent id -> engine request ids
         self._parent_of: dict[str, str] = {}
         self._seed_rng = seed_rng or random.SystemRandom()
-        self._clock = clock
+        self._clock = clock  # timestamps in outputs (arrival, first token, finish)
+        self._step_timer = step_timer  # forward durations for the cost model
         self.num_steps = 0
 
     # ---- requests -----------------------------------------------------------------------
@@ -233,9 +235,9 @@ class EngineCore:
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """The device part (thread-safe w.r.t. the other calls): runs and times the forward."""
-        t0 = time.perf_counter()
+        t0 = self._step_timer()
         logits = self.runner.execute(plan.batch)
-        plan.exec_seconds = time.perf_counter() - t0
+        plan.exec_seconds = self._step_timer() - t0
         if logits.shape[0] != plan.batch.num_logits:
             raise RuntimeError(f"runner returned {logits.shape[0]} logit rows for {plan.batch.num_logits} requested")
         return logits

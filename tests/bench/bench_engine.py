@@ -8,8 +8,8 @@ does behind the forward. ``hidden = 1 - exposed_pipelined / overhead_sync``.
 
 Part 2 (fake model, quadratic cost): the runner's step time follows a hidden
 ``c0 + c_seq*S + c_tok*sum n + c_ctx*sum n*p + c_sq*sum n^2`` plus noise; the engine's cost model
-is profiled on a few start-up steps, refined online, and its prediction error on later steps is
-reported (``cost_model_median_rel_err``).
+is profiled at start-up (engine/cost_profile.py), refined online, and its prediction error on
+later steps is reported (``cost_model_median_rel_err``).
 
 The tiny-real-model rows (tokens/s, transformers side by side) belong to the integrated engine.
 """
@@ -26,6 +26,7 @@ import torch
 
 from deepinfer.engine.batch import ForwardBatch
 from deepinfer.engine.cost_model import CostModel, StepFeatures
+from deepinfer.engine.cost_profile import profile_cost_model
 from deepinfer.engine.engine_core import EngineCore, EngineCoreConfig, tune_interpreter_for_serving
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.scheduler import SchedulerConfig
@@ -103,20 +104,14 @@ def measure_overhead(batch: int, step_ms: float, vocab: int, num_steps: int, gre
             "exposed_ms": exposed * 1e3, "hidden": max(0.0, 1.0 - exposed / overhead)}
 
 
-def measure_cost_model(num_profile: int, num_eval: int, noise: float) -> dict:
+def measure_cost_model(num_eval: int, noise: float, quick: bool) -> dict:
+    """Profile at start-up (engine/cost_profile.py), then predict each later step before running it."""
     runner = QuadraticCostRunner(vocab=256, noise=noise)
     model = CostModel(window=256, refit_every=16)
-    # start-up profile: chunks of several sizes over several prefixes, timed one by one
-    rng = random.Random(1)
-    for _ in range(num_profile):
-        shape = [(rng.choice([64, 512, 2048, 8192]), rng.choice([0, 4096, 16384]))]
-        shape += [(1, rng.randint(100, 8000)) for _ in range(rng.choice([0, 8, 64]))]
-        batch = ForwardBatch([_fake_step(n, p) for n, p in shape])
-        t0 = time.perf_counter()
-        runner.execute(batch)
-        model.add_profile(StepFeatures.of(shape), time.perf_counter() - t0)
-    model.refit()
     core = _core(runner, 64, 256, cost_model=model, target=0.05)
+    profile_cost_model(core, prompt_lens=(64, 1024, 8192) if quick else (64, 512, 2048, 8192, 20000),
+                       decode_batches=(1, 16) if quick else (1, 8, 32, 64))
+    rng = random.Random(1)
     for i in range(48):
         core.add_request(f"c{i}", [2 + j % 200 for j in range(rng.choice([300, 2000, 9000]))],
                          SamplingParams(max_tokens=rng.randint(4, 60), ignore_eos=True, temperature=0.0))
@@ -130,12 +125,6 @@ def measure_cost_model(num_profile: int, num_eval: int, noise: float) -> dict:
         errs.append(abs(predicted - plan.exec_seconds) / plan.exec_seconds)
         core.commit_step(plan, core.sample_step(plan, logits))
     return {"median_rel_err": statistics.median(errs), "steps": len(errs), "coef": model.coef}
-
-
-def _fake_step(n: int, p: int):
-    from deepinfer.engine.batch import SeqStep
-
-    return SeqStep(seq_id=0, slot=0, block_table=[], start_pos=p, token_ids=[0] * n, num_logits=1)
 
 
 def main(argv=None) -> int:
@@ -162,7 +151,7 @@ def main(argv=None) -> int:
                 exposed_ms=r["exposed_ms"], hidden=r["hidden"])
         rep.figure(f"overhead_ms_b{b}", r["overhead_ms"])
         rep.figure(f"overlap_hidden_fraction_b{b}", r["hidden"])
-    cm = measure_cost_model(num_profile=12 if args.quick else 40, num_eval=20 if args.quick else 120, noise=0.05)
+    cm = measure_cost_model(num_eval=20 if args.quick else 120, noise=0.05, quick=args.quick)
     rep.figure("cost_model_median_rel_err", cm["median_rel_err"])
     rep.figure("cost_model_eval_steps", cm["steps"])
     rep.finish(args.json)

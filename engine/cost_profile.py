@@ -1,0 +1,65 @@
+"""Start-up profiling for the chunk-size cost model: time real steps of synthetic requests.
+
+Prefill shapes come from prompts of several lengths chunked by the token budget (chunk ``n`` at
+prefixes ``p = 0, B, 2B, ...``); decode shapes from batches of short requests generating a few
+tokens. Every forward goes through the engine's own runner, so the fit sees the true cost of
+this model on this device. The measurements are kept for good (``CostModel.add_profile``);
+online steps refine the fit afterwards.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from deepinfer.engine.cost_model import CostModel
+from deepinfer.engine.engine_core import EngineCore
+from deepinfer.engine.sampling_params import SamplingParams
+
+PROFILE_SALT = "__deepinfer_cost_profile__"
+
+
+def profile_cost_model(
+    core: EngineCore,
+    *,
+    prompt_lens: Sequence[int] = (64, 512, 2048, 8192),
+    decode_batches: Sequence[int] = (1, 8, 32),
+    decode_context: int = 256,
+    decode_tokens: int = 8,
+    seed: int = 0,
+) -> CostModel:
+    """Profile ``core`` (idle, with a cost model) and refit its cost model; returns it."""
+    model = core.cost_model
+    if model is None:
+        raise ValueError("profile_cost_model needs an EngineCore built with cost_model=CostModel()")
+    if core.has_unfinished_requests():
+        raise ValueError("profile the engine before it takes requests")
+    sc = core.config.scheduler
+    rng = random.Random(seed)
+    vocab = core.config.vocab_size
+    max_len = sc.max_model_len - 1
+
+    def run(prompts: list[int], max_tokens: int) -> None:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+        for i, n in enumerate(prompts):
+            tokens = [rng.randrange(vocab) for _ in range(min(n, max_len - max_tokens))]
+            core.add_request(f"{PROFILE_SALT}{run.calls}-{i}", tokens, params, cache_salt=PROFILE_SALT)
+        run.calls += 1
+        while core.has_unfinished_requests():
+            plan = core.schedule_step()
+            if plan.is_empty:
+                continue
+            logits = core.execute(plan)
+            model.add_profile(plan.sched.features, plan.exec_seconds)
+            plan.exec_seconds = None  # recorded as a profile sample, not an online one
+            core.commit_step(plan, core.sample_step(plan, logits))
+
+    run.calls = 0
+    for n in prompt_lens:
+        run([n], 1)
+    for b in decode_batches:
+        run([decode_context] * min(b, sc.max_num_seqs), decode_tokens)
+    core.scheduler.pool.evict_all_unreferenced()  # profile prompts are not worth caching
+    core.drain_kv_events()
+    model.refit()
+    return model
