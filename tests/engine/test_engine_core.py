@@ -268,3 +268,70 @@ def test_bad_input_is_a_one_line_error():
         core.add_request("b", [3], SamplingParams(stop=["x"]))
     with pytest.raises(ValueError, match="structured_outputs"):
         core.add_request("c", [3], SamplingParams(structured_outputs={"regex": "a+"}))
+
+
+class EosHeavyRunner:
+    """Logits that always prefer EOS, then token 5, then token 7."""
+
+    def execute(self, batch: ForwardBatch) -> torch.Tensor:
+        logits = torch.zeros(batch.num_logits, VOCAB)
+        logits[:, EOS], logits[:, 5], logits[:, 7] = 10.0, 9.0, 8.0
+        return logits
+
+
+class CharDetok:
+    def step(self, token_id: int) -> str:
+        return "" if token_id == EOS else chr(ord("a") + token_id % 26)
+
+
+def eos_core(**kw):
+    cfg = EngineCoreConfig(SchedulerConfig(block_size=BS, max_num_seqs=4), num_blocks=64, vocab_size=VOCAB,
+                           eos_token_ids=(EOS,))
+    return EngineCore(EosHeavyRunner(), cfg, detokenizer_factory=lambda p, s: CharDetok(), **kw)
+
+
+def drive(core):
+    acc = {}
+    while core.has_unfinished_requests():
+        for o in core.step():
+            acc[o.request_id] = merge_output(acc.get(o.request_id), o)
+        core.check_integrity()
+    return acc
+
+
+def test_min_tokens_stop_ids_ignore_eos_and_stop_strings():
+    core = eos_core()
+    core.add_request("eos", [3, 4], SamplingParams(temperature=0.0, max_tokens=5))
+    core.add_request("min", [3, 4], SamplingParams(temperature=0.0, max_tokens=5, min_tokens=3))
+    core.add_request("ignore", [3, 4], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    core.add_request("stopid", [3, 4], SamplingParams(temperature=0.0, max_tokens=5, min_tokens=1, stop_token_ids=[5]))
+    acc = drive(core)
+    out = {k: v.outputs[0] for k, v in acc.items()}
+    assert (out["eos"].token_ids, out["eos"].finish_reason) == ([EOS], "stop")
+    # EOS masked for the first 3 outputs (vLLM's min_tokens): the best other token is 5
+    assert out["min"].token_ids == [5, 5, 5, EOS] and out["min"].finish_reason == "stop"
+    assert out["ignore"].token_ids == [EOS] * 3 and out["ignore"].finish_reason == "length"
+    # min_tokens=1 masks EOS and the stop id 5 for the first token (-> 7); then EOS wins
+    assert out["stopid"].token_ids == [7, EOS]
+    s = core.scheduler
+    assert s.pool.num_free_blocks == s.pool.num_blocks and s.slots.num_free_slots == 4
+
+
+def test_stop_string_finishes_and_frees_the_request():
+    class NoEosRunner(EosHeavyRunner):
+        def execute(self, batch):
+            logits = super().execute(batch)
+            logits[:, EOS] = -10.0
+            return logits
+
+    core = eos_core()
+    core.runner = NoEosRunner()
+    # token 5 -> "f": the text is "fff..."; stop at "ff"
+    core.add_request("s", [3, 4], SamplingParams(temperature=0.0, max_tokens=20, stop=["ff"]))
+    core.add_request("keep", [3, 4], SamplingParams(temperature=0.0, max_tokens=4, stop=["ff"],
+                                                     include_stop_str_in_output=True))
+    acc = drive(core)
+    assert (acc["s"].outputs[0].text, acc["s"].outputs[0].token_ids) == ("", [5, 5])
+    assert (acc["s"].outputs[0].finish_reason, acc["s"].outputs[0].stop_reason) == ("stop", "ff")
+    assert acc["keep"].outputs[0].text == "ff"
+    assert not core.scheduler.requests and core.scheduler.slots.num_free_slots == 4
