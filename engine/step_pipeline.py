@@ -14,6 +14,7 @@ Timeline (D = device worker, M = caller's thread):
 
 from __future__ import annotations
 
+import asyncio
 from concurrent.futures import Executor, Future
 
 from deepinfer.engine.engine_core import EngineCore, SampledStep, SamplingPrep, StepPlan
@@ -66,3 +67,50 @@ class StepPipeline:
         plan, result, _ = self._inflight
         self._inflight = None
         return self.core.commit_step(plan, result.result())
+
+
+class AsyncStepPipeline:
+    """``StepPipeline`` for asyncio: identical order, awaiting the device worker instead of
+    blocking, so the event loop keeps serving (HTTP, add_request, abort) during forwards."""
+
+    def __init__(self, core: EngineCore, executor: Executor) -> None:
+        self.core = core
+        self.executor = executor
+        self._inflight: tuple[StepPlan, Future[SampledStep], Future[SamplingPrep]] | None = None
+
+    def has_work(self) -> bool:
+        return self._inflight is not None or self.core.has_unfinished_requests()
+
+    async def step(self) -> list[RequestOutput]:
+        core = self.core
+        if self._inflight is None:
+            plan = core.schedule_step()
+            if plan.is_empty:
+                return []
+            prep: Future[SamplingPrep] = Future()
+            prep.set_result(core.prepare_sampling(plan))
+            self._inflight = (plan, self.executor.submit(core.device_step, plan, prep, None), prep)
+        plan, result, _ = self._inflight
+        nxt = core.schedule_step()
+        nxt_prep: Future[SamplingPrep] = Future()
+        self._inflight = None
+        if not nxt.is_empty:
+            self._inflight = (nxt, self.executor.submit(core.device_step, nxt, nxt_prep, result), nxt_prep)
+        try:
+            sampled = await asyncio.wrap_future(result)
+            outputs = core.commit_step(plan, sampled)
+            if not nxt.is_empty:
+                nxt_prep.set_result(core.prepare_sampling(nxt))
+        except BaseException as e:
+            if not nxt_prep.done():
+                nxt_prep.set_exception(e)
+            self._inflight = None
+            raise
+        return outputs
+
+    async def drain(self) -> list[RequestOutput]:
+        if self._inflight is None:
+            return []
+        plan, result, _ = self._inflight
+        self._inflight = None
+        return self.core.commit_step(plan, await asyncio.wrap_future(result))
