@@ -44,7 +44,7 @@ def run(args) -> int:
             raise CliError(f"node {name!r} has role {spec.role.value} in {args.cluster}, not {role.value}")
         settings = NodeSettings.from_cluster(config, name)
     except (KeyError, ValueError, FileNotFoundError) as exc:
-        raise CliError(str(exc).strip('"')) from None
+        raise CliError(exc.args[0] if isinstance(exc, KeyError) else str(exc)) from None
     logging.basicConfig(level=envs.get().log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     async def serve() -> None:

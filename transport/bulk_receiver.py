@@ -168,7 +168,7 @@ class BulkReceiver:
         state = self._inflight.get(key)
         if state is None:  # refused, aborted or timed out earlier: its tail is expected, drop quietly
             await self._discard_rest()
-            self.stats.num_late_replies += 1
+            self.stats.num_late_replies += 1  # counted like a reply whose caller gave up
             return
         if chunk.seq != state.next_seq or chunk.seq >= len(state.plan):
             return await self._fail(key, TransferFailed(f"chunk {chunk.seq} arrived, expected {state.next_seq}"))

@@ -35,6 +35,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -117,7 +118,7 @@ class RequestServer:
         self.stats = ChannelStats()
         self.is_draining = False
         self._codec = Codec(request_union, max_frame_bytes=soft)
-        self._reply_encoder = Codec(ErrorReply)  # encodes any Struct; reply types are the handler's
+        self._reply_encoder = msgspec.msgpack.Encoder()  # any reply Struct the handler returns
         self._handler = handler
         self._ctx = ctx
         self._curve = curve
@@ -249,7 +250,7 @@ class RequestClient:
         self.default_timeout_s = default_timeout_s
         self.stats = ChannelStats()
         self._codec = Codec(reply_union | ErrorReply, max_frame_bytes=soft)
-        self._encoder = Codec(ErrorReply)
+        self._encoder = msgspec.msgpack.Encoder()
         self._ctx = ctx
         self._curve = curve
         self._sock: zmq.asyncio.Socket | None = None

@@ -20,13 +20,13 @@ import logging
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
 from deepinfer import envs
 from deepinfer.transport.codec import Codec
 from deepinfer.transport.errors import ChannelClosed, MalformedFrame, OversizedFrame, TransportError
-from deepinfer.transport.protocol import ErrorReply
 from deepinfer.transport.security import CurveClientKeys, CurveKeyPair, CurveKeys, CurveServerKeys, apply_curve
 from deepinfer.transport.sockets import HARD_LIMIT_FACTOR, ChannelStats, bind, new_socket
 
@@ -88,7 +88,7 @@ class StreamSender(_Channel):
     def __init__(self, address: str, *, bind: bool | None = None, ctx: zmq.asyncio.Context | None = None,
                  curve: CurveKeys | None = None, name: str = "stream-sender"):
         super().__init__(address, bind=bind, ctx=ctx, curve=curve, max_frame_bytes=None, name=name)
-        self._encoder = Codec(ErrorReply)
+        self._encoder = msgspec.msgpack.Encoder()
 
     async def send(self, msg: Any, buffers: Sequence[Any] = ()) -> None:
         await self._open_socket().send_multipart([self._encoder.encode(msg), *buffers], copy=False)
@@ -139,7 +139,7 @@ class EventPublisher(_Channel):
     def __init__(self, address: str, *, bind: bool | None = None, ctx: zmq.asyncio.Context | None = None,
                  curve: CurveServerKeys | None = None, name: str = "event-publisher"):
         super().__init__(address, bind=bind, ctx=ctx, curve=curve, max_frame_bytes=None, name=name)
-        self._encoder = Codec(ErrorReply)
+        self._encoder = msgspec.msgpack.Encoder()
 
     async def publish(self, topic: bytes, msg: Any) -> None:
         # PUB never blocks: a slow or absent subscriber just misses events (heartbeats tolerate that).

@@ -1,15 +1,22 @@
 """`deepinfer bench transport`: bulk data-plane throughput over ipc and tcp next to memcpy.
 
-Set-up as in production: the receiver is a separate process (its own event loop, uvloop when
-available) running a ``BulkReceiver`` with a ``BufferPool``; this process runs the
-``BulkSender``. One figure = payload bytes / median time of ``--repeat`` sequential transfers,
-each timed from the first frame queued to the receiver's OK ack (so it includes the ack round
-trip, the receiver's allocation and its copy into place). memcpy = median single-thread
-``np.copyto`` of the same size, measured in the same run.
+Set-up as in production: each receiver is a separate process (its own event loop, uvloop when
+available) running a ``BulkReceiver`` with a ``BufferPool``; this process runs one
+``BulkSender`` per transport. Transports:
 
-JSON keys: ``{ipc,tcp}_{size}_GBps``, ``memcpy_{size}_GBps``, ``{ipc,tcp}_{size}_vs_memcpy``,
-plus ``zmq_adopt_ipc_16MiB_GBps`` (reference: raw pyzmq, frames kept where libzmq put them,
-no copy into a destination) when 16 MiB is among the sizes.
+- ``ipc``: ``ipc://`` with the default path (same-host cross-memory pull when the kernel allows
+  it, else ZeroMQ frames; the JSON says which in ``ipc_path``),
+- ``tcp``: ``tcp://127.0.0.1`` loopback, ZeroMQ frames, ``recv_into`` into the destination,
+- ``ipc_frames``: ``ipc://`` forced to ZeroMQ frames (reference).
+
+A figure = payload bytes / median time of ``--repeat`` transfers, each timed from the first
+frame queued to the receiver's OK ack (ack round trip, allocation and the copy into place
+included). memcpy = single-thread ``np.copyto`` of the same size. Samples are taken round-robin
+(memcpy, ipc, tcp, ... per round) so load changes on a shared machine hit all alike.
+
+JSON keys: ``{transport}_{size}_GBps``, ``memcpy_{size}_GBps``, ``{transport}_{size}_vs_memcpy``,
+``ipc_path``, and ``zmq_adopt_ipc_16MiB_GBps`` (raw pyzmq keeping libzmq's frames, no copy
+into a destination: what the receive-side copy costs) when 16 MiB is measured.
 """
 
 from __future__ import annotations
@@ -48,16 +55,18 @@ def size_label(num_bytes: int) -> str:
     return f"{num_bytes}B"
 
 
-def memcpy_gbps(num_bytes: int, repeat: int) -> float:
-    src = np.random.default_rng(0).integers(0, 255, num_bytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-    np.copyto(dst, src)  # fault the pages in first
-    times = []
-    for _ in range(max(3, repeat)):
+class MemcpyProbe:
+    """Single-thread memcpy of one size, sampled between transport samples."""
+
+    def __init__(self, num_bytes: int):
+        self.src = np.random.default_rng(0).integers(0, 255, num_bytes, dtype=np.uint8)
+        self.dst = np.empty_like(self.src)
+        np.copyto(self.dst, self.src)  # fault the pages in first
+
+    def sample(self) -> float:
         start = time.perf_counter()
-        np.copyto(dst, src)
-        times.append(time.perf_counter() - start)
-    return num_bytes / statistics.median(times) / 1e9
+        np.copyto(self.dst, self.src)
+        return time.perf_counter() - start
 
 
 # ---- receiver process -------------------------------------------------------------------
@@ -103,25 +112,46 @@ def stop_receiver(proc: subprocess.Popen) -> None:
 
 # ---- sender side --------------------------------------------------------------------------
 
+TRANSPORTS = ("ipc", "tcp", "ipc_frames")
 
-async def _measure(address: str, sizes: list[int], repeat: int, chunk_bytes: int, window: int) -> dict[int, float]:
-    gbps = {}
-    async with BulkSender(address, chunk_bytes=chunk_bytes, window_messages=window, default_timeout_s=120) as sender:
+
+async def _measure(addresses: dict[str, str], sizes: list[int], repeat: int, chunk_bytes: int,
+                   window: int) -> tuple[dict[str, dict[int, float]], dict[int, float], str]:
+    senders = {t: await BulkSender(addresses[t], chunk_bytes=chunk_bytes, window_messages=window,
+                                   default_timeout_s=120, use_cma=False if t == "ipc_frames" else None).start()
+               for t in addresses}
+    times: dict[str, dict[int, list[float]]] = {t: {n: [] for n in sizes} for t in [*addresses, "memcpy"]}
+    try:
         for num_bytes in sizes:
             payload = np.random.default_rng(num_bytes).integers(0, 255, num_bytes, dtype=np.uint8)
-            await sender.send([payload])  # warm-up: connection, receiver pool, page faults
-            times = [(await sender.send([payload])).seconds for _ in range(repeat)]
-            gbps[num_bytes] = num_bytes / statistics.median(times) / 1e9
-    return gbps
-
-
-def bulk_gbps(transport: str, sizes: list[int], repeat: int, chunk_bytes: int, window: int, tmpdir: str) -> dict[int, float]:
-    address = f"ipc://{tmpdir}/bench-bulk.ipc" if transport == "ipc" else "tcp://127.0.0.1:0"
-    proc, bound = start_receiver(address)
-    try:
-        return runtime_loop.run(_measure(bound, sizes, repeat, chunk_bytes, window))
+            probe = MemcpyProbe(num_bytes)
+            for sender in senders.values():
+                await sender.send([payload])  # warm-up: connection, receiver pool, page faults
+            for _ in range(repeat):
+                times["memcpy"][num_bytes].append(probe.sample())
+                for t, sender in senders.items():
+                    times[t][num_bytes].append((await sender.send([payload])).seconds)
+            del probe
+        ipc_path = "cma" if "ipc" in senders and senders["ipc"].is_cma else "frames"
     finally:
-        stop_receiver(proc)
+        for sender in senders.values():
+            await sender.close()
+    gbps = {t: {n: n / statistics.median(ts) / 1e9 for n, ts in by_size.items()} for t, by_size in times.items()}
+    memcpy = gbps.pop("memcpy")
+    return gbps, memcpy, ipc_path
+
+
+def measure(transports: list[str], sizes: list[int], repeat: int, chunk_bytes: int, window: int, tmpdir: str):
+    procs, addresses = [], {}
+    try:
+        for t in transports:
+            address = f"ipc://{tmpdir}/bench-{t}.ipc" if t.startswith("ipc") else "tcp://127.0.0.1:0"
+            proc, addresses[t] = start_receiver(address)
+            procs.append(proc)
+        return runtime_loop.run(_measure(addresses, sizes, repeat, chunk_bytes, window))
+    finally:
+        for proc in procs:
+            stop_receiver(proc)
 
 
 def zmq_adopt_gbps(num_bytes: int, repeat: int, chunk_bytes: int, tmpdir: str) -> float:
@@ -164,19 +194,24 @@ while True:
 def main(argv: list[str] | None = None) -> int:
     parser = base_parser("transport", "Bulk data-plane throughput (ipc, tcp loopback) next to memcpy.")
     parser.add_argument("--sizes", nargs="+", default=["1MiB", "16MiB", "256MiB"], help="payload sizes, e.g. 16MiB")
-    parser.add_argument("--repeat", type=int, default=5, help="timed transfers per size (median is reported)")
-    parser.add_argument("--transports", nargs="+", default=["ipc", "tcp"], choices=["ipc", "tcp"])
-    parser.add_argument("--chunk", default=size_label(DEFAULT_CHUNK_BYTES), help="data-plane chunk size")
+    parser.add_argument("--repeat", type=int, default=7, help="timed transfers per size and transport (median)")
+    parser.add_argument("--transports", nargs="+", default=list(TRANSPORTS), choices=TRANSPORTS)
+    parser.add_argument("--chunk", default=size_label(DEFAULT_CHUNK_BYTES), help="frame chunk size")
     parser.add_argument("--window", type=int, default=DEFAULT_WINDOW_MESSAGES, help="chunks in flight per sender")
     args = parser.parse_args(argv)
     sizes = [parse_size(s) for s in args.sizes]
     chunk_bytes = parse_size(args.chunk)
-    report = Report(f"bulk transport: sender process -> receiver process, chunk {size_label(chunk_bytes)}, "
-                    f"median of {args.repeat}, {os.cpu_count()} CPUs")
-    with tempfile.TemporaryDirectory(prefix="deepinfer-bench-") as tmpdir:
-        memcpy = {n: memcpy_gbps(n, args.repeat) for n in sizes}
-        bulk = {t: bulk_gbps(t, sizes, args.repeat, chunk_bytes, args.window, tmpdir) for t in args.transports}
+    load_before = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="di-bench-", dir="/tmp") as tmpdir:
+        bulk, memcpy, ipc_path = measure(args.transports, sizes, args.repeat, chunk_bytes, args.window, tmpdir)
         adopt = zmq_adopt_gbps(16 * MiB, args.repeat, chunk_bytes, tmpdir) if 16 * MiB in sizes else None
+    load = max(load_before, os.getloadavg()[0])
+    report = Report(f"bulk transport: sender process -> receiver process (ipc path: {ipc_path}), frame chunk "
+                    f"{size_label(chunk_bytes)}, median of {args.repeat}, {os.cpu_count()} CPUs, load {load:.1f}")
+    report.figure("ipc_path", ipc_path)
+    # Other processes competing for the CPUs cost every cross-process hand-off a scheduler slice:
+    # record how busy the machine was so figures from different runs can be compared.
+    report.figure("loadavg_1m", load)
     for n in sizes:
         label = size_label(n)
         report.figure(f"memcpy_{label}_GBps", memcpy[n])

@@ -158,3 +158,31 @@ def test_cli_node_for_an_unbuilt_role_exits_2_naming_what_is_missing(role, capsy
     assert cli_main(["node", "--role", role.value, "--cluster", str(tmp_path / "absent.toml")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"deepinfer node: not built yet: the {role.value} role") and "\n" not in err
+
+
+@pytest.fixture
+def decode_role_built(monkeypatch):
+    """Pretend the decode role exists so the CLI gets past the role check to the config."""
+    import deepinfer.runtime.roles as roles
+
+    monkeypatch.setattr(roles, "role_factory", lambda role: lambda **kw: SlowEchoRole([]))
+
+
+@pytest.mark.parametrize("config, args, message", [
+    ("", [], "cluster.toml: cannot read the cluster config"),
+    ("[[nodes]]\nname = 'd0'\nrole = 'decod'\ncontrol = 'tcp://127.0.0.1:1'\nevents = 'tcp://127.0.0.1:2'\n", [],
+     "nodes[0].role: expected one of gateway, encoder, prefill, decode, storage, got 'decod'"),
+    ("[[nodes]]\nname = 'g0'\nrole = 'gateway'\ncontrol = 'tcp://127.0.0.1:1'\nevents = 'tcp://127.0.0.1:2'\n", [],
+     "--name is required: the config has 0 decode nodes (none)"),
+    ("[[nodes]]\nname = 'g0'\nrole = 'gateway'\ncontrol = 'tcp://127.0.0.1:1'\nevents = 'tcp://127.0.0.1:2'\n",
+     ["--name", "g0"], "node 'g0' has role gateway in"),
+    ("[[nodes]]\nname = 'g0'\nrole = 'gateway'\ncontrol = 'tcp://127.0.0.1:1'\nevents = 'tcp://127.0.0.1:2'\n",
+     ["--name", "zz"], "no node named 'zz'; the config lists g0"),
+])
+def test_cli_node_config_mistakes_are_one_line_errors(decode_role_built, tmp_path, capsys, config, args, message):
+    path = tmp_path / "cluster.toml"
+    if config:
+        path.write_text(config)
+    assert cli_main(["node", "--role", "decode", "--cluster", str(path), *args]) == 1
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err and "Traceback" not in err, err
