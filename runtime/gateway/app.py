@@ -101,8 +101,8 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = request.app[STATE_KEY].metrics.render()
-    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+    gateway_metrics = request.app[STATE_KEY].metrics
+    return web.Response(body=gateway_metrics.render(), headers={"Content-Type": gateway_metrics.content_type})
 
 
 async def version(request: web.Request) -> web.Response:

@@ -51,6 +51,7 @@ class ChoiceState:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     last_token_time: float | None = None
+    is_started: bool = False  # the engine accepted it (a first output arrived)
     is_done: bool = False  # the engine stream ended
 
     @property
@@ -102,6 +103,7 @@ class Generation:
                 self.choices[slot].is_done = True
                 raise EngineFailure(f"the engine ended request {self.requests[slot].request_id} without an output")
             pending.discard(slot)
+            self.choices[slot].is_started = True
             self._buffered.append((slot, item))
 
     async def deltas(self) -> AsyncIterator[tuple[ChoiceState, CompletionOutput]]:
@@ -135,13 +137,16 @@ class Generation:
         await asyncio.shield(task)
 
     async def _cleanup(self) -> None:
-        unfinished = [r.request_id for r, c in zip(self.requests, self.choices) if c.finish_reason is None]
-        for request_id in unfinished:
+        # aborting an id the engine never accepted is a no-op by contract; only started ones count
+        for r, c in zip(self.requests, self.choices):
+            if c.finish_reason is not None:
+                continue
             try:
-                await self.engine.abort(request_id)
+                await self.engine.abort(r.request_id)
             except Exception:
-                log.exception("engine.abort(%s) failed", request_id)
-            self.metrics.requests_finished.labels("abort").inc()
+                log.exception("engine.abort(%s) failed", r.request_id)
+            if c.is_started:
+                self.metrics.requests_finished.labels("abort").inc()
         for t in self._pumps:
             t.cancel()
         await asyncio.gather(*self._pumps, return_exceptions=True)

@@ -1,4 +1,4 @@
-"""Prometheus metrics of one gateway app, in its own ``CollectorRegistry``.
+"""Prometheus metrics of one gateway app, in its own ``MetricsRegistry`` (runtime/metrics.py).
 
 Latencies are observed where the gateway sees the engine's deltas: time to first token (from the
 HTTP request's arrival), inter-token latency (gap between deltas spread over the tokens each one
@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import logging
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from deepinfer.runtime.gateway.engine_client import EngineClient
+from deepinfer.runtime.metrics import MetricsRegistry
 
 log = logging.getLogger(__name__)
 
@@ -51,24 +51,20 @@ class _EngineStatsCollector(Collector):
 
 class GatewayMetrics:
     def __init__(self, engine: EngineClient):
-        self.registry = r = CollectorRegistry(auto_describe=True)
-        self.ttft = Histogram("deepinfer_time_to_first_token_seconds", "Time from request arrival to first token",
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("deepinfer_inter_token_latency_seconds", "Time between consecutive output tokens",
-                             buckets=ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("deepinfer_e2e_request_latency_seconds", "Time from request arrival to last token",
-                             buckets=E2E_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("deepinfer_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.cached_prompt_tokens = Counter("deepinfer_cached_prompt_tokens",
-                                            "Prompt tokens served from the prefix cache", registry=r)
-        self.generation_tokens = Counter("deepinfer_generation_tokens", "Generated tokens", registry=r)
-        self.requests_finished = Counter("deepinfer_requests_finished", "Engine requests by finish reason",
-                                         ["finish_reason"], registry=r)
-        self.http_responses = Counter("deepinfer_http_responses", "HTTP responses by status code", ["code"],
-                                      registry=r)
-        self.in_flight = Gauge("deepinfer_gateway_requests_in_flight", "Generation requests the gateway is serving",
-                               registry=r)
-        r.register(_EngineStatsCollector(engine))
+        self.metrics = m = MetricsRegistry()  # names get the deepinfer_ prefix
+        self.ttft = m.histogram("time_to_first_token_seconds", "Time from request arrival to first token",
+                                buckets=TTFT_BUCKETS)
+        self.itl = m.histogram("inter_token_latency_seconds", "Time between consecutive output tokens",
+                               buckets=ITL_BUCKETS)
+        self.e2e = m.histogram("e2e_request_latency_seconds", "Time from request arrival to last token",
+                               buckets=E2E_BUCKETS)
+        self.prompt_tokens = m.counter("prompt_tokens", "Prompt tokens of finished requests")
+        self.cached_prompt_tokens = m.counter("cached_prompt_tokens", "Prompt tokens served from the prefix cache")
+        self.generation_tokens = m.counter("generation_tokens", "Generated tokens")
+        self.requests_finished = m.counter("requests_finished", "Engine requests by finish reason", ["finish_reason"])
+        self.http_responses = m.counter("http_responses", "HTTP responses by status code", ["code"])
+        self.in_flight = m.gauge("gateway_requests_in_flight", "Generation requests the gateway is serving")
+        m.registry.register(_EngineStatsCollector(engine))
 
     def observe_tokens(self, *, is_first: bool, seconds: float, num_tokens: int) -> None:
         """``seconds``: since arrival for the first delta, since the previous delta otherwise."""
@@ -90,4 +86,8 @@ class GatewayMetrics:
         self.cached_prompt_tokens.inc(num_cached_tokens)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return self.metrics.exposition()
+
+    @property
+    def content_type(self) -> str:
+        return self.metrics.content_type

@@ -44,6 +44,13 @@ def _check_ids(ids: Sequence[int], vocab_size: int, param: str) -> list[int]:
     return list(ids)
 
 
+def num_prompts(prompt: str | list[Any]) -> int:
+    """How many prompts a /v1/completions ``prompt`` holds (a flat id list is one prompt)."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return 1
+    return len(prompt)
+
+
 async def completion_prompts(
     prompt: str | list[Any], tokenizer: GatewayTokenizer | None, vocab_size: int
 ) -> list[list[int]]:

@@ -19,9 +19,10 @@ from deepinfer.runtime.gateway.openai_responses import (
     encoder,
     make_usage,
 )
-from deepinfer.runtime.gateway.prompts import completion_prompts
+from deepinfer.runtime.gateway.prompts import completion_prompts, num_prompts
 from deepinfer.runtime.gateway.serving_common import (
     admitted,
+    check_n,
     decode_body,
     engine_requests,
     is_silent_delta,
@@ -40,6 +41,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     req: CompletionRequest = await decode_body(request, CompletionRequest)
     model = served_model(state, req.model)
     info = state.engine.model_info
+    check_n(state, req.n, num_prompts(req.prompt))  # before tokenizing a batch that cannot be served
     prompts = await completion_prompts(req.prompt, state.engine.tokenizer, info.vocab_size)
     request_id = new_request_id("cmpl")
     requests, structured = engine_requests(

@@ -282,6 +282,9 @@ async def test_client_disconnect_aborts_the_engine_request(stream):
         await _wait_for(lambda: engine.num_live == 0, timeout=1.0)
         ids = {r.request_id for r in engine.requests}
         assert set(engine.aborted) == ids and len(ids) == 2
+        async with aiohttp.ClientSession(gateway.url) as session:
+            async with session.get("/metrics") as r:
+                assert 'deepinfer_requests_finished_total{finish_reason="abort"} 2.0' in await r.text()
 
 
 async def test_engine_failure_mid_stream_is_reported_in_band():

@@ -1,0 +1,181 @@
+"""Pure pieces of the gateway: parameter mapping, logprob formats, error translation, embedding."""
+
+import asyncio
+import importlib.util
+import json
+import math
+import shlex
+import sys
+from pathlib import Path
+
+import aiohttp
+import msgspec
+import pytest
+
+from deepinfer.engine.outputs import Logprob
+from deepinfer.runtime.gateway import GatewayConfig, curl_example, serve
+from deepinfer.runtime.gateway.errors import GatewayError, from_decode_error, from_engine_error
+from deepinfer.runtime.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, decode_request
+from deepinfer.runtime.gateway.openai_responses import LOGPROB_FLOOR, chat_logprobs, completion_logprobs
+from deepinfer.runtime.gateway.prompts import decide_max_tokens, template_messages
+from deepinfer.runtime.gateway.request_params import json_depth, structured_spec
+
+
+def _helper(name):
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+        sys.modules[name] = module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+harness = _helper("gateway_harness")
+
+
+def _chat(**fields):
+    body = {"messages": [{"role": "user", "content": "x"}], **fields}
+    return decode_request(json.dumps(body).encode(), ChatCompletionRequest)
+
+
+def test_json_depth_is_iterative_and_stops_early():
+    assert json_depth(1, 10) == 0
+    assert json_depth({"a": [1, {"b": []}]}, 10) == 4
+    nested = []
+    for _ in range(100000):  # far past the recursion limit
+        nested = [nested]
+    assert json_depth(nested, 64) == 65
+
+
+def test_structured_spec_spellings():
+    assert structured_spec(_chat()) is None
+    assert structured_spec(_chat(response_format={"type": "text"})) is None
+    spec = structured_spec(_chat(structured_outputs={"choice": ["a", 'b"c', "d\\e"]}))
+    assert spec.param == "structured_outputs.choice"
+    assert spec.spec == {"grammar": 'root ::= "a" | "b\\"c" | "d\\\\e"'}
+    assert structured_spec(_chat(guided_json='{"type": "string"}')).spec == {"json": {"type": "string"}}
+    assert structured_spec(_chat(guided_choice=["x"])).param == "guided_choice"
+    with pytest.raises(GatewayError) as info:
+        structured_spec(_chat(guided_regex="a", structured_outputs={"regex": "b"}))
+    assert info.value.status == 400 and "only one" in info.value.message
+    with pytest.raises(GatewayError) as info:
+        structured_spec(_chat(guided_json="[1, 2]"))
+    assert info.value.status == 422 and info.value.param == "guided_json"
+
+
+def test_decide_max_tokens():
+    assert decide_max_tokens(10, None, "max_tokens", 16, 100, "prompt") == 16
+    assert decide_max_tokens(90, None, "max_tokens", 16, 100, "prompt") == 10  # default clipped to the context
+    assert decide_max_tokens(10, None, "max_tokens", None, 100, "messages") == 90
+    assert decide_max_tokens(10, 90, "max_tokens", 16, 100, "prompt") == 90
+    with pytest.raises(GatewayError) as info:
+        decide_max_tokens(10, 91, "max_completion_tokens", 16, 100, "messages")
+    assert info.value.param == "max_completion_tokens" and "at most 90" in info.value.message
+    with pytest.raises(GatewayError) as info:
+        decide_max_tokens(100, None, "max_tokens", 16, 100, "messages")
+    assert info.value.param == "messages" and info.value.code == "context_length_exceeded"
+
+
+def _names(token_id, decoded):
+    return decoded if decoded is not None else f"<{token_id}>"
+
+
+def test_chat_logprobs_rank_order_and_floor():
+    pos = {7: Logprob(-2.0, 3, "c"), 5: Logprob(-0.1, 1, None), 6: Logprob(-1.0, 2, "b"),
+           9: Logprob(-math.inf, 4, "z")}
+    [entry] = chat_logprobs([7], [pos], 2, _names)
+    assert (entry.token, entry.logprob, entry.bytes) == ("c", -2.0, [99])
+    assert [(t.token, t.logprob) for t in entry.top_logprobs] == [("<5>", -0.1), ("b", -1.0)]
+    [masked] = chat_logprobs([9], [pos], 0, _names)
+    assert masked.logprob == LOGPROB_FLOOR and masked.top_logprobs == []
+    assert chat_logprobs([8], [pos], 2, _names) == []  # the engine did not report the sampled token
+
+
+def test_completion_logprobs_offsets_and_sampled_token():
+    positions = [{1: Logprob(-0.5, 1, "ab"), 2: Logprob(-1.5, 2, "x")},
+                 {3: Logprob(-0.2, 1, "c"), 4: Logprob(-3.0, 5, "dd")}]
+    lp, end = completion_logprobs([1, 4], positions, 1, _names, text_offset=10)
+    assert lp.tokens == ["ab", "dd"]
+    assert lp.token_logprobs == [-0.5, -3.0]
+    assert lp.top_logprobs == [{"ab": -0.5}, {"c": -0.2, "dd": -3.0}]  # the sampled one is always listed
+    assert lp.text_offset == [10, 12] and end == 14
+
+
+def test_decode_errors_name_the_field():
+    def err(body, kind=CompletionRequest):
+        with pytest.raises((msgspec.DecodeError, msgspec.ValidationError, RecursionError)) as info:
+            decode_request(body, kind)
+        return from_decode_error(info.value)
+
+    e = err(b'{"prompt": "x", "n": 0}')
+    assert (e.status, e.param, e.code) == (400, "n", "invalid_value") and e.message.startswith("n: expected")
+    e = err(b'{"prompt": "x", "stream": "yes"}')
+    assert (e.param, e.code) == ("stream", "invalid_type")
+    e = err(b'{"n": 1}')
+    assert (e.param, e.code, e.message) == ("prompt", "missing_required_parameter", "prompt is required")
+    e = err(b'{"prompt": "x", "stream_options": {"x": 1}}')
+    assert e.param == "stream_options.x" and e.code == "unknown_parameter"
+    e = err(b'{"prompt": ')
+    assert e.param is None and e.code == "invalid_json"
+
+
+def test_engine_errors_map_to_statuses():
+    from deepinfer.engine.sampling_params import SamplingParamsError
+    from deepinfer.engine.structured_output import StructuredOutputError
+    from deepinfer.runtime.gateway import EngineOverloadedError
+
+    e = from_engine_error(StructuredOutputError("invalid regex: unbalanced"), "structured_outputs.regex")
+    assert (e.status, e.param) == (422, "structured_outputs.regex")
+    assert e.message == "structured_outputs.regex: invalid regex: unbalanced"
+    e = from_engine_error(SamplingParamsError("top_p must be in (0, 1], got 2"), None)
+    assert (e.status, e.param) == (400, "top_p")
+    e = from_engine_error(EngineOverloadedError(retry_after_s=2.4), None)
+    assert (e.status, e.headers) == (429, {"Retry-After": "2"})
+    assert from_engine_error(RuntimeError("boom"), None) is None  # not an input error: a 5xx, logged
+
+
+def test_template_messages():
+    req = decode_request(json.dumps({"messages": [
+        {"role": "developer", "content": "rules"},
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "bo"},
+    ]}).encode(), ChatCompletionRequest)
+    assert template_messages(req.messages) == [{"role": "system", "content": "rules"},
+                                               {"role": "user", "content": "a\nb", "name": "bo"}]
+
+
+def test_curl_example_is_a_valid_command():
+    line = curl_example("http://127.0.0.1:8000", "tiny", needs_api_key=True)
+    argv = shlex.split(line.replace("$DEEPINFER_API_KEY", "k"))
+    assert argv[:3] == ["curl", "-N", "http://127.0.0.1:8000/v1/chat/completions"]
+    body = json.loads(argv[argv.index("-d") + 1])
+    assert body["model"] == "tiny" and body["stream"] is True
+    assert "Authorization: Bearer k" in argv
+
+
+async def test_serve_prints_url_and_curl_then_stops():
+    engine = harness.fake_engine()
+    lines, stop = [], asyncio.Event()
+    task = asyncio.create_task(serve(engine, host="127.0.0.1", port=0, api_key="key", print_fn=lines.append,
+                                     stop=stop))
+    while len(lines) < 3:
+        await asyncio.sleep(0.01)
+    url = lines[0].split(" at ")[1].split(" ")[0]
+    assert url.startswith("http://127.0.0.1:") and "fake-tiny" in lines[0]
+    assert lines[2].strip().startswith("curl -N " + url)
+    async with aiohttp.ClientSession() as session:
+        body = json.loads(shlex.split(lines[2])[-1])
+        async with session.post(f"{url}/v1/chat/completions", json=body,
+                                headers={"Authorization": "Bearer key"}) as r:
+            assert r.status == 200
+            assert (await r.read()).endswith(b"data: [DONE]\n\n")
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    with pytest.raises(aiohttp.ClientConnectionError):
+        async with aiohttp.ClientSession() as session:
+            await session.get(f"{url}/health")
+
+
+def test_config_rejects_nonsense():
+    with pytest.raises(ValueError, match="api_key"):
+        GatewayConfig(api_key="  ")
+    with pytest.raises(ValueError, match="max_body_bytes"):
+        GatewayConfig(max_body_bytes=10)
