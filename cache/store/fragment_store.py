@@ -18,7 +18,6 @@ writes of temp files outside it, so a node may serve from a thread pool.
 
 from __future__ import annotations
 
-import enum
 import heapq
 import os
 import sqlite3
@@ -33,15 +32,7 @@ from typing import NamedTuple
 from deepinfer.cache.store import fragment_file as ff
 from deepinfer.cache.store.ec import FragmentHeader, payload_crc
 from deepinfer.cache.store.gc import GcEntry, TtlPolicy, Watermarks, is_expired, plan_gc
-
-
-class FragmentStatus(enum.IntEnum):
-    OK = 0
-    NOT_FOUND = 1
-    CORRUPT = 2  # failed a checksum: counted, deleted, never served
-    EXPIRED = 3  # past its traffic class's TTL
-    NO_SPACE = 4  # the write does not fit even after GC
-    INVALID = 5  # the write itself was malformed (bad key, payload/crc mismatch)
+from deepinfer.transport.protocol import FragmentStatus  # statuses are wire values: the node sends them as is
 
 
 @dataclass(slots=True)

@@ -1,0 +1,393 @@
+"""ClusterStore: the erasure-coded storage cluster behind the ObjectStore interface (api.py).
+
+Write: each object -> k data + m parity fragments -> the first k+m up nodes of its rendezvous
+ranking (placement.py), one PutFragments per node for the whole batch; an object is stored when
+``write_quorum`` nodes acknowledged (default all k+m; at least k+1).
+
+Read (hedged, read_state.py): per object ask the first k+1 up nodes of its ranking, one
+GetFragments per node for the whole batch; decode as soon as k fragments of one write are in.
+The rest of the ranking is asked when an answer shows the first wave cannot reach k, or when the
+hedge delay passes first. A key not assembled by the deadline is a typed DEADLINE miss (logged,
+counted); the caller recomputes.
+
+Membership: the node list comes from the cluster config; ``mark_down``/``mark_up`` follow the
+runtime's heartbeat events (PeerDown/PeerUp). Between heartbeats the client keeps its own
+suspicion: a node that let a hedge timer fire, or failed a request, is ranked last (asked only
+as a hedge) for ``suspect_s`` seconds, so a dead node costs one hedge delay, not one per read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import zmq.asyncio
+
+from deepinfer.cache.store.api import ClientStats, GetResult, GetStatus, PutResult, seconds_left
+from deepinfer.cache.store.ec import ECConfig, ErasureCodec, ErasureCodingError, Fragment, FragmentHeader
+from deepinfer.cache.store.node import MAX_FRAGMENT_BYTES
+from deepinfer.cache.store.placement import Placement, PlacementError
+from deepinfer.cache.store.read_state import KeyRead
+from deepinfer.transport.protocol import (
+    FragmentMeta,
+    FragmentsReply,
+    FragmentStatus,
+    GetFragments,
+    PutAck,
+    PutFragments,
+    StorageReply,
+    StorageStats,
+    StorageStatsRequest,
+    TouchFragments,
+)
+from deepinfer.transport.channels import RequestClient
+from deepinfer.transport.errors import TransportError
+
+log = logging.getLogger(__name__)
+
+MAX_REQUEST_BYTES = 64 * 1024 * 1024  # a batch to one node is split past this many payload bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ClusterStoreConfig:
+    ec: ECConfig = ECConfig()
+    read_width: int = 0  # nodes asked first; 0 = k+1
+    write_quorum: int = 0  # acks that make a write stored; 0 = k+m
+    hedge_delay_s: float = 0.010
+    hedge_delay_per_key_s: float = 0.0005
+    num_spare_nodes: int = 2  # ranked past k+m: asked on hedges (writes that skipped down nodes)
+    suspect_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        k, n = self.ec.k, self.ec.num_fragments
+        if self.read_width and not k <= self.read_width <= n:
+            raise ValueError(f"read_width must be in {k}..{n} (k..k+m), got {self.read_width}")
+        if self.write_quorum and not min(k + 1, n) <= self.write_quorum <= n:
+            raise ValueError(f"write_quorum must be in {min(k + 1, n)}..{n} (k+1..k+m), got {self.write_quorum}")
+
+    @property
+    def first_wave(self) -> int:
+        return self.read_width or min(self.ec.k + 1, self.ec.num_fragments)
+
+    @property
+    def quorum(self) -> int:
+        return self.write_quorum or self.ec.num_fragments
+
+
+class ClusterStore:
+    def __init__(
+        self,
+        nodes: Mapping[str, str],
+        config: ClusterStoreConfig = ClusterStoreConfig(),
+        *,
+        ctx: zmq.asyncio.Context | None = None,
+    ):
+        """``nodes``: storage node name -> ZeroMQ address (from the cluster config)."""
+        if len(nodes) < config.ec.num_fragments:
+            raise ValueError(
+                f"{len(nodes)} storage nodes cannot hold a k+m={config.ec.num_fragments} coding group; "
+                "add nodes or configure a smaller k/m"
+            )
+        self.config = config
+        self.codec = ErasureCodec(config.ec)
+        self.placement = Placement(sorted(nodes))
+        self.stats = ClientStats()
+        self._node2client = {
+            name: RequestClient(addr, StorageReply, ctx=ctx, max_attachment_bytes=MAX_FRAGMENT_BYTES, name=f"store-{name}")
+            for name, addr in nodes.items()
+        }
+        self._down: set[str] = set()
+        self._suspect_until: dict[str, float] = {}
+        self._background: set[asyncio.Task] = set()
+
+    async def start(self) -> "ClusterStore":
+        for client in self._node2client.values():
+            await client.start()
+        return self
+
+    async def close(self) -> None:
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        for client in self._node2client.values():
+            await client.close()
+
+    async def __aenter__(self) -> "ClusterStore":
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # ---- membership -----------------------------------------------------------------------
+    def mark_down(self, node: str) -> None:
+        if node in self._node2client:
+            self._down.add(node)
+
+    def mark_up(self, node: str) -> None:
+        self._down.discard(node)
+        self._suspect_until.pop(node, None)
+
+    def is_down(self, node: str) -> bool:
+        return node in self._down
+
+    def _suspects(self) -> set[str]:
+        now = time.monotonic()
+        return {n for n, until in self._suspect_until.items() if until > now}
+
+    def _suspect(self, node: str) -> None:
+        self._suspect_until[node] = time.monotonic() + self.config.suspect_s
+
+    def _read_order(self, key: bytes, suspects: set[str]) -> list[str]:
+        order = self.placement.read_order(key, self._down)[: self.config.ec.num_fragments + self.config.num_spare_nodes]
+        if suspects:
+            order = [n for n in order if n not in suspects] + [n for n in order if n in suspects]
+        return order
+
+    # ---- reads ----------------------------------------------------------------------------
+    async def get_blocks(self, keys: Sequence[bytes], deadline: float) -> list[GetResult]:
+        """One result per key, in order; never raises for a missing or late object."""
+        k = self.config.ec.k
+        results: list[GetResult | None] = [None] * len(keys)
+        suspects = self._suspects()
+        reads: dict[int, KeyRead] = {}
+        node2positions: dict[str, list[int]] = defaultdict(list)
+        for pos, key in enumerate(keys):
+            order = self._read_order(key, suspects)
+            if len(order) < k:
+                results[pos] = GetResult(key, GetStatus.UNAVAILABLE)
+                continue
+            read = reads[pos] = KeyRead(key, k, order, self.config.first_wave)
+            for node in read.start():
+                node2positions[node].append(pos)
+        tasks: dict[asyncio.Task, tuple[str, list[int], float]] = {}
+        try:
+            self._launch(tasks, node2positions, keys, deadline)
+            await self._collect(tasks, reads, results, keys, deadline)
+        finally:  # done, deadline or cancelled: nothing of this call keeps running
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+        self._touch_unasked(reads, results)
+        return self._finish_gets(results, keys)
+
+    def _launch(self, tasks, node2positions, keys, deadline) -> None:
+        now = time.monotonic()
+        for node, positions in node2positions.items():
+            msg = GetFragments([keys[p] for p in positions], timeout_ms=max(0.0, seconds_left(deadline)) * 1000)
+            task = asyncio.create_task(self._node2client[node].request_with_buffers(msg, timeout_s=max(0.001, seconds_left(deadline))))
+            tasks[task] = (node, positions, now)
+
+    async def _collect(self, tasks, reads: dict[int, KeyRead], results, keys, deadline) -> None:
+        # A big batch takes longer to serve everywhere; only lateness beyond that is a straggler.
+        num_keys = max((len(p) for _, p, _ in tasks.values()), default=1)
+        hedge_at = time.monotonic() + self.config.hedge_delay_s + self.config.hedge_delay_per_key_s * num_keys
+        open_positions = set(reads)
+        pending = set(tasks)
+        while open_positions:
+            now = time.monotonic()
+            if now >= deadline:
+                return
+            timeout = deadline - now if now >= hedge_at else min(hedge_at, deadline) - now
+            done, pending = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                self._on_reply(task, tasks[task], reads)
+            hedges: dict[str, list[int]] = defaultdict(list)
+            is_timer = time.monotonic() >= hedge_at
+            for pos in list(open_positions):
+                read = reads[pos]
+                if read.is_ready:
+                    results[pos] = self._decode(read)
+                    open_positions.discard(pos)
+                    continue
+                if read.must_hedge_now or (is_timer and not read.is_hedged):
+                    if is_timer and len(read.pending) * 2 < len(read.first_wave):
+                        # most of the wave answered in time: the stragglers are outliers, not load
+                        for node in read.pending:
+                            self._suspect(node)
+                    extra = read.hedge()
+                    self.stats.num_hedged += bool(extra)
+                    for node in extra:
+                        hedges[node].append(pos)
+                if read.is_hopeless:
+                    results[pos] = GetResult(read.key, GetStatus.MISS)
+                    open_positions.discard(pos)
+            if hedges:
+                before = set(tasks)
+                self._launch(tasks, hedges, keys, deadline)
+                pending |= set(tasks) - before
+            if is_timer:
+                hedge_at = float("inf")
+            if not pending and open_positions:  # nobody left to ask (cannot happen with a sane order)
+                for pos in open_positions:
+                    results[pos] = GetResult(keys[pos], GetStatus.MISS)
+                return
+
+    def _on_reply(self, task: asyncio.Task, meta: tuple[str, list[int], float], reads: dict[int, KeyRead]) -> None:
+        node, positions, _ = meta
+        try:
+            reply, buffers = task.result()
+        except (TransportError, asyncio.CancelledError) as exc:
+            if isinstance(exc, TransportError):
+                self._suspect(node)
+                log.debug("store read from %s failed: %s", node, exc)
+            for pos in positions:
+                reads[pos].on_absent(node)
+            return
+        if not isinstance(reply, FragmentsReply) or len(reply.statuses) != len(positions) or len(reply.fragments) != len(buffers):
+            log.warning("store node %s sent a malformed reply to GetFragments", node)
+            for pos in positions:
+                reads[pos].on_absent(node)
+            return
+        self._suspect_until.pop(node, None)
+        it = iter(zip(reply.fragments, buffers))
+        for pos, status in zip(positions, reply.statuses):
+            if status != FragmentStatus.OK:
+                reads[pos].on_absent(node)
+                continue
+            meta_f, buf = next(it)
+            header = FragmentHeader(meta_f.key, meta_f.index, meta_f.k, meta_f.m, meta_f.object_size, meta_f.payload_crc)
+            reads[pos].on_fragment(node, Fragment(header, buf), meta_f.write_id)
+
+    def _decode(self, read: KeyRead) -> GetResult:
+        try:  # the node checked every payload's crc before sending it
+            return GetResult(read.key, GetStatus.HIT, self.codec.decode(read.fragments(), verify=False))
+        except ErasureCodingError as exc:
+            log.warning("store object %s: %s", read.key.hex(), exc)
+            return GetResult(read.key, GetStatus.MISS)
+
+    def _touch_unasked(self, reads: dict[int, KeyRead], results) -> None:
+        """Tell the group's nodes a read did not need that the object is in use (their LRU)."""
+        node2keys: dict[str, list[bytes]] = defaultdict(list)
+        for pos, read in reads.items():
+            if results[pos] is not None and results[pos].is_hit and read.reserve:
+                for node in read.reserve[: max(0, self.config.ec.num_fragments - len(read.first_wave))]:
+                    node2keys[node].append(read.key)
+        for node, node_keys in node2keys.items():
+            task = asyncio.create_task(self._touch(node, node_keys))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _touch(self, node: str, keys: list[bytes]) -> None:
+        try:
+            await self._node2client[node].request(TouchFragments(keys), timeout_s=1.0)
+        except TransportError:
+            pass  # best effort: a missed touch only makes that node's LRU less exact
+
+    def _finish_gets(self, results, keys) -> list[GetResult]:
+        out: list[GetResult] = []
+        num_late = 0
+        for key, res in zip(keys, results):
+            res = res or GetResult(key, GetStatus.DEADLINE)
+            out.append(res)
+            if res.is_hit:
+                self.stats.num_hits += 1
+                self.stats.num_bytes_read += len(res.data)
+            elif res.status == GetStatus.DEADLINE:
+                num_late += 1
+            elif res.status == GetStatus.UNAVAILABLE:
+                self.stats.num_unavailable += 1
+            else:
+                self.stats.num_misses += 1
+        self.stats.num_gets += len(keys)
+        self.stats.num_deadline_misses += num_late
+        if num_late:
+            log.info("store read: %d of %d objects missed the deadline; the engine recomputes them", num_late, len(keys))
+        return out
+
+    # ---- writes ---------------------------------------------------------------------------
+    async def put_blocks(self, items: Sequence[tuple[bytes, object]], *, traffic_class: str, deadline: float) -> list[PutResult]:
+        n, quorum = self.config.ec.num_fragments, self.config.quorum
+        skip = self._down | self._suspects()
+        if len(self._node2client) - len(skip) < n:  # suspicion must not fail writes: use every live node
+            skip = self._down
+        write_id = random.getrandbits(63)
+        node2batch: dict[str, list[tuple[int, FragmentMeta, bytes]]] = defaultdict(list)
+        messages: list[str] = [""] * len(items)
+        for pos, (key, data) in enumerate(items):
+            try:
+                group = self.placement.coding_group(key, n, skip, min_width=quorum)
+                fragments = self.codec.encode(key, data)
+            except (PlacementError, ValueError) as exc:
+                messages[pos] = str(exc)
+                continue
+            for node, frag in zip(group, fragments):
+                h = frag.header
+                node2batch[node].append((pos, FragmentMeta(h.key, h.index, h.k, h.m, h.object_size, h.payload_crc, write_id), frag.payload))
+            if pos % 8 == 7:
+                await asyncio.sleep(0)  # encoding holds the GIL: let other tasks run between objects
+        acks = [0] * len(items)
+        tasks = {}
+        try:
+            for node, batch in node2batch.items():
+                for chunk in _chunks(batch, MAX_REQUEST_BYTES):
+                    msg = PutFragments(traffic_class, [meta for _, meta, _ in chunk])
+                    coro = self._node2client[node].request(msg, timeout_s=max(0.001, seconds_left(deadline)), buffers=[p for _, _, p in chunk])
+                    tasks[asyncio.create_task(coro)] = (node, [pos for pos, _, _ in chunk])
+            if tasks:
+                await asyncio.wait(tasks, timeout=max(0.0, seconds_left(deadline)))
+        finally:
+            for task in tasks:
+                task.cancel()
+            if tasks:
+                await asyncio.gather(*tasks, return_exceptions=True)
+        for task, (node, positions) in tasks.items():
+            if task.cancelled() or task.exception() is not None:
+                if not task.cancelled() and isinstance(task.exception(), TransportError):
+                    self._suspect(node)
+                continue
+            reply = task.result()
+            if isinstance(reply, PutAck) and len(reply.statuses) == len(positions):
+                for pos, status in zip(positions, reply.statuses):
+                    acks[pos] += status == FragmentStatus.OK
+        out = []
+        for pos, (key, data) in enumerate(items):
+            ok = acks[pos] >= quorum
+            msg = messages[pos] or ("" if ok else f"{acks[pos]} of {n} fragments acknowledged, quorum {quorum}")
+            out.append(PutResult(key, ok, acks[pos], msg))
+            if ok:
+                self.stats.num_bytes_written += self.codec_size(data)
+        self.stats.num_puts += len(out)
+        self.stats.num_put_failures += sum(not r.is_ok for r in out)
+        return out
+
+    @staticmethod
+    def codec_size(data) -> int:
+        return int(data.nbytes) if hasattr(data, "nbytes") else len(data)
+
+    # ---- operations -----------------------------------------------------------------------
+    async def request_node(self, node: str, msg, timeout_s: float = 2.0):
+        """Send one control message (stats, RunGc, ...) to one node; raises TransportError."""
+        return await self._node2client[node].request(msg, timeout_s=timeout_s)
+
+    async def node_stats(self, timeout_s: float = 2.0) -> dict[str, StorageStats | None]:
+        """Each node's stats (None for nodes that did not answer in time)."""
+
+        async def one(name: str) -> StorageStats | None:
+            try:
+                return await self.request_node(name, StorageStatsRequest(), timeout_s)
+            except TransportError:
+                return None
+
+        names = sorted(self._node2client)
+        return dict(zip(names, await asyncio.gather(*(one(n) for n in names))))
+
+    def num_pending_requests(self) -> int:
+        return sum(c.num_pending for c in self._node2client.values())
+
+
+def _chunks(batch: list, max_bytes: int):
+    chunk, size = [], 0
+    for item in batch:
+        if chunk and size + len(item[2]) > max_bytes:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(item)
+        size += len(item[2])
+    if chunk:
+        yield chunk

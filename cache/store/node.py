@@ -1,0 +1,231 @@
+"""The storage node daemon: a FragmentStore served over a ZeroMQ ROUTER, with GC on a timer.
+
+    DEALER (store clients) ──> ROUTER ──> handler task per request ──> thread pool ──> FragmentStore
+                                                                         (disk I/O, checksums)
+    timer: every gc_interval_s run GC (TTL + watermarks), every flush_interval_s persist recency
+
+Disk work never runs on the event loop: puts, gets and GC go to a small thread pool (file I/O and
+zlib.crc32 release the GIL), so one slow disk read does not hold up other requests' replies.
+
+Test-only knobs (hidden from --help, never for production): ``debug_delay_ms`` sleeps before
+answering every request (a slow node, for the hedging tests); ``debug_hooks`` accepts DebugSet
+requests, which set the node's wall clock (TTL tests on real daemons) and its delay at run time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deepinfer.cache.store.ec import FragmentHeader
+from deepinfer.cache.store.fragment_store import FragmentStore
+from deepinfer.cache.store.gc import TtlPolicy, Watermarks
+from deepinfer.transport.protocol import (
+    DebugSet,
+    FragmentMeta,
+    FragmentsReply,
+    FragmentStatus,
+    GcDone,
+    GetFragments,
+    PutAck,
+    PutFragments,
+    RunGc,
+    StorageRequest,
+    StorageStats,
+    StorageStatsRequest,
+    TouchAck,
+    TouchFragments,
+)
+from deepinfer.transport.channels import Incoming, RequestServer, WithBuffers
+from deepinfer.transport.errors import TransportError
+from deepinfer.transport.protocol import ErrorCode
+
+log = logging.getLogger(__name__)
+
+MAX_FRAGMENT_BYTES = 256 * 1024 * 1024  # one attachment (a fragment of a 2.5 GB object at k=10)
+
+
+@dataclass(frozen=True, slots=True)
+class StorageNodeConfig:
+    dir: Path
+    listen: str = "tcp://127.0.0.1:7600"
+    capacity_bytes: int = 10 * 1024**3
+    high_watermark: float = 0.90
+    low_watermark: float = 0.80
+    ttl: TtlPolicy = field(default_factory=TtlPolicy)
+    name: str = ""
+    gc_interval_s: float = 1.0
+    flush_interval_s: float = 5.0
+    num_io_threads: int = 4
+    fsync: bool = False
+    debug_delay_ms: float = 0.0  # test-only
+    debug_hooks: bool = False  # test-only
+
+
+class _SettableClock:
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class RateMeter:
+    """Bytes per second of a growing counter over the last ``window`` samples."""
+
+    def __init__(self, window: int = 5):
+        self._samples: deque[tuple[float, int]] = deque(maxlen=window + 1)
+
+    def sample(self, num_bytes: int, now: float | None = None) -> None:
+        self._samples.append((time.monotonic() if now is None else now, num_bytes))
+
+    def rate(self) -> float:
+        if len(self._samples) < 2:
+            return 0.0
+        (t0, b0), (t1, b1) = self._samples[0], self._samples[-1]
+        return (b1 - b0) / (t1 - t0) if t1 > t0 else 0.0
+
+
+class StorageNode:
+    def __init__(self, config: StorageNodeConfig):
+        self.config = config
+        self.name = config.name or Path(config.dir).name
+        self._clock = _SettableClock() if config.debug_hooks else time.time
+        self._delay_s = config.debug_delay_ms / 1000
+        self.store = FragmentStore(
+            config.dir,
+            Watermarks(config.capacity_bytes, config.high_watermark, config.low_watermark),
+            config.ttl,
+            clock=self._clock,
+            fsync=config.fsync,
+        )
+        self._pool = ThreadPoolExecutor(max_workers=config.num_io_threads, thread_name_prefix=f"store-{self.name}")
+        self._server = RequestServer(
+            config.listen, StorageRequest, self._handle, max_attachment_bytes=MAX_FRAGMENT_BYTES, name=f"storage-{self.name}"
+        )
+        self._timer_task: asyncio.Task | None = None
+        self._started_at = time.monotonic()
+        self._read_rate = RateMeter()
+        self._write_rate = RateMeter()
+        self.address = config.listen
+
+    async def start(self) -> str:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._pool, self.store.open)
+        self.address = await self._server.start()
+        self._timer_task = asyncio.create_task(self._timer(), name=f"storage-{self.name}-gc")
+        return self.address
+
+    async def stop(self, drain_s: float = 2.0) -> None:
+        """Finish in-flight requests (up to ``drain_s``), stop GC, persist recency, close."""
+        await self._server.drain(drain_s)
+        await self._server.close()
+        if self._timer_task is not None:
+            self._timer_task.cancel()
+            await asyncio.gather(self._timer_task, return_exceptions=True)
+        await asyncio.get_running_loop().run_in_executor(self._pool, self.store.close)
+        self._pool.shutdown(wait=True)
+
+    async def _timer(self) -> None:
+        loop = asyncio.get_running_loop()
+        last_flush = time.monotonic()
+        while True:
+            await asyncio.sleep(self.config.gc_interval_s)
+            try:
+                report = await loop.run_in_executor(self._pool, self.store.run_gc)
+                if report.num_expired or report.num_evicted:
+                    log.info("%s: gc expired %d, evicted %d fragments (%d bytes)", self.name, *report)
+                if time.monotonic() - last_flush >= self.config.flush_interval_s:
+                    await loop.run_in_executor(self._pool, self.store.flush)
+                    last_flush = time.monotonic()
+                stats = self.store.stats()
+                self._read_rate.sample(stats.num_bytes_read)
+                self._write_rate.sample(stats.num_bytes_written)
+            except Exception:  # a failed pass (disk error) is logged and retried on the next tick
+                log.exception("%s: gc pass failed", self.name)
+
+    # ---- requests -----------------------------------------------------------------------
+    async def _handle(self, incoming: Incoming):
+        if self._delay_s > 0:
+            await asyncio.sleep(self._delay_s)
+        msg = incoming.msg
+        loop = asyncio.get_running_loop()
+        match msg:
+            case GetFragments():
+                return await loop.run_in_executor(self._pool, self._get, msg, time.monotonic())
+            case PutFragments():
+                if len(incoming.buffers) != len(msg.fragments):
+                    raise TransportError(
+                        f"PutFragments has {len(msg.fragments)} fragments but {len(incoming.buffers)} payloads",
+                        ErrorCode.MALFORMED,
+                    )
+                return await loop.run_in_executor(self._pool, self._put, msg, incoming.buffers)
+            case TouchFragments():
+                return TouchAck(self.store.touch(msg.keys))
+            case StorageStatsRequest():
+                return self.stats()
+            case RunGc():
+                return GcDone(*await loop.run_in_executor(self._pool, self.store.run_gc))
+            case DebugSet():
+                if not isinstance(self._clock, _SettableClock):
+                    raise TransportError("DebugSet needs a node started with --debug-hooks", ErrorCode.UNEXPECTED_MESSAGE)
+                if msg.now > 0:
+                    self._clock.now = msg.now
+                if msg.delay_ms >= 0:
+                    self._delay_s = msg.delay_ms / 1000
+                return GcDone(*await loop.run_in_executor(self._pool, self.store.run_gc))
+        raise TransportError(f"storage node cannot handle {type(msg).__name__}", ErrorCode.UNEXPECTED_MESSAGE)
+
+    def _get(self, msg: GetFragments, arrived_at: float) -> WithBuffers:
+        deadline = arrived_at + msg.timeout_ms / 1000 if msg.timeout_ms > 0 else float("inf")
+        statuses: list[FragmentStatus] = []
+        metas: list[FragmentMeta] = []
+        payloads: list[memoryview] = []
+        for key in msg.keys:
+            if time.monotonic() > deadline:  # the caller has given up on this reply
+                statuses.append(FragmentStatus.NOT_FOUND)
+                continue
+            result = self.store.get(key)
+            statuses.append(result.status)
+            if result.payload is not None:
+                h, rec = result.record.header, result.record
+                metas.append(FragmentMeta(h.key, h.index, h.k, h.m, h.object_size, h.payload_crc, rec.write_id))
+                payloads.append(result.payload)
+        return WithBuffers(FragmentsReply(statuses, metas), payloads)
+
+    def _put(self, msg: PutFragments, buffers: list[memoryview]) -> PutAck:
+        items = [
+            (FragmentHeader(f.key, f.index, f.k, f.m, f.object_size, f.payload_crc), buf, f.write_id, msg.traffic_class)
+            for f, buf in zip(msg.fragments, buffers)
+        ]
+        return PutAck(self.store.put_many(items))
+
+    def stats(self) -> StorageStats:
+        s = self.store.stats()
+        wm = self.store.watermarks
+        return StorageStats(
+            node_name=self.name,
+            num_fragments=s.num_fragments,
+            used_bytes=s.used_bytes,
+            capacity_bytes=s.capacity_bytes,
+            high_watermark_bytes=wm.high_bytes,
+            low_watermark_bytes=wm.low_bytes,
+            num_puts=s.num_puts,
+            num_gets=s.num_gets,
+            num_hits=s.num_hits,
+            num_misses=s.num_misses,
+            num_expired=s.num_expired,
+            num_evicted=s.num_evicted,
+            num_corrupt=s.num_corrupt,
+            num_rejected=s.num_rejected,
+            num_bytes_written=s.num_bytes_written,
+            num_bytes_read=s.num_bytes_read,
+            read_GBps=self._read_rate.rate() / 1e9,
+            write_GBps=self._write_rate.rate() / 1e9,
+            uptime_s=time.monotonic() - self._started_at,
+        )
