@@ -133,6 +133,8 @@ class Generation:
         if self._closed:
             return
         self._closed = True
+        if all(t.done() for t in self._pumps) and all(c.finish_reason is not None for c in self.choices):
+            return  # nothing to abort: return without an await, so a client hanging up now cancels nothing
         task = asyncio.ensure_future(self._cleanup())
         await asyncio.shield(task)
 

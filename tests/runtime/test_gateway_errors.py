@@ -210,10 +210,10 @@ async def test_api_key():
 
 
 async def test_queue_full_is_429_with_retry_after():
-    engine = harness.fake_engine(max_running=1, max_waiting=1, step_delay_s=0.02)
+    engine = harness.fake_engine(max_running=1, max_waiting=1, step_delay_s=0.01)
     async with harness.running_gateway(engine) as gateway:
         async with aiohttp.ClientSession(gateway.url) as session:
-            long = {"prompt": "x", "max_tokens": 50, "ignore_eos": True}
+            long = {"prompt": "x", "max_tokens": 30, "ignore_eos": True}
             first = asyncio.create_task(_post(session, CMPL, long))
             second = asyncio.create_task(_post(session, CMPL, long))
             while engine.stats().num_waiting < 1:
