@@ -93,7 +93,7 @@ async def _serve(config, metrics_host: str, metrics_port: int) -> int:
         raise CliError(str(exc)) from None
     runner = None
     if metrics_port:
-        from deepinfer.cache.store.node_metrics import registry_for, serve_metrics
+        from deepinfer.cache.store.metrics import registry_for, serve_metrics
 
         runner = await serve_metrics(registry_for(node.stats), metrics_host, metrics_port)
     stop = asyncio.Event()

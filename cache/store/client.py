@@ -38,6 +38,8 @@ from deepinfer.transport.protocol import (
     FragmentsReply,
     FragmentStatus,
     GetFragments,
+    PeerDown,
+    PeerUp,
     PutAck,
     PutFragments,
     StorageReply,
@@ -105,6 +107,18 @@ class ClusterStore:
         self._suspect_until: dict[str, float] = {}
         self._background: set[asyncio.Task] = set()
 
+    @classmethod
+    def from_cluster_config(cls, config, *, ctx: zmq.asyncio.Context | None = None, **options) -> "ClusterStore":
+        """The store of a cluster config (runtime.cluster_config.ClusterConfig, duck-typed so that
+        cache/ does not import runtime/): every node with role storage, reached at its ``data``
+        address; k and m from ``[storage]``; ``options`` override ClusterStoreConfig fields."""
+        nodes = {spec.name: spec.data for spec in config.nodes if str(spec.role) == "storage"}
+        missing = [name for name, addr in nodes.items() if not addr]
+        if missing:
+            raise ValueError(f"storage nodes {', '.join(missing)} have no data address (their fragment ROUTER)")
+        ec = ECConfig(k=config.storage.ec_k, m=config.storage.ec_m)
+        return cls(nodes, ClusterStoreConfig(ec=ec, **options), ctx=ctx)
+
     async def start(self) -> "ClusterStore":
         for client in self._node2client.values():
             await client.start()
@@ -131,6 +145,13 @@ class ClusterStore:
     def mark_up(self, node: str) -> None:
         self._down.discard(node)
         self._suspect_until.pop(node, None)
+
+    def on_peer_event(self, event) -> None:
+        """Heartbeat listener (``Node.add_peer_listener``): PeerDown -> skip, PeerUp -> use again."""
+        if isinstance(event, PeerDown):
+            self.mark_down(event.node_name)
+        elif isinstance(event, PeerUp):
+            self.mark_up(event.node_name)
 
     def is_down(self, node: str) -> bool:
         return node in self._down

@@ -113,6 +113,7 @@ class StorageNode:
         self._read_rate = RateMeter()
         self._write_rate = RateMeter()
         self.address = config.listen
+        self._is_stopped = False
 
     async def start(self) -> str:
         loop = asyncio.get_running_loop()
@@ -121,8 +122,19 @@ class StorageNode:
         self._timer_task = asyncio.create_task(self._timer(), name=f"storage-{self.name}-gc")
         return self.address
 
+    @property
+    def num_in_flight(self) -> int:
+        return self._server.num_in_flight
+
+    async def drain(self, deadline_s: float) -> None:
+        """Refuse new requests; give in-flight ones up to ``deadline_s`` to finish."""
+        await self._server.drain(deadline_s)
+
     async def stop(self, drain_s: float = 2.0) -> None:
-        """Finish in-flight requests (up to ``drain_s``), stop GC, persist recency, close."""
+        """Drain (up to ``drain_s``), stop GC, persist recency, close. Idempotent."""
+        if self._is_stopped:
+            return
+        self._is_stopped = True
         await self._server.drain(drain_s)
         await self._server.close()
         if self._timer_task is not None:

@@ -14,7 +14,7 @@ from deepinfer.bin.storage import parse_size
 from deepinfer.bin.cli import CliError
 from deepinfer.cache.store.ec import ErasureCodec
 from deepinfer.cache.store.node import RateMeter, StorageNode, StorageNodeConfig
-from deepinfer.cache.store.node_metrics import registry_for, serve_metrics
+from deepinfer.cache.store.metrics import registry_for, serve_metrics
 from deepinfer.transport.channels import RequestClient
 from deepinfer.transport.errors import RemoteError
 from deepinfer.transport.protocol import (

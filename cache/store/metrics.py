@@ -1,8 +1,12 @@
-"""Prometheus exposition of a storage node's stats (read at scrape time, nothing to keep in sync).
+"""Prometheus collectors for the store, read at scrape time (nothing to keep in sync).
 
-``deepinfer storage --metrics-port PORT`` serves ``GET /metrics`` with these families, labelled
-by node name: fragments, used/capacity/watermark bytes, puts/gets/hits/misses, expirations,
-evictions, corrupt fragments, rejected writes, bytes read/written, read/write GB/s.
+``StorageCollector``: a storage node's stats, labelled by node name: fragments, used/capacity/
+watermark bytes, puts/gets/hits/misses, expirations, evictions, corrupt fragments, rejected
+writes, bytes read/written, read/write GB/s. ``deepinfer storage --metrics-port PORT`` serves it
+on ``GET /metrics``; under ``deepinfer node --role storage`` it joins the node's registry.
+
+``StoreClientCollector``: an engine's store client counters (hits, misses, deadline misses that
+fell back to recompute, hedged reads, bytes), for the engine process's registry.
 """
 
 from __future__ import annotations
@@ -45,6 +49,32 @@ class StorageCollector:
         for field, (name, kind, text) in _FIELDS.items():
             family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, text, labels=["node"])
             family.add_metric([s.node_name], float(getattr(s, field)))
+            yield family
+
+
+_CLIENT_FIELDS = {
+    "num_gets": ("deepinfer_store_client_gets", "objects asked for"),
+    "num_hits": ("deepinfer_store_client_hits", "objects read back"),
+    "num_misses": ("deepinfer_store_client_misses", "objects not stored"),
+    "num_deadline_misses": ("deepinfer_store_client_deadline_misses", "objects not read in time: recomputed"),
+    "num_unavailable": ("deepinfer_store_client_unavailable", "objects whose nodes were down"),
+    "num_hedged": ("deepinfer_store_client_hedged_reads", "reads that asked past the first k+1 nodes"),
+    "num_puts": ("deepinfer_store_client_puts", "objects written"),
+    "num_put_failures": ("deepinfer_store_client_put_failures", "object writes short of quorum"),
+    "num_bytes_read": ("deepinfer_store_client_read_bytes", "object bytes read"),
+    "num_bytes_written": ("deepinfer_store_client_written_bytes", "object bytes written"),
+}
+
+
+class StoreClientCollector:
+    def __init__(self, stats: object, client_name: str):
+        self._stats = stats  # api.ClientStats, updated in place by the client
+        self._name = client_name
+
+    def collect(self):
+        for field, (name, text) in _CLIENT_FIELDS.items():
+            family = CounterMetricFamily(name, text, labels=["client"])
+            family.add_metric([self._name], float(getattr(self._stats, field)))
             yield family
 
 
