@@ -48,7 +48,11 @@ def run(args) -> int:
     logging.basicConfig(level=envs.get().log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     async def serve() -> None:
-        node = Node(settings, [make_role(role=role, config=config, node_name=name)])
+        try:
+            role_object = make_role(role=role, config=config, node_name=name)
+        except (ValueError, FileNotFoundError) as exc:  # the role's own config checks
+            raise CliError(f"{args.cluster}: {exc}") from None
+        node = Node(settings, [role_object])
         await node.start()
         node.install_signal_handlers()
         await node.wait_stopped()

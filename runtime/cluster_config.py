@@ -10,9 +10,12 @@
     curve = true                   # every node then needs curve_public_key
     allow_clients = ["Z85..."]     # extra client keys (operators, tools) admitted by every node
 
-    [storage]                      # erasure coding of the KV store
-    ec_k = 10
+    [storage]                      # the KV store's storage nodes
+    ec_k = 10                      # erasure coding: k data + m parity fragments per object
     ec_m = 2
+    dir = "/var/lib/deepinfer/storage"   # one subdirectory per storage node
+    capacity_bytes = 536870912000
+    ttl = "agent=3d,chat=7d"
 
     [[nodes]]
     name = "prefill-0"
@@ -80,6 +83,9 @@ class SecuritySection(_Section):
 class StorageSection(_Section):
     ec_k: Annotated[int, msgspec.Meta(ge=1)] = 10
     ec_m: Annotated[int, msgspec.Meta(ge=0)] = 2
+    dir: str = ""  # fragments root, one subdirectory per node ("" = <DEEPINFER_CACHE_DIR>/storage)
+    capacity_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0  # per node; 0 = the storage daemon's default
+    ttl: str = ""  # per traffic class, e.g. "agent=3d,chat=7d" ("" = the defaults)
 
 
 class NodeSpec(_Section):

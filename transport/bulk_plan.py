@@ -10,7 +10,7 @@ from deepinfer.transport.buffers import typed_view
 from deepinfer.transport.protocol import BufferSpec
 
 DEFAULT_CHUNK_BYTES = 4 << 20
-DEFAULT_WINDOW_MESSAGES = 4  # messages (or ring slots) in flight per sender
+DEFAULT_WINDOW_MESSAGES = 4  # messages in flight per sender (high-water mark)
 SOCKET_BUFFER_BYTES = 4 << 20  # kernel socket buffers: fewer syscalls per chunk
 
 

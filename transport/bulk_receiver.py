@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import os
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +29,16 @@ from deepinfer.transport.bulk_plan import (
 )
 from deepinfer.transport.codec import Codec
 from deepinfer.transport.errors import MalformedFrame, OversizedFrame, TransferFailed, TransportError
-from deepinfer.transport.protocol import BulkAck, BulkBegin, BulkChunk, BulkFrame, BulkReply, CmaSource, ErrorCode
+from deepinfer.transport.protocol import (
+    BulkAbort,
+    BulkAck,
+    BulkBegin,
+    BulkChunk,
+    BulkFrame,
+    BulkReply,
+    CmaSource,
+    ErrorCode,
+)
 from deepinfer.transport.security import CurveServerKeys
 from deepinfer.transport.sockets import ChannelStats, bind, new_socket
 
@@ -63,11 +75,12 @@ class BulkReceiver:
                  pool: BufferPool | None = None, allocate: Allocator | None = None,
                  release: Callable[[list[Any]], None] | None = None, max_bulk_bytes: int | None = None,
                  idle_timeout_s: float = 30.0, window_messages: int = DEFAULT_WINDOW_MESSAGES,
-                 name: str = "bulk-receiver"):
+                 accept_cma: bool | None = None, name: str = "bulk-receiver"):
         self.address = address
         self.name = name
         self.max_bulk_bytes = envs.get().max_bulk_bytes if max_bulk_bytes is None else max_bulk_bytes
         self.idle_timeout_s = idle_timeout_s
+        self.accepts_cma = address.startswith("ipc://") and cma.is_supported() if accept_cma is None else accept_cma
         self.stats = ChannelStats()
         if allocate is None and pool is not None:
             allocate, release = pool.allocate, pool.release_all
@@ -83,6 +96,10 @@ class BulkReceiver:
         self._pulls: set[asyncio.Task] = set()
         self._inflight: dict[Key, _Inflight] = {}
         self._receiving: Key | None = None  # transfer whose message is being read right now
+        self._side_server: asyncio.AbstractServer | None = None
+        self._side_writers: dict[bytes, asyncio.StreamWriter] = {}  # side-channel peer -> its stream
+        self._side_tasks: set[asyncio.Task] = set()
+        self._side_ids = itertools.count(1)
         self._done: asyncio.Queue[BulkTransfer] = asyncio.Queue()
 
     @property
@@ -93,6 +110,8 @@ class BulkReceiver:
         self._sock = new_socket(self._ctx, zmq.ROUTER, curve=self._curve, rcvhwm=self._window)
         self._sock.rcvbuf = SOCKET_BUFFER_BYTES
         self.address = await bind(self._sock, self.address)
+        if self.accepts_cma:
+            await self._start_side_channel()
         self._tasks = [asyncio.create_task(self._recv_loop(), name=f"{self.name}-recv"),
                        asyncio.create_task(self._sweep_idle(), name=f"{self.name}-sweep")]
         return self.address
@@ -139,11 +158,21 @@ class BulkReceiver:
             return await self._refuse(key, TransferFailed("transfer id already in progress"))
         if begin.chunk_bytes <= 0 or any(spec.num_bytes < 0 for spec in begin.specs):
             return await self._refuse(key, MalformedFrame("negative size or non-positive chunk"))
-        if begin.source is not None and (len(begin.source.addresses) != len(begin.specs) or self._sock.rcvmore):
-            return await self._refuse(key, MalformedFrame("cross-memory transfer with a bad address list or frames"))
+        if begin.source is not None:
+            return await self._refuse(key, MalformedFrame("cross-memory transfers go over the side channel"))
         if total > self.max_bulk_bytes:
             return await self._refuse(key, OversizedFrame(
                 f"transfer of {total} bytes is over the {self.max_bulk_bytes}-byte limit"))
+        allocated = await self._allocate_for(key, begin)
+        if allocated is None:
+            return
+        buffers, dests = allocated
+        plan = plan_segments([spec.num_bytes for spec in begin.specs], begin.chunk_bytes)
+        self._inflight[key] = _Inflight(begin=begin, buffers=buffers, dests=dests, plan=plan)
+        await self._recv_message(key)
+
+    async def _allocate_for(self, key: Key, begin: BulkBegin) -> tuple[list[Any], list[np.ndarray]] | None:
+        """Destination buffers for ``begin`` (None: refused, the sender has been told)."""
         try:
             buffers = self._allocate(begin.specs)
             dests = [np.frombuffer(memoryview(b).cast("B"), np.uint8) for b in buffers]
@@ -151,17 +180,9 @@ class BulkReceiver:
                 if not dest.flags.writeable or dest.nbytes < spec.num_bytes:
                     raise ValueError(f"buffer of {dest.nbytes} bytes for {spec.num_bytes}, or read-only")
         except Exception as exc:
-            return await self._refuse(key, TransferFailed(f"allocation failed: {exc}"))
-        if begin.source is not None:
-            state = _Inflight(begin=begin, buffers=buffers, dests=dests, plan=[], is_pulling=True)
-            self._inflight[key] = state
-            task = asyncio.create_task(self._pull(key, state, begin.source))
-            self._pulls.add(task)
-            task.add_done_callback(self._pulls.discard)
-            return
-        plan = plan_segments([spec.num_bytes for spec in begin.specs], begin.chunk_bytes)
-        self._inflight[key] = _Inflight(begin=begin, buffers=buffers, dests=dests, plan=plan)
-        await self._recv_message(key)
+            await self._refuse(key, TransferFailed(f"allocation failed: {exc}"))
+            return None
+        return buffers, dests
 
     async def _on_chunk(self, peer: bytes, chunk: BulkChunk) -> None:
         key = (peer, chunk.transfer_id)
@@ -206,15 +227,14 @@ class BulkReceiver:
                                            specs=state.begin.specs, buffers=state.buffers,
                                            _release=self._release))
 
-    async def _pull(self, key: Key, state: _Inflight, source: CmaSource) -> None:
+    async def _pull(self, key: Key, state: _Inflight, pid: int, source: CmaSource) -> None:
         """Copy a same-host sender's buffers straight out of its memory (see transport/cma.py)."""
         specs = state.begin.specs
         try:
-            cma.check_proof(source.pid, source.proof_address, source.proof)
             for address, dest, spec in zip(source.addresses, state.dests, specs):
                 for offset in range(0, spec.num_bytes, _PULL_PIECE_BYTES):
                     piece = dest[offset:min(offset + _PULL_PIECE_BYTES, spec.num_bytes)]
-                    cma.read_into(source.pid, address + offset, piece)
+                    cma.read_into(pid, address + offset, piece)
                     state.last_active = time.monotonic()
                     await asyncio.sleep(0)  # let the loop serve others between pieces
         except cma.CmaError as exc:
@@ -248,7 +268,7 @@ class BulkReceiver:
         await self._refuse(key, error, is_mid_message=is_mid_message)
 
     async def _refuse(self, key: Key, error: TransportError, *, is_mid_message: bool = True) -> None:
-        if is_mid_message:
+        if is_mid_message and key[0] not in self._side_writers:
             await self._discard_rest()
         self.stats.record_drop(error, log, self.name)
         await self._reply(key[0], BulkAck(key[1], error.code, 0, str(error)))
@@ -257,7 +277,13 @@ class BulkReceiver:
         while self._sock.rcvmore:
             await self._sock.recv_into(bytearray())  # drops the frame without keeping it
 
-    async def _reply(self, peer: bytes, reply: BulkAck | BulkSlotFree) -> None:
+    async def _reply(self, peer: bytes, reply: BulkAck) -> None:
+        writer = self._side_writers.get(peer)
+        if writer is not None:
+            if not writer.is_closing():
+                cma.write_frame(writer, self._reply_codec.encode(reply))
+                self.stats.num_sent += 1
+            return
         try:
             await self._sock.send_multipart([peer, self._reply_codec.encode(reply)])
             self.stats.num_sent += 1
@@ -279,10 +305,13 @@ class BulkReceiver:
                                      is_mid_message=False)
 
     async def close(self) -> None:
-        for task in self._tasks:
+        for task in [*self._tasks, *self._side_tasks]:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._side_tasks, return_exceptions=True)
         self._tasks = []
+        if self._side_server is not None:
+            self._side_server.close()
+            self._remove_side_socket()
         if self._pulls:  # a pull thread cannot be interrupted: let it finish writing first
             await asyncio.wait(set(self._pulls))
         for state in self._inflight.values():
@@ -298,3 +327,70 @@ class BulkReceiver:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
+    # ---- same-host side channel (Unix socket next to the ipc:// path, see transport/cma.py) ----
+
+    async def _start_side_channel(self) -> None:
+        path = cma.side_path(self.address)
+        self._remove_side_socket()  # a leftover of a receiver that was killed
+        self._side_server = await asyncio.start_unix_server(self._serve_side, path)
+        os.chmod(path, 0o600)  # cross-memory reads need the same user anyway
+
+    def _remove_side_socket(self) -> None:
+        path = cma.side_path(self.address)
+        try:
+            if stat.S_ISSOCK(os.stat(path).st_mode):
+                os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+    async def _serve_side(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._side_tasks.add(task)
+        peer = b"cma-%d" % next(self._side_ids)
+        self._side_writers[peer] = writer
+        try:
+            pid = cma.peer_pid(writer)
+            while True:
+                body = await cma.read_frame(reader, self._codec.max_frame_bytes)
+                self.stats.num_received += 1
+                try:
+                    msg = self._codec.decode(body)
+                except TransportError as err:
+                    self.stats.record_drop(err, log, self.name)
+                    continue
+                if isinstance(msg, BulkBegin):
+                    await self._on_side_begin(peer, pid, msg)
+                elif isinstance(msg, BulkAbort):
+                    self._on_abort((peer, msg.transfer_id))
+                else:
+                    self.stats.record_drop(MalformedFrame("only BulkBegin/BulkAbort on the side channel"), log, self.name)
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass
+        except ValueError as exc:  # oversized frame: the stream cannot be resynchronised
+            self.stats.record_drop(OversizedFrame(str(exc)), log, self.name)
+        finally:
+            del self._side_writers[peer]
+            for key in [k for k in self._inflight if k[0] == peer]:
+                self._on_abort(key)  # the sender is gone: nobody wants these any more
+            writer.close()
+            self._side_tasks.discard(task)
+
+    async def _on_side_begin(self, peer: bytes, pid: int, begin: BulkBegin) -> None:
+        key = (peer, begin.transfer_id)
+        total = sum(spec.num_bytes for spec in begin.specs)
+        if key in self._inflight:
+            return await self._refuse(key, TransferFailed("transfer id already in progress"))
+        if begin.source is None or len(begin.source.addresses) != len(begin.specs) or any(
+                spec.num_bytes < 0 for spec in begin.specs):
+            return await self._refuse(key, MalformedFrame("side-channel transfer without a matching address list"))
+        if total > self.max_bulk_bytes:
+            return await self._refuse(key, OversizedFrame(
+                f"transfer of {total} bytes is over the {self.max_bulk_bytes}-byte limit"))
+        allocated = await self._allocate_for(key, begin)
+        if allocated is None:
+            return
+        state = _Inflight(begin=begin, buffers=allocated[0], dests=allocated[1], plan=[], is_pulling=True)
+        self._inflight[key] = state
+        task = asyncio.create_task(self._pull(key, state, pid, begin.source))
+        self._pulls.add(task)
+        task.add_done_callback(self._pulls.discard)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -43,8 +42,10 @@ log = logging.getLogger(__name__)
 class BulkSender:
     """DEALER side. Concurrent ``send`` calls on one sender interleave safely (per-message ids).
 
-    ``use_cma``: let a same-host receiver pull buffers from our memory (default: yes for
-    ``ipc://`` on Linux); if the receiver may not, it says so once and we send frames after.
+    ``use_cma``: let a same-host receiver pull buffers from our memory over its side channel
+    (default: yes for ``ipc://`` on Linux). Without a side channel to connect to we send frames
+    (and try the side channel again a second later); if the receiver may not read our memory
+    it says so once and we send frames from then on.
     """
 
     def __init__(self, address: str, *, ctx: zmq.asyncio.Context | None = None, curve: CurveClientKeys | None = None,
@@ -63,7 +64,10 @@ class BulkSender:
         self._curve = curve
         self._codec = Codec(BulkFrame)
         self._reply_codec = Codec(BulkReply)
-        self._proof: cma.Proof | None = None
+        self._side: asyncio.StreamWriter | None = None
+        self._side_task: asyncio.Task | None = None
+        self._side_retry_at = 0.0
+        self._side_tids: set[int] = set()
         self._sock: zmq.asyncio.Socket | None = None
         self._recv_task: asyncio.Task | None = None
         self._pending: dict[int, asyncio.Future] = {}
@@ -79,7 +83,6 @@ class BulkSender:
         self._sock.connect(self.address)
         if self.is_cma:
             cma.allow_readers()
-            self._proof = cma.Proof()
         self._recv_task = asyncio.create_task(self._recv_acks(), name=f"{self.name}-acks")
         return self
 
@@ -100,12 +103,14 @@ class BulkSender:
         start = time.perf_counter()
         try:
             async with asyncio.timeout(timeout_s):
-                ack = await self._transfer(views, specs, meta, use_cma=self.is_cma)
-                if ack.code == ErrorCode.UNAVAILABLE and self.is_cma:
+                side = await self._side_link()
+                ack = await self._transfer(views, specs, meta, side=side)
+                if ack.code == ErrorCode.UNAVAILABLE and side is not None:
                     self.is_cma = False
+                    self._close_side()
                     log.warning("%s: receiver cannot read our memory (%s); sending frames from now on",
                                 self.name, ack.message)
-                    ack = await self._transfer(views, specs, meta, use_cma=False)
+                    ack = await self._transfer(views, specs, meta, side=None)
         except TimeoutError:
             raise DeadlineExceeded(f"bulk transfer to {self.address} not acknowledged within {timeout_s:g}s") from None
         if ack.code != ErrorCode.OK:
@@ -113,16 +118,17 @@ class BulkSender:
             raise error(f"receiver refused bulk transfer {ack.transfer_id}: {ack.code.name}: {ack.message}", ack.code)
         return TransferResult(transfer_id=ack.transfer_id, num_bytes=ack.num_bytes, seconds=time.perf_counter() - start)
 
-    async def _transfer(self, views: list[memoryview], specs: list[BufferSpec], meta: bytes, *, use_cma: bool) -> BulkAck:
+    async def _transfer(self, views: list[memoryview], specs: list[BufferSpec], meta: bytes, *,
+                        side: asyncio.StreamWriter | None) -> BulkAck:
         tid = self._next_tid
         self._next_tid += 1
         ack_future = asyncio.get_running_loop().create_future()
         self._pending[tid] = ack_future
         try:
-            if use_cma:
-                source = CmaSource(pid=os.getpid(), addresses=[cma.address_of(v) for v in views],
-                                   proof=self._proof.value, proof_address=self._proof.address)
-                await self._sock.send(self._codec.encode(BulkBegin(tid, specs, self.chunk_bytes, meta, source)))
+            if side is not None:
+                self._side_tids.add(tid)
+                source = CmaSource(addresses=[cma.address_of(v) for v in views])
+                cma.write_frame(side, self._codec.encode(BulkBegin(tid, specs, self.chunk_bytes, meta, source)))
                 self.stats.num_sent += 1
             else:
                 plan = plan_segments([spec.num_bytes for spec in specs], self.chunk_bytes)
@@ -136,16 +142,69 @@ class BulkSender:
                     self.stats.num_sent += 1
             return await ack_future
         except asyncio.CancelledError:  # deadline (asyncio.timeout cancels us) or the caller
-            self._abort(tid, "sender gave up (deadline or cancelled)")
+            self._abort(tid, "sender gave up (deadline or cancelled)", side)
             raise
         finally:
             self._pending.pop(tid, None)
+            self._side_tids.discard(tid)
 
-    def _abort(self, tid: int, reason: str) -> None:
+    def _abort(self, tid: int, reason: str, side: asyncio.StreamWriter | None) -> None:
+        body = self._codec.encode(BulkAbort(tid, reason))
+        if side is not None:
+            if not side.is_closing():
+                cma.write_frame(side, body)
+            return
         try:  # best effort: the receiver's idle timeout covers a lost abort
-            self._sock.send(self._codec.encode(BulkAbort(tid, reason)), flags=zmq.NOBLOCK)
+            self._sock.send(body, flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
+
+    async def _side_link(self) -> asyncio.StreamWriter | None:
+        """The receiver's side channel, connected on first use (None: send frames this time)."""
+        if not self.is_cma:
+            return None
+        if self._side is not None and not self._side.is_closing():
+            return self._side
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._side_retry_at:
+            return None
+        try:
+            reader, self._side = await asyncio.open_unix_connection(cma.side_path(self.address))
+        except OSError:  # no receiver yet, or one that only takes frames
+            self._side_retry_at = loop.time() + 1.0
+            return None
+        self._side_task = asyncio.create_task(self._recv_side_acks(reader), name=f"{self.name}-side-acks")
+        return self._side
+
+    async def _recv_side_acks(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                self._resolve(await cma.read_frame(reader, 1 << 20))
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError):
+            pass
+        # the receiver went away: transfers waiting on this link will never be acknowledged
+        for tid in list(self._side_tids):
+            future = self._pending.get(tid)
+            if future is not None and not future.done():
+                future.set_exception(TransferFailed(f"{self.address}: receiver closed the side channel"))
+        self._close_side()
+
+    def _close_side(self) -> None:
+        if self._side is not None:
+            self._side.close()
+            self._side = None
+
+    def _resolve(self, frame: bytes) -> None:
+        try:
+            ack = self._reply_codec.decode(frame)
+        except TransportError as err:
+            self.stats.record_drop(err, log, self.name)
+            return
+        future = self._pending.get(ack.transfer_id)
+        if future is None or future.done():
+            self.stats.num_late_replies += 1
+            return
+        future.set_result(ack)
 
     async def _recv_acks(self) -> None:
         while True:
@@ -153,22 +212,15 @@ class BulkSender:
                 frame = await self._sock.recv()
             except (zmq.ZMQError, asyncio.CancelledError):
                 return
-            try:
-                ack = self._reply_codec.decode(frame)
-            except TransportError as err:
-                self.stats.record_drop(err, log, self.name)
-                continue
-            future = self._pending.get(ack.transfer_id)
-            if future is None or future.done():
-                self.stats.num_late_replies += 1
-                continue
-            future.set_result(ack)
+            self._resolve(frame)
 
     async def close(self) -> None:
-        if self._recv_task is not None:
-            self._recv_task.cancel()
-            await asyncio.gather(self._recv_task, return_exceptions=True)
-            self._recv_task = None
+        tasks = [t for t in (self._recv_task, self._side_task) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._recv_task = self._side_task = None
+        self._close_side()
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(ChannelClosed(f"{self.name} to {self.address} closed"))

@@ -1,35 +1,38 @@
 """Linux cross-memory attach: the same-host fast path of the bulk data plane.
 
 Why: between processes on one host, kernel sockets (what ``ipc://`` frames ride on) move data
-at a fraction of memcpy speed on small machines, and every chunk costs thread wake-ups. With
-``process_vm_readv`` the receiver copies the sender's buffers straight into its own
-destination in one system call per buffer: one copy in total, one message each way.
+at a fraction of memcpy speed on small machines, and every chunk costs thread wake-ups in
+libzmq. Instead the sender names its buffers' addresses on a Unix-socket side channel next to
+the receiver's ``ipc://`` path and the receiver copies them straight into its destination with
+one ``process_vm_readv`` each: one copy in total, one small message each way, no libzmq thread.
 
-Safety: the receiver only ever writes into buffers it allocated, with lengths it checked; it
-reads the sender's memory only after the sender proved its pid (a random ``Proof`` value that
-exists only in the sender's memory). A read the kernel refuses (no ptrace permission, e.g.
-Yama ``ptrace_scope`` 2, a container without the capability, another pid namespace) fails
-with an errno in ``FALLBACK_ERRNOS``; the receiver answers ``UNAVAILABLE`` and the sender
-falls back to frames for good.
-``allow_readers()`` lets same-user receivers read us under Yama ``ptrace_scope`` 1.
+Safety: the receiver learns the sender's pid from the kernel (``SO_PEERCRED``), never from the
+message, so a peer can only make the receiver read that peer's own memory; it only writes
+into buffers it allocated, with lengths it checked. Where the kernel refuses the read (no
+ptrace permission: Yama ``ptrace_scope`` 2, a container without the capability, another
+user) the errno is in ``FALLBACK_ERRNOS``: the receiver answers ``UNAVAILABLE`` and the sender
+sends frames from then on. ``allow_readers()`` lets same-user receivers read us under Yama
+``ptrace_scope`` 1.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import errno
 import os
-import secrets
+import socket
+import struct
 import sys
 
 import numpy as np
 
-PROOF_BYTES = 16
 _PR_SET_PTRACER = 0x59616D61
 _PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
-# errnos meaning "this path does not work between these two processes" (no permission, or
-# the pid is not the sender as seen from here, e.g. another pid namespace): use frames.
 FALLBACK_ERRNOS = frozenset({errno.EPERM, errno.EACCES, errno.ENOSYS, errno.ESRCH})
+SIDE_SUFFIX = ".cma"  # side-channel socket path = the ipc:// path + this
+_LENGTH = struct.Struct("<I")
+_PEERCRED = struct.Struct("3i")  # pid, uid, gid
 
 
 class _IoVec(ctypes.Structure):
@@ -37,7 +40,7 @@ class _IoVec(ctypes.Structure):
 
 
 class CmaError(OSError):
-    """A cross-memory read failed (``errno`` set; EPERM family means "not permitted here")."""
+    """A cross-memory read failed (``errno`` set; see ``FALLBACK_ERRNOS``)."""
 
 
 _libc = None
@@ -91,23 +94,29 @@ def read_into(pid: int, remote_address: int, dest: np.ndarray) -> None:
         raise CmaError(errno.EFAULT, f"process_vm_readv from pid {pid}: {num_read} of {dest.nbytes} bytes")
 
 
-class Proof:
-    """A random value at a fixed address in this process; naming it proves who we are."""
-
-    def __init__(self):
-        self._array = np.frombuffer(bytearray(secrets.token_bytes(PROOF_BYTES)), dtype=np.uint8)
-        self.value = self._array.tobytes()
-        self.address = self._array.ctypes.data
+# ---- side channel: [u32le length, msgpack body] frames on a Unix stream socket ----------------
 
 
-def check_proof(pid: int, address: int, value: bytes) -> None:
-    """Raise ``CmaError`` unless process ``pid`` holds ``value`` at ``address``."""
-    if len(value) != PROOF_BYTES:
-        raise CmaError(errno.EINVAL, "proof of the wrong length")
-    seen = np.empty(PROOF_BYTES, dtype=np.uint8)
-    try:
-        read_into(pid, address, seen)
-    except CmaError as exc:  # whatever the reason, this pid cannot be shown to be the sender
-        raise CmaError(exc.errno if exc.errno in FALLBACK_ERRNOS else errno.EACCES, f"proof unreadable: {exc}") from None
-    if seen.tobytes() != value:
-        raise CmaError(errno.EACCES, f"pid {pid} does not hold the sender's proof: not the sender")
+def side_path(address: str) -> str | None:
+    """The side-channel socket path for an ``ipc://`` address (None for other transports)."""
+    return address.removeprefix("ipc://") + SIDE_SUFFIX if address.startswith("ipc://") else None
+
+
+def peer_pid(writer: asyncio.StreamWriter) -> int:
+    """The connected peer's pid as the kernel saw it (in our pid namespace)."""
+    sock = writer.get_extra_info("socket")
+    pid, _, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    return pid
+
+
+def write_frame(writer: asyncio.StreamWriter, body: bytes) -> None:
+    writer.write(_LENGTH.pack(len(body)) + body)
+
+
+async def read_frame(reader: asyncio.StreamReader, max_bytes: int) -> bytes:
+    """One frame; raises ``ValueError`` for a frame over ``max_bytes`` (the stream is then
+    unusable), ``asyncio.IncompleteReadError`` when the peer hung up."""
+    (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
+    if length > max_bytes:
+        raise ValueError(f"side-channel frame of {length} bytes is over the {max_bytes}-byte limit")
+    return await reader.readexactly(length)

@@ -174,10 +174,11 @@ PeerEvent = Heartbeat | Leave | PeerUp | PeerDown
 #   [BulkBegin, seg, seg, ...]  [BulkChunk(seq=1), seg, ...]  [BulkChunk(seq=2), seg, ...]
 # where the payload (the concatenation of all buffers) is cut into segments that never cross a
 # buffer boundary and each message carries at most ``chunk_bytes`` of them; both sides derive
-# the same plan from (specs, chunk_bytes). On one host BulkBegin may instead carry a CmaSource:
-# the message is then the header alone and the receiver pulls the bytes from the sender's
-# memory. The receiver answers each transfer with exactly one BulkAck; a sender that gives up
-# sends BulkAbort. See transport/dataplane.py and transport/cma.py.
+# the same plan from (specs, chunk_bytes). On one host BulkBegin may instead carry a CmaSource
+# (on a Unix-socket side channel, frames [u32le length, body]): the message is then the header
+# alone and the receiver pulls the bytes from the sender's memory. The receiver answers each
+# transfer with exactly one BulkAck; a sender that gives up sends BulkAbort.
+# See transport/dataplane.py and transport/cma.py.
 # =====================================================================================
 
 
@@ -192,17 +193,12 @@ class BufferSpec(_HotMessage):
 
 class CmaSource(_HotMessage):
     """Same-host fast path: the receiver copies the buffers straight out of the sender's memory
-    (Linux cross-memory attach, ``process_vm_readv``) instead of receiving frames.
+    (Linux cross-memory attach) instead of receiving frames. ``addresses[i]`` is buffer i's
+    address in the sender. Only sent on the receiver's Unix-socket side channel, where the
+    kernel tells the receiver the sender's pid (SO_PEERCRED): a peer can only ever point the
+    receiver at its own memory."""
 
-    ``addresses[i]`` is buffer i's address in process ``pid``. To prove that ``pid`` really is
-    the sender, the receiver first reads 16 bytes at ``proof_address`` and compares them with
-    ``proof`` (only the sender could have put that random value there).
-    """
-
-    pid: int
     addresses: list[int]
-    proof: bytes
-    proof_address: int
 
 
 class BulkBegin(_HotMessage):

@@ -177,3 +177,49 @@ async def test_sigterm_drains_in_flight_work_refuses_new_and_exits_cleanly(clust
     finally:
         stop_child(proc)
         await observer.stop()
+
+
+STORAGE_CLUSTER = """
+[cluster]
+heartbeat_interval_s = 0.2
+drain_deadline_s = 5
+
+[storage]
+ec_k = 1
+ec_m = 0
+dir = "{dir}"
+
+[[nodes]]
+name = "s0"
+role = "storage"
+control = "tcp://127.0.0.1:{p0}"
+events = "tcp://127.0.0.1:{p1}"
+data = "tcp://127.0.0.1:{p2}"
+"""
+
+
+@pytest.mark.timeout(120)
+async def test_deepinfer_node_runs_a_built_role_and_drains_on_sigterm(tmp_path):
+    from deepinfer.runtime.cluster_config import NodeRole
+    from deepinfer.runtime.roles import RoleNotBuilt, role_factory
+    from deepinfer.transport.protocol import Welcome
+
+    try:
+        role_factory(NodeRole.STORAGE)
+    except RoleNotBuilt:
+        pytest.skip("the storage role is not built yet")
+    ports = [free_port() for _ in range(3)]
+    path = tmp_path / "cluster.toml"
+    path.write_text(STORAGE_CLUSTER.format(dir=tmp_path / "frags", p0=ports[0], p1=ports[1], p2=ports[2]))
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "deepinfer.bin", "node", "--role", "storage",
+                                                "--cluster", str(path), stderr=asyncio.subprocess.PIPE)
+    try:
+        async with RequestClient(f"tcp://127.0.0.1:{ports[0]}", NodeControlReply) as control:
+            welcome = await control.request(hello(0), timeout_s=30)  # queued until the node is up
+            assert isinstance(welcome, Welcome) and welcome.node_name == "s0" and welcome.role == Role.STORAGE
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

@@ -1,9 +1,11 @@
 """Bulk data plane over real sockets: byte-identical transfers, limits, bad senders, fallbacks."""
 
 import asyncio
+import ctypes
+import hashlib
+import os
 import shutil
 import struct
-import subprocess
 import sys
 import tempfile
 
@@ -199,43 +201,107 @@ async def test_sender_deadline_when_nobody_acks_leaves_nothing_pending():
         ctx.term()
 
 
+ATTACKER = """
+import asyncio, struct, sys
+import msgspec
+from deepinfer.transport.protocol import BufferSpec, BulkBegin, BulkAck, CmaSource
+
+async def main(path, address):
+    reader, writer = await asyncio.open_unix_connection(path)
+    # point the receiver at an address of ANOTHER process (the test process) holding a secret
+    body = msgspec.msgpack.encode(BulkBegin(1, [BufferSpec(num_bytes=64)], 64, b"", CmaSource([address])))
+    writer.write(struct.pack("<I", len(body)) + body)
+    length = struct.unpack("<I", await reader.readexactly(4))[0]
+    print(msgspec.msgpack.decode(await reader.readexactly(length), type=BulkAck).code, flush=True)
+
+asyncio.run(main(sys.argv[1], int(sys.argv[2])))
+"""
+
+
 @pytest.mark.skipif(not cma.is_supported(), reason="needs Linux process_vm_readv")
-async def test_cross_memory_pull_needs_the_senders_proof(receiver_and_raw):
+async def test_side_channel_peer_can_only_point_at_its_own_memory(ipc_dir):
+    secret = np.frombuffer(bytearray(b"secret-kv-cache!" * 4), np.uint8)
+    async with BulkReceiver(f"ipc://{ipc_dir}/atk.ipc") as receiver:
+        assert receiver.accepts_cma
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", ATTACKER, cma.side_path(receiver.address), str(secret.ctypes.data),
+            stdout=asyncio.subprocess.PIPE)
+        out, _ = await asyncio.wait_for(proc.communicate(), 30)
+        # the kernel named the attacker's pid: its own memory at that address is read (or faults),
+        # never the secret that lives in ours
+        delivered = []
+        while not receiver._done.empty():
+            delivered.append(bytes(receiver._done.get_nowait().view(0)))
+        assert all(data != secret.tobytes() for data in delivered)
+        code = int(out.decode().strip().rsplit(".", 1)[-1]) if out.strip() else None
+        assert code in (ErrorCode.OK, ErrorCode.TRANSFER_FAILED), out
+        assert receiver.num_in_progress == 0
+
+
+async def test_cross_memory_header_over_zmq_is_refused(receiver_and_raw):
     receiver, raw, pool = receiver_and_raw
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    secret = np.frombuffer(bytearray(b"victim-data" * 10), np.uint8)
-    try:
-        frames = Codec(BulkFrame)
-        spec = [BufferSpec(num_bytes=16)]
-        # a peer naming another process's pid (it cannot plant our proof there) is refused
-        lie = CmaSource(pid=child.pid, addresses=[secret.ctypes.data], proof=b"p" * 16, proof_address=secret.ctypes.data)
-        await raw.send_multipart([frames.encode(BulkBegin(1, spec, 64, source=lie))])
-        assert (await next_ack(raw)).code == ErrorCode.UNAVAILABLE
-        # our own pid with a proof that is not in our memory: refused as well
-        lie = CmaSource(pid=__import__("os").getpid(), addresses=[secret.ctypes.data], proof=b"q" * 16,
-                        proof_address=secret.ctypes.data)
-        await raw.send_multipart([frames.encode(BulkBegin(2, spec, 64, source=lie))])
-        assert (await next_ack(raw)).code == ErrorCode.UNAVAILABLE
-        assert receiver.num_in_progress == 0 and receiver._done.empty()
-    finally:
-        child.kill()
-        child.wait()
+    begin = BulkBegin(1, [BufferSpec(num_bytes=16)], 64, source=CmaSource([12345]))
+    await raw.send_multipart([Codec(BulkFrame).encode(begin)])
+    assert (await next_ack(raw)).code == ErrorCode.MALFORMED
+    assert receiver.num_in_progress == 0
 
 
 @pytest.mark.skipif(not cma.is_supported(), reason="needs Linux process_vm_readv")
-async def test_sender_falls_back_to_frames_when_the_receiver_cannot_pull(ipc_dir):
-    async with BulkReceiver(f"ipc://{ipc_dir}/fb.ipc") as receiver:
+async def test_sender_uses_frames_when_the_receiver_has_no_side_channel(ipc_dir):
+    async with BulkReceiver(f"ipc://{ipc_dir}/nocma.ipc", accept_cma=False) as receiver:
         async with BulkSender(receiver.address) as sender:
-            assert sender.is_cma
-            sender._proof._array[:] ^= 0xFF  # the memory no longer holds what we claim: pull refused
-            payload = np.arange(5 * MiB, dtype=np.uint8)
+            payload = np.arange(3 * MiB, dtype=np.uint8)
             await sender.send([payload], timeout_s=20)
-            assert not sender.is_cma  # fell back once, for good
-            transfer = await receiver.recv()
-            assert np.array_equal(transfer.view(0), payload)
-            assert receiver.stats.dropped_by_code == {ErrorCode.UNAVAILABLE: 1}
-            await sender.send([b"again"], timeout_s=5)
-            assert bytes((await receiver.recv()).view(0)) == b"again"
+            assert np.array_equal((await receiver.recv()).view(0), payload)
+            assert sender.is_cma and sender._side is None  # will try again later, sent frames now
+
+
+RECEIVER_WITHOUT_PTRACE = """
+import asyncio, ctypes, hashlib, sys
+libc = ctypes.CDLL(None, use_errno=True)
+class Header(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+class Caps(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+header, caps = Header(0x20080522, 0), (Caps * 2)()
+assert libc.capget(ctypes.byref(header), caps) == 0
+caps[0].effective &= ~(1 << 19)  # CAP_SYS_PTRACE: without it we may not read a non-dumpable process
+caps[0].permitted &= ~(1 << 19)
+assert libc.capset(ctypes.byref(header), caps) == 0
+from deepinfer.transport.dataplane import BulkReceiver
+
+async def main(address):
+    async with BulkReceiver(address) as receiver:
+        print("READY", flush=True)
+        transfer = await receiver.recv()
+        print(hashlib.sha256(transfer.view(0).tobytes()).hexdigest(), receiver.stats.dropped_by_code, flush=True)
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+@pytest.mark.skipif(not cma.is_supported() or os.geteuid() != 0, reason="needs root to drop a capability")
+async def test_sender_falls_back_to_frames_when_the_kernel_refuses_the_pull(ipc_dir):
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_dumpable = 4
+    address = f"ipc://{ipc_dir}/noptrace.ipc"
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", RECEIVER_WITHOUT_PTRACE, address,
+                                                stdout=asyncio.subprocess.PIPE)
+    libc.prctl(pr_set_dumpable, 0, 0, 0, 0)  # now only CAP_SYS_PTRACE holders may read our memory
+    try:
+        assert (await asyncio.wait_for(proc.stdout.readline(), 30)).strip() == b"READY"
+        payload = np.random.default_rng(3).integers(0, 256, 5 * MiB, dtype=np.uint8)
+        async with BulkSender(address) as sender:
+            await sender.send([payload], timeout_s=30)
+            assert not sender.is_cma  # refused once (EPERM), frames from now on
+        digest, drops = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode().split(" ", 1)
+        assert digest == hashlib.sha256(payload.tobytes()).hexdigest()
+        assert "UNAVAILABLE" in drops
+    finally:
+        libc.prctl(pr_set_dumpable, 1, 0, 0, 0)
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
 
 
 def test_bulk_ack_frames_are_small():
