@@ -2,7 +2,7 @@
 
 A request with ``p`` prompts and ``n`` choices becomes ``p * n`` engine requests (choice
 ``index = prompt * n + i``, seed ``seed + i``). They are submitted together (one pump task
-each, feeding one queue), so their prefills overlap. ``start()`` returns once every engine
+each, feeding one inbox), so their prefills overlap. ``start()`` returns once every engine
 request has produced its first output -- that is where the engine reports bad input (invalid
 grammar, full queue), before any HTTP header has gone out. ``close()`` aborts every engine
 request that has not finished (client gone, handler cancelled, error) and is always called.
@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -82,7 +83,8 @@ class Generation:
         self.arrival_time = arrival_time
         self.structured_param = structured_param
         self.choices = [ChoiceState(r.index, r.prompt_index, len(r.prompt_token_ids)) for r in requests]
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._inbox: deque[tuple[int, object]] = deque()  # (slot, RequestOutput | exception | _END)
+        self._has_mail = asyncio.Event()
         self._pumps: list[asyncio.Task] = []
         self._buffered: list[tuple[int, RequestOutput]] = []
         self._closed = False
@@ -96,7 +98,7 @@ class Generation:
             self._pumps.append(asyncio.create_task(self._pump(slot, stream), name=f"gateway-pump-{r.request_id}"))
         pending = set(range(len(self.requests)))
         while pending:
-            slot, item = await self._queue.get()
+            slot, item = await self._next()
             if isinstance(item, BaseException):
                 raise self._map_error(item)
             if item is _END:
@@ -108,13 +110,13 @@ class Generation:
 
     async def deltas(self) -> AsyncIterator[tuple[ChoiceState, CompletionOutput]]:
         """Each engine delta, after it was folded into its choice's state; ends when all are done."""
-        for slot, out in self._buffered:
+        while self._buffered:
+            slot, out = self._buffered.pop(0)
             delta = self._apply(slot, out)
             if delta is not None:
                 yield self.choices[slot], delta
-        self._buffered.clear()
         while not all(c.is_done for c in self.choices):
-            slot, item = await self._queue.get()
+            slot, item = await self._next()
             if item is _END:
                 self.choices[slot].is_done = True
                 if self.choices[slot].finish_reason is None:
@@ -127,6 +129,18 @@ class Generation:
             delta = self._apply(slot, item)
             if delta is not None:
                 yield self.choices[slot], delta
+
+    @property
+    def has_ready(self) -> bool:
+        """The next delta is already here, so a caller may hold its writes to send them together."""
+        if self._buffered:
+            return True
+        for _, item in self._inbox:  # stream ends are consumed without a wait; an error stops the scan
+            if isinstance(item, RequestOutput):
+                return True
+            if item is not _END:
+                return False
+        return False
 
     async def close(self) -> None:
         """Abort every unfinished engine request and stop the pumps (idempotent, survives cancel)."""
@@ -157,11 +171,11 @@ class Generation:
     async def _pump(self, slot: int, stream: AsyncIterator[RequestOutput]) -> None:
         try:
             async for out in stream:
-                self._queue.put_nowait((slot, out))
+                self._post(slot, out)
                 if out.finished:
                     break
         except Exception as exc:  # CancelledError (close) is not caught: it ends the task
-            self._queue.put_nowait((slot, exc))
+            self._post(slot, exc)
             return
         finally:
             aclose = getattr(stream, "aclose", None)
@@ -170,7 +184,17 @@ class Generation:
                     await aclose()
                 except Exception:
                     log.exception("closing the engine stream of %s failed", self.requests[slot].request_id)
-        self._queue.put_nowait((slot, _END))
+        self._post(slot, _END)
+
+    def _post(self, slot: int, item: object) -> None:
+        self._inbox.append((slot, item))
+        self._has_mail.set()
+
+    async def _next(self) -> tuple[int, object]:
+        while not self._inbox:
+            self._has_mail.clear()
+            await self._has_mail.wait()
+        return self._inbox.popleft()
 
     def _map_error(self, exc: BaseException) -> GatewayError:
         if isinstance(exc, GatewayError):

@@ -99,7 +99,8 @@ async def _stream(request: web.Request, state: GatewayState, req: ChatCompletion
         await sse.start()
         # OpenAI opens every choice with a role-only delta
         for c in gen.choices:
-            await sse.send(chunk([ChatChunkChoice(c.index, ChatDelta(role="assistant", content=""))]))
+            sse.add(chunk([ChatChunkChoice(c.index, ChatDelta(role="assistant", content=""))]))
+        await sse.flush()
         async for choice, delta in gen.deltas():
             if is_silent_delta(delta.text, delta.finish_reason, len(delta.token_ids) if num_top is not None else 0):
                 continue
@@ -107,8 +108,9 @@ async def _stream(request: web.Request, state: GatewayState, req: ChatCompletion
             if num_top is not None:
                 logprobs = ChatLogprobs(chat_logprobs(delta.token_ids, delta.logprobs or [], num_top, token_text))
             body = ChatDelta(content=delta.text) if delta.text else ChatDelta()
-            await sse.send(chunk([ChatChunkChoice(choice.index, body, logprobs, delta.finish_reason,
-                                                  delta.stop_reason)]))
+            sse.add(chunk([ChatChunkChoice(choice.index, body, logprobs, delta.finish_reason, delta.stop_reason)]))
+            if not gen.has_ready:
+                await sse.flush()
         if include_usage:
             final = ChatCompletionChunk(request_id, created, model, [], make_usage(*gen.usage_counts()))
             await sse.send(encoder.encode(final))

@@ -97,7 +97,9 @@ async def _stream(request: web.Request, state: GatewayState, req: CompletionRequ
                 [CompletionChoice(choice.index, delta.text, logprobs, delta.finish_reason, delta.stop_reason)])
             if include_usage:
                 chunk.usage = make_usage(*gen.usage_counts()) if continuous else None
-            await sse.send(encoder.encode(chunk))
+            sse.add(encoder.encode(chunk))
+            if not gen.has_ready:
+                await sse.flush()
         if include_usage:
             await sse.send(encoder.encode(CompletionResponse(request_id, created, model, [],
                                                              make_usage(*gen.usage_counts()))))

@@ -2,6 +2,9 @@
 
 A write to a client that went away raises ``ClientGone``; the serving code treats it like a
 cancelled handler: it stops reading the engine and aborts the request.
+
+``add`` + ``flush`` coalesce events that are ready at the same moment (n > 1 choices, or a
+consumer that fell behind the engine) into one socket write; nothing waits to be batched.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ class SSEWriter:
             },
         )
         self.is_started = False
+        self._pending: list[bytes] = []
 
     async def start(self) -> None:
         try:
@@ -35,18 +39,31 @@ class SSEWriter:
             raise ClientGone(str(exc)) from None
         self.is_started = True
 
+    def add(self, payload: bytes) -> None:
+        """Queue one event; it goes out with the next ``flush`` / ``send`` / ``done``."""
+        self._pending.append(b"data: " + payload + b"\n\n")
+
+    async def flush(self) -> None:
+        if self._pending:
+            data = b"".join(self._pending)
+            self._pending.clear()
+            await self._write(data)
+
     async def send(self, payload: bytes) -> None:
-        await self._write(b"data: " + payload + b"\n\n")
+        self.add(payload)
+        await self.flush()
 
     async def done(self) -> None:
-        await self._write(DONE)
+        self._pending.append(DONE)
+        await self.flush()
         try:
             await self.response.write_eof()
         except (ConnectionError, RuntimeError) as exc:
             raise ClientGone(str(exc)) from None
 
     async def fail(self, error_payload: bytes) -> None:
-        """End the stream with an in-band OpenAI error object (the status line is long gone)."""
+        """End the stream with an in-band OpenAI error object (the status line is long gone); events
+        already queued go out first."""
         try:
             await self.send(error_payload)
             await self.done()

@@ -216,3 +216,22 @@ async def test_max_tokens_past_context_is_400(served):
                                              max_tokens=engine.model_info.max_model_len)
     assert info.value.body["param"] == "max_tokens"
     assert info.value.body["code"] == "context_length_exceeded"
+
+
+async def test_streamed_choices_of_n_match_non_streamed(served):
+    _, engine, client = served
+    kw = dict(model=_model(engine), messages=[{"role": "user", "content": "three ways"}], max_tokens=10,
+              temperature=1.0, seed=99, n=3)
+    full = await client.chat.completions.create(**kw)
+    parts, finishes, roles = {0: [], 1: [], 2: []}, {}, []
+    async for chunk in await client.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            if c.delta.role:
+                roles.append(c.index)
+            parts[c.index].append(c.delta.content or "")
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert sorted(roles) == [0, 1, 2]
+    for c in full.choices:
+        assert "".join(parts[c.index]) == c.message.content
+        assert finishes[c.index] == c.finish_reason

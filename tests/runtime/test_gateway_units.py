@@ -179,3 +179,100 @@ def test_config_rejects_nonsense():
         GatewayConfig(api_key="  ")
     with pytest.raises(ValueError, match="max_body_bytes"):
         GatewayConfig(max_body_bytes=10)
+
+
+class _Scripted:
+    """An EngineClient stand-in that replays fixed deltas (or raises) per request id suffix."""
+
+    def __init__(self, scripts):
+        self.scripts = scripts  # choice index -> list of RequestOutput | Exception
+        self.aborted = []
+
+    def generate(self, prompt, params, *, request_id):
+        script = self.scripts[int(request_id.rsplit("-", 1)[1])]
+
+        async def stream():
+            for item in script:
+                await asyncio.sleep(0)
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+            await asyncio.Event().wait()  # a script without a finished output hangs like a busy engine
+
+        return stream()
+
+    async def abort(self, request_id):
+        self.aborted.append(request_id)
+
+
+def _delta(text, finish=None):
+    from deepinfer.engine.outputs import CompletionOutput, RequestOutput
+
+    return RequestOutput("r", None, [1], [CompletionOutput(0, text, [5] if text else [], finish_reason=finish)],
+                         finished=finish is not None)
+
+
+def _generation(engine, n):
+    from deepinfer.engine.sampling_params import SamplingParams
+    from deepinfer.runtime.gateway.generation import EngineRequest, Generation
+    from deepinfer.runtime.gateway.metrics import GatewayMetrics
+
+    class _Stats:
+        def stats(self):
+            from deepinfer.runtime.gateway import EngineStats
+
+            return EngineStats()
+
+    requests = [EngineRequest(i, 0, f"req-{i}", [1], SamplingParams(max_tokens=4)) for i in range(n)]
+    return Generation(engine, requests, GatewayMetrics(_Stats()), arrival_time=0.0)
+
+
+async def test_generation_merges_choices_and_signals_ready_deltas():
+    engine = _Scripted({0: [_delta("a"), _delta("b", "stop")], 1: [_delta("x"), _delta("", "length")]})
+    gen = _generation(engine, 2)
+    seen, num_ready = [], 0
+    try:
+        await gen.start()
+        deltas = gen.deltas().__aiter__()
+        while True:
+            is_ready = gen.has_ready
+            step = asyncio.ensure_future(deltas.__anext__())
+            await asyncio.sleep(0)
+            if is_ready:  # promised: the next delta needs no wait, so handlers may hold their writes
+                assert step.done()
+                num_ready += 1
+            try:
+                choice, delta = await step
+            except StopAsyncIteration:
+                break
+            seen.append((choice.index, delta.text, delta.finish_reason))
+    finally:
+        await gen.close()
+    assert num_ready >= 1
+    assert sorted(seen) == [(0, "a", None), (0, "b", "stop"), (1, "", "length"), (1, "x", None)]
+    assert [c.text for c in gen.choices] == ["ab", "x"]
+    assert gen.usage_counts() == (1, 3, 0)  # one prompt counted once; three tokens
+    assert engine.aborted == []
+
+
+async def test_generation_start_error_aborts_the_siblings():
+    from deepinfer.engine.structured_output import StructuredOutputError
+
+    engine = _Scripted({0: [_delta("a")], 1: [StructuredOutputError("invalid regex: x")]})
+    gen = _generation(engine, 2)
+    with pytest.raises(GatewayError) as info:
+        await gen.start()
+    await gen.close()
+    assert info.value.status == 422
+    assert engine.aborted == ["req-0", "req-1"]  # the failed one too: a no-op for the engine by contract
+
+
+async def test_generation_close_aborts_what_is_still_running():
+    engine = _Scripted({0: [_delta("a")], 1: [_delta("b"), _delta("c", "stop")]})
+    gen = _generation(engine, 2)
+    await gen.start()
+    async for choice, _ in gen.deltas():
+        if choice.index == 1 and choice.finish_reason:
+            break
+    await gen.close()
+    assert engine.aborted == ["req-0"]
