@@ -1,0 +1,1 @@
+"""Discrete-event cluster simulator for the balancers (``deepinfer bench balance``)."""
