@@ -5,8 +5,8 @@
                       object_size u64 | write_id u64 | payload_crc u32 | payload_size u32 |
                       written_at f64 | expires_at f64
     56              key (key_len bytes) | traffic class (class_len bytes, utf-8)
-    56+kl+cl        header_crc u32 = crc32 of everything above
-    ...+4           payload (payload_size bytes; its crc32 is payload_crc)
+    56+kl+cl        header_crc u32 = CRC-32C of everything above
+    ...+4           payload (payload_size bytes; its CRC-32C is payload_crc)
 
 Every file carries its own key, coding position and retention, so a node can rebuild its index
 from a directory scan, and any bit flip (header or payload) is caught before a byte is served.
@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import os
 import struct
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from deepinfer.cache.store.ec import FragmentHeader
+from deepinfer.cache.store.ec import FragmentHeader, payload_crc
 
 MAGIC = b"DIFG"
 VERSION = 1
@@ -68,7 +67,7 @@ def pack_prefix(record: FragmentRecord, payload_size: int) -> bytes:
         h.payload_crc, payload_size, record.written_at, record.expires_at,
     )  # fmt: skip
     body = fixed + h.key + cls
-    return body + _CRC.pack(zlib.crc32(body) & 0xFFFFFFFF)
+    return body + _CRC.pack(payload_crc(body))
 
 
 def unpack_prefix(buf) -> tuple[FragmentRecord, int, int]:
@@ -85,7 +84,7 @@ def unpack_prefix(buf) -> tuple[FragmentRecord, int, int]:
     if len(view) < end + _CRC.size:
         raise CorruptFragment("fragment header is truncated")
     (header_crc,) = _CRC.unpack_from(view, end)
-    if zlib.crc32(view[:end]) & 0xFFFFFFFF != header_crc:
+    if payload_crc(view[:end]) != header_crc:
         raise CorruptFragment("fragment header checksum mismatch")
     key = bytes(view[FIXED.size : FIXED.size + key_len])
     traffic_class = bytes(view[FIXED.size + key_len : end]).decode()
@@ -99,7 +98,7 @@ def parse(buf) -> tuple[FragmentRecord, memoryview]:
     payload = memoryview(buf)[offset : offset + size]
     if len(payload) != size:
         raise CorruptFragment(f"payload truncated: {len(payload)} of {size} bytes")
-    if zlib.crc32(payload) & 0xFFFFFFFF != record.header.payload_crc:
+    if payload_crc(payload) != record.header.payload_crc:
         raise CorruptFragment("payload checksum mismatch")
     return record, payload
 

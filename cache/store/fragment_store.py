@@ -101,6 +101,8 @@ class FragmentStore:
     def open(self) -> "FragmentStore":
         self._frag_dir.mkdir(parents=True, exist_ok=True)
         self._tmp_dir.mkdir(parents=True, exist_ok=True)
+        for i in range(256):  # every fan-out directory up front: no mkdir on the write path
+            (self._frag_dir / f"{i:02x}").mkdir(exist_ok=True)
         for stale in self._tmp_dir.iterdir():  # writes a crash cut short
             stale.unlink(missing_ok=True)
         self._db = sqlite3.connect(self.root / "index.sqlite3", check_same_thread=False, isolation_level=None)
@@ -193,7 +195,6 @@ class FragmentStore:
         path = ff.fragment_path(self._frag_dir, header.key)
         tmp_path = self._tmp_dir / f"{path.name}.{threading.get_ident()}"  # unique per writer thread
         try:
-            path.parent.mkdir(exist_ok=True)
             ff.write_new_file(tmp_path, prefix, view, fsync=self.fsync)
             with self._lock:
                 os.replace(tmp_path, path)

@@ -5,7 +5,7 @@
     timer: every gc_interval_s run GC (TTL + watermarks), every flush_interval_s persist recency
 
 Disk work never runs on the event loop: puts, gets and GC go to a small thread pool (file I/O and
-zlib.crc32 release the GIL), so one slow disk read does not hold up other requests' replies.
+CRC-32C release the GIL), so one slow disk read does not hold up other requests' replies.
 
 Test-only knobs (hidden from --help, never for production): ``debug_delay_ms`` sleeps before
 answering every request (a slow node, for the hedging tests); ``debug_hooks`` accepts DebugSet

@@ -24,6 +24,7 @@ def codec():
 
 def test_default_is_10_plus_2_isa_l(codec):
     assert (codec.k, codec.m, codec.config.ec_type) == (10, 2, "isa_l_rs_vand")
+    assert codec._data_offset == 80  # systematic layout found: all-data reads skip pyeclib
     frags = codec.encode(b"key", os.urandom(10_000))
     assert [f.header.index for f in frags] == list(range(12))
     assert all(f.header.key == b"key" and f.header.object_size == 10_000 for f in frags)

@@ -1,0 +1,181 @@
+"""`deepinfer bench store`: erasure coding and storage-cluster throughput, healthy and degraded.
+
+1. Codec: encode and decode (from k fragments with two data fragments missing, i.e. a real
+   reconstruction) of ``--object-size`` objects, through our path (ErasureCodec: CRC-32C per
+   fragment, bound headers, checks) and through raw pyeclib, sampled round-robin in one run.
+2. Cluster: ``--nodes`` storage daemons as local processes (``deepinfer storage``, started with
+   the test-only ``--debug-hooks`` so one node's delay can be switched at run time), one
+   ClusterStore in this process:
+   - put ``--num-objects`` objects (batches of ``--batch``), then get them all back, healthy;
+   - p99 of single-object reads with one daemon delayed 200 ms per request vs healthy, in
+     interleaved blocks so background load hits both alike (hedged reads: decode from the first
+     k of k+1 answers);
+   - SIGKILL two daemons (the client is not told: hedging and suspicion alone route around
+     them) and get everything again; count reads that did not return byte-identical data.
+
+GB/s = object (logical) bytes / wall time. Every daemon and this process share the machine's
+cores: on a small machine this measures the software path under CPU contention, not disks.
+
+JSON keys: ``ec_encode_GBps``, ``pyeclib_encode_GBps``, ``ec_decode_GBps``, ``pyeclib_decode_GBps``
+(2 data fragments missing), ``ec_decode_verify_GBps`` (with the CRC pass),
+``ec_decode_all_data_GBps``/``pyeclib_decode_all_data_GBps`` (every data fragment at hand),
+``cluster_put_GBps``, ``cluster_get_GBps``, ``cluster_get_GBps_2_down``, ``reads_failed_2_down``,
+``hedged_read_p99_ratio_one_slow`` (+ the two p99s in ms), ``num_cpus``, ``num_nodes``, ``k``, ``m``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import tempfile
+import time
+
+from pyeclib.ec_iface import ECDriver
+
+from deepinfer_bench.report import Report, base_parser
+
+from deepinfer.cache.store.api import deadline_after
+from deepinfer.cache.store.client import ClusterStore, ClusterStoreConfig
+from deepinfer.cache.store.ec import ECConfig, ErasureCodec
+from deepinfer.cache.store.local_cluster import LocalCluster
+from deepinfer.runtime import loop as runtime_loop
+from deepinfer.transport.protocol import DebugSet
+
+MiB = 1 << 20
+
+
+def parse_args(argv):
+    p = base_parser("store", "Erasure coding and storage-cluster put/get throughput, healthy and with 2 nodes down.")
+    p.add_argument("--k", type=int, default=10, help="data fragments per object")
+    p.add_argument("--m", type=int, default=2, help="parity fragments per object")
+    p.add_argument("--nodes", type=int, default=12, help="storage daemons to start (>= k+m)")
+    p.add_argument("--object-size", type=int, default=1 * MiB, help="bytes per object")
+    p.add_argument("--num-objects", type=int, default=64, help="objects written and read back")
+    p.add_argument("--batch", type=int, default=8, help="objects per put/get call")
+    p.add_argument("--codec-repeat", type=int, default=20, help="encode/decode samples per path")
+    p.add_argument("--slow-reads", type=int, default=240, help="single-object reads per side of the p99 comparison")
+    p.add_argument("--slow-delay-ms", type=float, default=200.0, help="delay of the slow daemon")
+    args = p.parse_args(argv)
+    if args.nodes < args.k + args.m:
+        p.error(f"--nodes {args.nodes} cannot hold a coding group of k+m = {args.k + args.m}")
+    if args.m < 2:
+        p.error("--m must be >= 2: the benchmark kills two daemons")
+    return args
+
+
+def bench_codec(args, report: Report) -> None:
+    config = ECConfig(args.k, args.m)
+    ours = ErasureCodec(config)
+    raw = ECDriver(k=args.k, m=args.m, ec_type=config.ec_type)
+    data = os.urandom(args.object_size)
+    frags = ours.encode(b"bench", data)
+    raw_frags = raw.encode(data)
+    # decode from fragments 2..k+1: two data fragments missing, so parity is used; the client
+    # path skips the CRC pass (the node checked each payload before sending it)
+    ours_in, raw_in = frags[2 : args.k + 2], raw_frags[2 : args.k + 2]
+    all_data, raw_all_data = frags[: args.k], raw_frags[: args.k]
+    paths = {
+        "ec_encode": lambda: ours.encode(b"bench", data),
+        "pyeclib_encode": lambda: raw.encode(data),
+        "ec_decode": lambda: ours.decode(ours_in, verify=False),
+        "ec_decode_verify": lambda: ours.decode(ours_in),
+        "pyeclib_decode": lambda: raw.decode(raw_in),
+        "ec_decode_all_data": lambda: ours.decode(all_data, verify=False),
+        "pyeclib_decode_all_data": lambda: raw.decode(raw_all_data),
+    }
+    samples: dict[str, list[float]] = {name: [] for name in paths}
+    for _ in range(args.codec_repeat):  # round-robin: load changes hit every path alike
+        for name, fn in paths.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
+    assert ours.decode(ours_in) == data == raw.decode(raw_in) == ours.decode(all_data)
+    for name, times in samples.items():
+        gbps = args.object_size / sorted(times)[len(times) // 2] / 1e9
+        report.figure(f"{name}_GBps", gbps)
+        report.row(measure=name, GBps=gbps, note=f"{args.object_size // 1024} KiB object, k={args.k} m={args.m}")
+
+
+async def _timed(coro):
+    t0 = time.perf_counter()
+    result = await coro
+    return result, time.perf_counter() - t0
+
+
+async def bench_cluster(args, cluster: LocalCluster, report: Report) -> None:
+    rng = random.Random(0)
+    objs = {rng.randbytes(16): rng.randbytes(args.object_size) for _ in range(args.num_objects)}
+    keys = list(objs)
+    batches = [keys[i : i + args.batch] for i in range(0, len(keys), args.batch)]
+    total = args.object_size * len(keys)
+    config = ClusterStoreConfig(ec=ECConfig(args.k, args.m))
+    async with ClusterStore(cluster.addresses, config) as store:
+        t0 = time.perf_counter()
+        for batch in batches:
+            acks = await store.put_blocks([(k, objs[k]) for k in batch], traffic_class="chat", deadline=deadline_after(60))
+            assert all(a.is_ok for a in acks), [a.message for a in acks if not a.is_ok][:2]
+        put_gbps = total / (time.perf_counter() - t0) / 1e9
+
+        async def get_all() -> tuple[float, int]:
+            num_failed = 0
+            t0 = time.perf_counter()
+            for batch in batches:
+                for r in await store.get_blocks(batch, deadline=deadline_after(30)):
+                    num_failed += r.data != objs[r.key]
+            return total / (time.perf_counter() - t0) / 1e9, num_failed
+
+        await get_all()  # warm-up: connections, page cache
+        get_gbps, num_failed = await get_all()
+        assert num_failed == 0, f"{num_failed} healthy reads failed"
+        report.row(measure="cluster_put", GBps=put_gbps, note=f"{len(keys)} x {args.object_size // 1024} KiB, all k+m acked")
+        report.row(measure="cluster_get", GBps=get_gbps, note=f"batches of {args.batch}")
+        report.figure("cluster_put_GBps", put_gbps)
+        report.figure("cluster_get_GBps", get_gbps)
+
+        # hedging: one slow daemon vs none, interleaved blocks of single-object reads
+        slow = cluster.names[0]
+        healthy, slowed = [], []
+        num_blocks = 4
+        per_block = max(1, args.slow_reads // num_blocks)
+        for _ in range(num_blocks):
+            for delay, sink in ((0.0, healthy), (args.slow_delay_ms, slowed)):
+                await store.request_node(slow, DebugSet(delay_ms=delay))
+                for i in range(per_block):
+                    key = keys[i % len(keys)]
+                    (r,), dt = await _timed(store.get_blocks([key], deadline=deadline_after(5)))
+                    assert r.data == objs[key]
+                    sink.append(dt)
+        await store.request_node(slow, DebugSet(delay_ms=0))
+        p99 = lambda xs: sorted(xs)[max(0, int(0.99 * len(xs)) - 1)]  # noqa: E731
+        ratio = p99(slowed) / p99(healthy)
+        report.row(measure="read_p99_healthy", ms=p99(healthy) * 1e3, note=f"{len(healthy)} single-object reads")
+        report.row(measure="read_p99_one_slow", ms=p99(slowed) * 1e3, note=f"{slow} +{args.slow_delay_ms:g} ms/request")
+        report.figure("read_p99_healthy_ms", p99(healthy) * 1e3)
+        report.figure("read_p99_one_slow_ms", p99(slowed) * 1e3)
+        report.figure("hedged_read_p99_ratio_one_slow", ratio)
+
+        # two daemons SIGKILLed; the client is not told
+        for name in cluster.names[1:3]:
+            cluster.kill(name)
+        down_gbps, num_failed = await get_all()
+        report.row(measure="cluster_get_2_down", GBps=down_gbps, note=f"{cluster.names[1]}, {cluster.names[2]} SIGKILLed")
+        report.figure("cluster_get_GBps_2_down", down_gbps)
+        report.figure("reads_failed_2_down", num_failed)
+        report.figure("client_hedged_reads", store.stats.num_hedged)
+
+
+def main(argv) -> int:
+    args = parse_args(argv)
+    report = Report(f"store: k={args.k} m={args.m}, {args.nodes} local daemons, {os.cpu_count()} CPUs shared by all")
+    report.figure("num_cpus", os.cpu_count())
+    report.figure("num_nodes", args.nodes)
+    report.figure("k", args.k)
+    report.figure("m", args.m)
+    bench_codec(args, report)
+    capacity = f"{max(1, 4 * args.object_size * args.num_objects // args.k // MiB)}MiB"
+    with tempfile.TemporaryDirectory(prefix="bench-store-") as root:
+        with LocalCluster(root, args.nodes, capacity=capacity, extra_args=["--debug-hooks"]) as cluster:
+            runtime_loop.run(bench_cluster(args, cluster, report))
+    report.finish(args.json)
+    return 0
