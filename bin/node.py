@@ -53,8 +53,8 @@ def run(args) -> int:
         except (ValueError, FileNotFoundError) as exc:  # the role's own config checks
             raise CliError(f"{args.cluster}: {exc}") from None
         node = Node(settings, [role_object])
-        await node.start()
         node.install_signal_handlers()
+        await node.start()
         await node.wait_stopped()
 
     loop.run(serve())

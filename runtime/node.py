@@ -126,6 +126,8 @@ class Node:
         self._started_roles: list[Role] = []
         self._started_at = 0.0
         self._stopped = asyncio.Event()
+        self._has_start_begun = False
+        self._start_done = asyncio.Event()  # start() returned (or failed): a drain may proceed
         self._drain_task: asyncio.Task | None = None
         self._signal_count = 0
         self.metrics.gauge_function("node_peers_up", "Peers currently up", lambda: len(self.heartbeat.table.peers_up()))
@@ -139,7 +141,8 @@ class Node:
         self.heartbeat.add_listener(listener)
 
     async def start(self) -> None:
-        assert self.state is NodeState.NEW, f"node {self.name} already {self.state.value}"
+        assert self.state is NodeState.NEW and not self._has_start_begun, f"node {self.name} already {self.state.value}"
+        self._has_start_begun = True
         self._started_at = time.monotonic()
         try:
             if self._allow_list is not None:
@@ -152,8 +155,10 @@ class Node:
                 self._started_roles.append(role)
         except BaseException:
             await self._close(say_goodbye=False)
+            self._start_done.set()
             raise
         self.state = NodeState.RUNNING
+        self._start_done.set()
         log.info("node %s (%s, instance %x) running: control %s, events %s", self.name,
                  self.settings.role.name.lower(), self.instance_id, self.control.address, self.events.address)
 
@@ -165,6 +170,8 @@ class Node:
 
     async def _drain_and_stop(self, deadline_s: float | None) -> None:
         deadline_s = self.settings.drain_deadline_s if deadline_s is None else deadline_s
+        if self._has_start_begun:
+            await self._start_done.wait()  # a signal during start drains once everything is up
         if self.state is NodeState.RUNNING:
             self.state = NodeState.DRAINING
             self.heartbeat.is_draining = True
@@ -205,7 +212,8 @@ class Node:
 
     def install_signal_handlers(self) -> None:
         """SIGTERM/SIGINT: first one drains gracefully, a second one stops at once.
-        Only for processes that own their loop (``deepinfer node``), on the main thread."""
+        Only for processes that own their loop (``deepinfer node``), on the main thread; install
+        them before ``start()`` so a signal during start-up still ends in a clean drain."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_signal, sig)
@@ -219,7 +227,12 @@ class Node:
             log.warning("node %s: second %s, stopping now", self.name, sig.name)
             if self._drain_task is not None:
                 self._drain_task.cancel()
-            asyncio.ensure_future(self.stop())
+            asyncio.ensure_future(self._stop_when_started())
+
+    async def _stop_when_started(self) -> None:
+        if self._has_start_begun:
+            await self._start_done.wait()
+        await self.stop()
 
     async def _handle_control(self, incoming: Incoming):
         msg = incoming.msg

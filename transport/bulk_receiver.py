@@ -305,15 +305,14 @@ class BulkReceiver:
                                      is_mid_message=False)
 
     async def close(self) -> None:
-        for task in [*self._tasks, *self._side_tasks]:
-            task.cancel()
-        await asyncio.gather(*self._tasks, *self._side_tasks, return_exceptions=True)
-        self._tasks = []
         if self._side_server is not None:
-            self._side_server.close()
+            self._side_server.close()  # no new side connections
             self._remove_side_socket()
-        if self._pulls:  # a pull thread cannot be interrupted: let it finish writing first
-            await asyncio.wait(set(self._pulls))
+        tasks = [*self._tasks, *self._side_tasks, *self._pulls]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks = []
         for state in self._inflight.values():
             self._free(state.buffers)
         self._inflight.clear()

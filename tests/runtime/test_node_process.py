@@ -45,8 +45,8 @@ CHILD = textwrap.dedent('''
     async def main(path):
         config = load_cluster_config(path)
         node = Node(NodeSettings.from_cluster(config, "child"), [SlowEchoRole(config.node("child").data)])
-        await node.start()
         node.install_signal_handlers()
+        await node.start()
         print("READY", flush=True)
         await node.wait_stopped()
         print("STOPPED", flush=True)
