@@ -15,64 +15,85 @@ keeps an explicit imbalance bound rather than trusting small load differences.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 
 from deepinfer.runtime.balance.types import DecodeLoad, PrefillLoad
 
 
-class PrefillLoadView:
+class _EngineView:
+    """The last report of one engine plus what this gateway routed to it after that report."""
+
+    __slots__ = ("reported_at", "load", "routed", "routed_sum")
+
+    def __init__(self, reported_at: float, load) -> None:
+        self.reported_at = reported_at
+        self.load = load
+        self.routed: deque[tuple[float, float]] = deque()  # (routed at, amount), in time order
+        self.routed_sum = 0.0
+
+    def report(self, now: float, load) -> None:
+        self.reported_at, self.load = now, load
+        routed = self.routed
+        while routed and routed[0][0] <= now:  # the report already counts these
+            self.routed_sum -= routed.popleft()[1]
+        if not routed:
+            self.routed_sum = 0.0  # no drift from float subtraction
+
+    def add(self, now: float, amount: float) -> None:
+        self.routed.append((now, amount))
+        self.routed_sum += amount
+
+
+class _LoadView:
     def __init__(self) -> None:
-        self._engine2report: dict[int, tuple[float, PrefillLoad]] = {}
-        self._engine2routed: dict[int, list[tuple[float, float]]] = {}  # (routed at, predicted s)
+        self._engine2view: dict[int, _EngineView] = {}
 
-    def on_report(self, now: float, load: PrefillLoad) -> None:
-        self._engine2report[load.engine_id] = (now, load)
-        routed = self._engine2routed.get(load.engine_id)
-        if routed:
-            self._engine2routed[load.engine_id] = [r for r in routed if r[0] > now]
+    def on_report(self, now: float, load) -> None:
+        view = self._engine2view.get(load.engine_id)
+        if view is None:
+            self._engine2view[load.engine_id] = _EngineView(now, load)
+        else:
+            view.report(now, load)
 
-    def on_routed(self, now: float, engine_id: int, predicted_s: float) -> None:
-        self._engine2routed.setdefault(engine_id, []).append((now, predicted_s))
+    def on_reports(self, now: float, loads: Iterable) -> None:
+        for load in loads:
+            self.on_report(now, load)
 
     def drop_engine(self, engine_id: int) -> None:
-        self._engine2report.pop(engine_id, None)
-        self._engine2routed.pop(engine_id, None)
+        self._engine2view.pop(engine_id, None)
+
+
+class PrefillLoadView(_LoadView):
+    def on_routed(self, now: float, engine_id: int, predicted_s: float) -> None:
+        """This gateway sent ``engine_id`` a prefill predicted to take ``predicted_s`` seconds."""
+        view = self._engine2view.get(engine_id)
+        if view is not None:
+            view.add(now, predicted_s)
 
     def loads(self, now: float) -> list[PrefillLoad]:
-        out = []
-        for engine_id, (reported_at, load) in self._engine2report.items():
-            routed = self._engine2routed.get(engine_id, ())
-            backlog = max(0.0, load.backlog_s - (now - reported_at)) + sum(r[1] for r in routed)
-            out.append(PrefillLoad(engine_id, load.num_requests + len(routed), backlog))
-        return out
+        return [
+            PrefillLoad(
+                e,
+                v.load.num_requests + len(v.routed),
+                max(0.0, v.load.backlog_s - (now - v.reported_at)) + v.routed_sum,
+            )
+            for e, v in self._engine2view.items()
+        ]
 
 
-class DecodeLoadView:
-    def __init__(self) -> None:
-        self._engine2report: dict[int, tuple[float, DecodeLoad]] = {}
-        self._engine2routed: dict[int, list[tuple[float, int]]] = {}  # (routed at, KV tokens)
-
-    def on_report(self, now: float, load: DecodeLoad) -> None:
-        self._engine2report[load.engine_id] = (now, load)
-        routed = self._engine2routed.get(load.engine_id)
-        if routed:
-            self._engine2routed[load.engine_id] = [r for r in routed if r[0] > now]
-
+class DecodeLoadView(_LoadView):
     def on_routed(self, now: float, engine_id: int, num_kv_tokens: int) -> None:
-        self._engine2routed.setdefault(engine_id, []).append((now, num_kv_tokens))
-
-    def drop_engine(self, engine_id: int) -> None:
-        self._engine2report.pop(engine_id, None)
-        self._engine2routed.pop(engine_id, None)
+        """This gateway chose ``engine_id`` as the handoff target of a ``num_kv_tokens`` prompt."""
+        view = self._engine2view.get(engine_id)
+        if view is not None:
+            view.add(now, num_kv_tokens)
 
     def loads(self) -> list[DecodeLoad]:
-        out = []
-        for engine_id, (_, load) in self._engine2report.items():
-            routed: Iterable[tuple[float, int]] = self._engine2routed.get(engine_id, ())
-            if routed:
-                load = load._replace(
-                    num_requests=load.num_requests + len(routed),
-                    num_kv_tokens=load.num_kv_tokens + sum(r[1] for r in routed),
-                )
-            out.append(load)
-        return out
+        return [
+            v.load._replace(
+                num_requests=v.load.num_requests + len(v.routed),
+                num_kv_tokens=v.load.num_kv_tokens + int(v.routed_sum),
+            ) if v.routed else v.load
+            for v in self._engine2view.values()
+        ]

@@ -1,9 +1,9 @@
 """`deepinfer bench balance`: the balancers against baselines on one simulated cluster trace.
 
 A discrete-event simulator (``deepinfer_bench.sim``) replays one trace through 16 prefill ranks,
-one 16-rank lockstep decode group and 4 vision encoders, once per policy, and reports TTFT, ITL,
-throughput, prefix-cache hit rate and decode balance efficiency (defined in
-``deepinfer_bench.sim.metrics``). Policies, all from ``deepinfer.runtime.balance``:
+one 16-rank lockstep decode group and 4 vision encoders, routed by 4 gateways, once per policy,
+and reports TTFT, ITL, throughput, prefix-cache hit rate and decode balance efficiency (defined
+in ``deepinfer_bench.sim.metrics``). Policies, all from ``deepinfer.runtime.balance``:
 
     round-robin          round-robin prefill, decode and VE
     least-requests       fewest outstanding requests (prefill, decode); round-robin VE
@@ -18,19 +18,20 @@ The default workload and why it is realistic
 Traffic is a mix of chatbot sessions and coding-agent sessions, as a frontier-model API serves.
 
 * Sessions, not independent requests: a turn's prompt is the previous prompt + reply + new
-  tokens, which is what makes prefix caching worth ~80 % of prefill (DeepSeek reports store-backed
-  hit rates in that range for such traffic; affinity exists to protect them).
+  tokens, so most prompt tokens were seen before (94 % of them with ideal reuse in this trace;
+  SPEC section 4: prefix reuse is where most savings are) and routing decides how many hit.
 * Chat (85 % of sessions): one of 200 system prompts (median 1.5K tokens, Zipf-popular, as
   deployments share a few templates), a first message of median 400 tokens, and in 4 % of sessions
   an attached document, log-normal (median 24K, sigma 1.4) capped at the 1M-token context: the
-  heavy tail that puts 1 in ~250 prompts above 256K. 3.5 turns on average, a user reads for a
+  heavy tail that puts ~1 in 250 chat prompts above 256K. 3.5 turns on average, a user reads for a
   median 25 s between turns, replies median 600 tokens (reasoning model, log-normal), 10 % of
   turns carry 1-4 images of 256-1024 vision tokens.
 * Agents (15 % of sessions, but about half of the turns and two thirds of the prefill compute):
   one of 8 scaffolds (instructions + tool schemas, median 12K), a task context of median 4K, then
   25 turns on average of tool results (median 1.5K tokens, heavy-tailed: file reads) with 3 s of
   tool time between turns and short replies (median 350 tokens): contexts grow to ~85K median and
-  up to ~600K, the long-context growth that makes tiers and affinity interact.
+  up to ~600K, the long-context growth that makes tiers and affinity interact. Over all turns,
+  55 % of prompts are past 16K tokens, 29 % past 64K and 2.6 % past 256K.
 * Arrivals: session starts follow a Markov-modulated Poisson process, 1.5x the mean rate for 20 %
   of the time in bursts of ~20 s: production traffic is bursty at minute scale.
 * Load: the session rate is solved so that the prefill compute the trace needs *with ideal prefix
@@ -41,7 +42,15 @@ Traffic is a mix of chatbot sessions and coding-agent sessions, as a frontier-mo
   ~16K new tokens/s per prefill rank, quadratic attention; decode step ~10 ms at ~20 requests
   per rank. Prefix cache: ~90M tokens of HBM per prefill rank, LRU; the storage cluster is not
   modelled, so a local miss is recomputed (the cost affinity avoids).
-* 10 minutes of traffic, the first 150 s excluded from figures (caches and sessions warm up).
+* Gateways: 4 replicas (tokenising and compiling grammars for ~40 requests/s of up to 1M tokens
+  is more than one Python process does), each session pinned to one, each routing on 100 ms
+  load heartbeats plus its own routed work (``runtime.balance.load_view``) and all sharing the
+  engines' cache events and one tier plan. ``--gateways 1 --heartbeat 0`` gives one gateway with
+  exact live loads instead: the most any router can know.
+* 8 minutes of traffic, the first 2 excluded from figures (caches and agent sessions warm up).
+  Later turns are sent when the previous reply is complete, so a policy that falls behind also
+  serves fewer turns in the window; hit rates against affinity-only are therefore compared over
+  the turns both served (``same_turn_hit_rates``).
 
 Figures (``--json``): ``decode_balance_efficiency`` (ours), ``ttft_p99_ratio_rr_over_ours``,
 ``hit_rate_gap_vs_affinity_points`` (best affinity-only hit rate minus ours, in points), and per
@@ -88,6 +97,9 @@ def build_parser():
                    help="fraction of sessions that are agents (default %(default)s)")
     p.add_argument("--prefill", type=int, default=c.num_prefill, help="prefill ranks (default %(default)s)")
     p.add_argument("--decode", type=int, default=c.num_decode, help="decode ranks (default %(default)s)")
+    p.add_argument("--gateways", type=int, default=c.num_gateways, help="gateway replicas (default %(default)s)")
+    p.add_argument("--heartbeat", type=float, default=c.heartbeat_s,
+                   help="seconds between engine load reports; 0: one gateway reads live loads (default %(default)s)")
     p.add_argument("--jobs", type=int, default=0, help="worker processes (default: one per CPU)")
     return p
 
@@ -98,7 +110,8 @@ def main(argv=None) -> int:
     try:
         workload = replace(WorkloadConfig(), duration_s=args.duration, warmup_s=args.warmup, prefill_load=args.load,
                            agent_session_share=args.agent_share)
-        cluster = replace(ClusterConfig(), num_prefill=args.prefill, num_decode=args.decode)
+        cluster = replace(ClusterConfig(), num_prefill=args.prefill, num_decode=args.decode,
+                          num_gateways=args.gateways, heartbeat_s=args.heartbeat)
         for name in names:
             build_policy(name, cluster.prefill_cost, cluster.decode_cost, 1)
     except ValueError as exc:
@@ -109,7 +122,8 @@ def main(argv=None) -> int:
     report = Report(
         f"balance: seed {args.seed}, {args.prefill} prefill + {args.decode} decode ranks, "
         f"{summary.num_sessions} sessions ({summary.num_agent_sessions} agent), "
-        f"ideal prefill load {summary.ideal_prefill_load:.2f}, {summary.decode_max_requests} decode slots/rank"
+        f"ideal prefill load {summary.ideal_prefill_load:.2f}, {summary.decode_max_requests} decode slots/rank, "
+        + (f"{args.gateways} gateways on {args.heartbeat:g} s heartbeats" if args.heartbeat > 0 else "1 gateway, live loads")
     )
     by_name = {r.name: r for r in results}
     ours = by_name.get(OURS)

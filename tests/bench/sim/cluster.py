@@ -7,8 +7,12 @@ A turn's path, as in the disaggregated runtime (ARCHITECTURE.md, "A request's pa
         --> KV handoff over the network --> decode rank: wait for a slot, one token per step
         --> last token: the session's next turn arrives ``think_s`` later
 
-Policies see exactly what a gateway would: live load snapshots and, if they ask for them, the
-engines' cache events (stored / evicted block hashes) the moment they happen.
+Policies see what a gateway would. Each of ``num_gateways`` gateways (a session always uses the
+same one) holds its own policy instances and routes on engine load reports that arrive every
+``heartbeat_s`` plus the work it routed since (``runtime.balance.load_view``); it does not see
+what the other gateways routed until the next report. Cache events (stored / evicted block
+hashes) reach every gateway's shared ``PrefixIndex`` as they happen, and tiered routers share one
+``TierPlanner``. With ``heartbeat_s = 0`` one gateway reads exact live loads instead.
 """
 
 from __future__ import annotations
@@ -198,10 +202,8 @@ class Simulation:
         prefill_loads = [p.load(now) for p in self.prefill]
         decode_loads = self.decode.loads()
         for gw in self.gateways:
-            for load in prefill_loads:
-                gw.prefill_view.on_report(now, load)
-            for load in decode_loads:
-                gw.decode_view.on_report(now, load)
+            gw.prefill_view.on_reports(now, prefill_loads)
+            gw.decode_view.on_reports(now, decode_loads)
         if self._events:  # keep beating while anything else is scheduled
             self._at(now + self.cluster.heartbeat_s, _HEARTBEAT, None)
 
@@ -282,7 +284,8 @@ class Simulation:
         gaps = [(s.seconds, s.num_running - s.num_first) for s in steps]
         gaps += [(gap, 1) for t, gap in self.decode.first_gaps if lo <= t < hi]
         num_prompt = sum(r.num_prompt_tokens for r in reqs)
-        prefill_busy = sum(self._prefill_seconds(r) for r in self.requests if lo <= r.prefill_start_s < hi)
+        # busy seconds inside the window (a prefill started before it or ending after it counts in part)
+        prefill_busy = sum(max(0.0, min(r.first_token_s, hi) - max(r.prefill_start_s, lo)) for r in self.requests)
         num_emitted = sum(s.num_running for s in steps)
         slots = self.decode.max_requests * self.decode.num_ranks
         return PolicyResult(
@@ -302,6 +305,3 @@ class Simulation:
             cpu_s=cpu_s,
             turn2tokens={(r.session.session_id, r.turn): (r.num_cached_tokens, r.num_prompt_tokens) for r in reqs},
         )
-
-    def _prefill_seconds(self, r: SimRequest) -> float:
-        return self.cluster.prefill_cost.seconds(r.num_prompt_tokens - r.num_cached_tokens, r.num_cached_tokens)

@@ -66,7 +66,7 @@ class PolicyResult:
     throughput_tok_s: float  # output tokens emitted inside the window per second
     hit_rate: float  # cached prompt tokens / prompt tokens, window requests
     decode_balance_efficiency: float
-    prefill_utilization: float  # prefill compute seconds started in the window / (engines x window)
+    prefill_utilization: float  # prefill busy seconds inside the window / (engines x window)
     decode_occupancy: float  # mean running requests / decode slots, window steps
     ve_wait_p99_s: float  # image requests: arrival to last image encoded
     cpu_s: float  # host CPU seconds this policy's simulation took
