@@ -31,6 +31,7 @@ import zmq.asyncio
 from deepinfer.cache.store.api import ClientStats, GetResult, GetStatus, PutResult, seconds_left
 from deepinfer.cache.store.ec import ECConfig, ErasureCodec, ErasureCodingError, Fragment, FragmentHeader
 from deepinfer.cache.store.node import MAX_FRAGMENT_BYTES
+from deepinfer.cache.store.node_health import NodeHealth
 from deepinfer.cache.store.placement import Placement, PlacementError
 from deepinfer.cache.store.read_state import KeyRead
 from deepinfer.transport.protocol import (
@@ -38,8 +39,6 @@ from deepinfer.transport.protocol import (
     FragmentsReply,
     FragmentStatus,
     GetFragments,
-    PeerDown,
-    PeerUp,
     PutAck,
     PutFragments,
     StorageReply,
@@ -103,8 +102,7 @@ class ClusterStore:
             name: RequestClient(addr, StorageReply, ctx=ctx, max_attachment_bytes=MAX_FRAGMENT_BYTES, name=f"store-{name}")
             for name, addr in nodes.items()
         }
-        self._down: set[str] = set()
-        self._suspect_until: dict[str, float] = {}
+        self.health = NodeHealth(nodes, config.suspect_s)
         self._background: set[asyncio.Task] = set()
 
     @classmethod
@@ -137,34 +135,22 @@ class ClusterStore:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    # ---- membership -----------------------------------------------------------------------
+    # ---- membership (node_health.py) ----------------------------------------------------
     def mark_down(self, node: str) -> None:
-        if node in self._node2client:
-            self._down.add(node)
+        self.health.mark_down(node)
 
     def mark_up(self, node: str) -> None:
-        self._down.discard(node)
-        self._suspect_until.pop(node, None)
+        self.health.mark_up(node)
 
     def on_peer_event(self, event) -> None:
-        """Heartbeat listener (``Node.add_peer_listener``): PeerDown -> skip, PeerUp -> use again."""
-        if isinstance(event, PeerDown):
-            self.mark_down(event.node_name)
-        elif isinstance(event, PeerUp):
-            self.mark_up(event.node_name)
+        """Heartbeat listener for ``Node.add_peer_listener``: PeerDown -> skip, PeerUp -> use again."""
+        self.health.on_peer_event(event)
 
     def is_down(self, node: str) -> bool:
-        return node in self._down
-
-    def _suspects(self) -> set[str]:
-        now = time.monotonic()
-        return {n for n, until in self._suspect_until.items() if until > now}
-
-    def _suspect(self, node: str) -> None:
-        self._suspect_until[node] = time.monotonic() + self.config.suspect_s
+        return node in self.health.down
 
     def _read_order(self, key: bytes, suspects: set[str]) -> list[str]:
-        order = self.placement.read_order(key, self._down)[: self.config.ec.num_fragments + self.config.num_spare_nodes]
+        order = self.placement.read_order(key, self.health.down)[: self.config.ec.num_fragments + self.config.num_spare_nodes]
         if suspects:
             order = [n for n in order if n not in suspects] + [n for n in order if n in suspects]
         return order
@@ -174,7 +160,7 @@ class ClusterStore:
         """One result per key, in order; never raises for a missing or late object."""
         k = self.config.ec.k
         results: list[GetResult | None] = [None] * len(keys)
-        suspects = self._suspects()
+        suspects = self.health.suspects()
         reads: dict[int, KeyRead] = {}
         node2positions: dict[str, list[int]] = defaultdict(list)
         for pos, key in enumerate(keys):
@@ -185,7 +171,7 @@ class ClusterStore:
             read = reads[pos] = KeyRead(key, k, order, self.config.first_wave)
             for node in read.start():
                 node2positions[node].append(pos)
-        tasks: dict[asyncio.Task, tuple[str, list[int], float]] = {}
+        tasks: dict[asyncio.Task, tuple[str, list[int]]] = {}
         try:
             self._launch(tasks, node2positions, keys, deadline)
             await self._collect(tasks, reads, results, keys, deadline)
@@ -198,15 +184,14 @@ class ClusterStore:
         return self._finish_gets(results, keys)
 
     def _launch(self, tasks, node2positions, keys, deadline) -> None:
-        now = time.monotonic()
         for node, positions in node2positions.items():
             msg = GetFragments([keys[p] for p in positions], timeout_ms=max(0.0, seconds_left(deadline)) * 1000)
             task = asyncio.create_task(self._node2client[node].request_with_buffers(msg, timeout_s=max(0.001, seconds_left(deadline))))
-            tasks[task] = (node, positions, now)
+            tasks[task] = (node, positions)
 
     async def _collect(self, tasks, reads: dict[int, KeyRead], results, keys, deadline) -> None:
         # A big batch takes longer to serve everywhere; only lateness beyond that is a straggler.
-        num_keys = max((len(p) for _, p, _ in tasks.values()), default=1)
+        num_keys = max((len(p) for _, p in tasks.values()), default=1)
         hedge_at = time.monotonic() + self.config.hedge_delay_s + self.config.hedge_delay_per_key_s * num_keys
         open_positions = set(reads)
         pending = set(tasks)
@@ -230,7 +215,7 @@ class ClusterStore:
                     if is_timer and len(read.pending) * 2 < len(read.first_wave):
                         # most of the wave answered in time: the stragglers are outliers, not load
                         for node in read.pending:
-                            self._suspect(node)
+                            self.health.suspect(node)
                     extra = read.hedge()
                     self.stats.num_hedged += bool(extra)
                     for node in extra:
@@ -249,13 +234,13 @@ class ClusterStore:
                     results[pos] = GetResult(keys[pos], GetStatus.MISS)
                 return
 
-    def _on_reply(self, task: asyncio.Task, meta: tuple[str, list[int], float], reads: dict[int, KeyRead]) -> None:
-        node, positions, _ = meta
+    def _on_reply(self, task: asyncio.Task, meta: tuple[str, list[int]], reads: dict[int, KeyRead]) -> None:
+        node, positions = meta
         try:
             reply, buffers = task.result()
         except (TransportError, asyncio.CancelledError) as exc:
             if isinstance(exc, TransportError):
-                self._suspect(node)
+                self.health.suspect(node)
                 log.debug("store read from %s failed: %s", node, exc)
             for pos in positions:
                 reads[pos].on_absent(node)
@@ -265,7 +250,7 @@ class ClusterStore:
             for pos in positions:
                 reads[pos].on_absent(node)
             return
-        self._suspect_until.pop(node, None)
+        self.health.clear(node)
         it = iter(zip(reply.fragments, buffers))
         for pos, status in zip(positions, reply.statuses):
             if status != FragmentStatus.OK:
@@ -323,36 +308,56 @@ class ClusterStore:
 
     # ---- writes ---------------------------------------------------------------------------
     async def put_blocks(self, items: Sequence[tuple[bytes, object]], *, traffic_class: str, deadline: float) -> list[PutResult]:
+        """Store objects; one result each, in order (``is_ok`` once ``quorum`` nodes acked)."""
         n, quorum = self.config.ec.num_fragments, self.config.quorum
-        skip = self._down | self._suspects()
-        if len(self._node2client) - len(skip) < n:  # suspicion must not fail writes: use every live node
-            skip = self._down
+        node2batch, sizes, errors = await self._encode_and_place(items)
+        acks = await self._send_puts(node2batch, len(items), traffic_class, deadline)
+        out = []
+        for pos, (key, _) in enumerate(items):
+            ok = acks[pos] >= quorum
+            out.append(PutResult(key, ok, acks[pos], errors[pos] or ("" if ok else f"{acks[pos]} of {n} fragments acknowledged, quorum {quorum}")))
+            self.stats.num_bytes_written += sizes[pos] if ok else 0
+        self.stats.num_puts += len(out)
+        self.stats.num_put_failures += sum(not r.is_ok for r in out)
+        return out
+
+    async def _encode_and_place(self, items):
+        """node -> [(position, meta, payload)], object sizes, per-object error messages."""
+        n, quorum = self.config.ec.num_fragments, self.config.quorum
+        skip = self.health.write_skips(n)
         write_id = random.getrandbits(63)
         node2batch: dict[str, list[tuple[int, FragmentMeta, bytes]]] = defaultdict(list)
-        messages: list[str] = [""] * len(items)
+        sizes, errors = [0] * len(items), [""] * len(items)
         for pos, (key, data) in enumerate(items):
             try:
                 group = self.placement.coding_group(key, n, skip, min_width=quorum)
                 fragments = self.codec.encode(key, data)
             except (PlacementError, ValueError) as exc:
-                messages[pos] = str(exc)
+                errors[pos] = str(exc)
                 continue
+            sizes[pos] = fragments[0].header.object_size
             for node, frag in zip(group, fragments):
                 h = frag.header
-                node2batch[node].append((pos, FragmentMeta(h.key, h.index, h.k, h.m, h.object_size, h.payload_crc, write_id), frag.payload))
+                meta = FragmentMeta(h.key, h.index, h.k, h.m, h.object_size, h.payload_crc, write_id)
+                node2batch[node].append((pos, meta, frag.payload))
             if pos % 8 == 7:
                 await asyncio.sleep(0)  # encoding holds the GIL: let other tasks run between objects
-        acks = [0] * len(items)
-        tasks = {}
+        return node2batch, sizes, errors
+
+    async def _send_puts(self, node2batch, num_items: int, traffic_class: str, deadline: float) -> list[int]:
+        """One PutFragments per node (split past MAX_REQUEST_BYTES); OK acks per object."""
+        acks = [0] * num_items
+        tasks: dict[asyncio.Task, tuple[str, list[int]]] = {}
         try:
             for node, batch in node2batch.items():
                 for chunk in _chunks(batch, MAX_REQUEST_BYTES):
                     msg = PutFragments(traffic_class, [meta for _, meta, _ in chunk])
-                    coro = self._node2client[node].request(msg, timeout_s=max(0.001, seconds_left(deadline)), buffers=[p for _, _, p in chunk])
+                    timeout_s = max(0.001, seconds_left(deadline))
+                    coro = self._node2client[node].request(msg, timeout_s=timeout_s, buffers=[p for _, _, p in chunk])
                     tasks[asyncio.create_task(coro)] = (node, [pos for pos, _, _ in chunk])
             if tasks:
                 await asyncio.wait(tasks, timeout=max(0.0, seconds_left(deadline)))
-        finally:
+        finally:  # deadline or cancelled: stop waiting for the rest
             for task in tasks:
                 task.cancel()
             if tasks:
@@ -360,26 +365,13 @@ class ClusterStore:
         for task, (node, positions) in tasks.items():
             if task.cancelled() or task.exception() is not None:
                 if not task.cancelled() and isinstance(task.exception(), TransportError):
-                    self._suspect(node)
+                    self.health.suspect(node)
                 continue
             reply = task.result()
             if isinstance(reply, PutAck) and len(reply.statuses) == len(positions):
                 for pos, status in zip(positions, reply.statuses):
                     acks[pos] += status == FragmentStatus.OK
-        out = []
-        for pos, (key, data) in enumerate(items):
-            ok = acks[pos] >= quorum
-            msg = messages[pos] or ("" if ok else f"{acks[pos]} of {n} fragments acknowledged, quorum {quorum}")
-            out.append(PutResult(key, ok, acks[pos], msg))
-            if ok:
-                self.stats.num_bytes_written += self.codec_size(data)
-        self.stats.num_puts += len(out)
-        self.stats.num_put_failures += sum(not r.is_ok for r in out)
-        return out
-
-    @staticmethod
-    def codec_size(data) -> int:
-        return int(data.nbytes) if hasattr(data, "nbytes") else len(data)
+        return acks
 
     # ---- operations -----------------------------------------------------------------------
     async def request_node(self, node: str, msg, timeout_s: float = 2.0):
