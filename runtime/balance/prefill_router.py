@@ -91,9 +91,10 @@ class TieredPrefillRouter:
         # a shorter tier's engine may take this request when the prefix it holds leaves no more
         # work than that tier accepts: the work, not the context, is what blocks a queue
         if engine2tier and tier > 0:
+            ids = {load.engine_id for load in candidates}
             for load in loads:
                 t = engine2tier.get(load.engine_id, tier)
-                if t < tier and load.engine_id in engine2blocks:
+                if t < tier and load.engine_id in engine2blocks and load.engine_id not in ids:
                     cached = req.num_cached_tokens(engine2blocks[load.engine_id])
                     if self.cost.seconds(num_tokens - cached, cached) <= self._tier2envelope_s[t]:
                         candidates.append(load)
