@@ -97,6 +97,8 @@ def build_parser():
                    help="fraction of sessions that are agents (default %(default)s)")
     p.add_argument("--prefill", type=int, default=c.num_prefill, help="prefill ranks (default %(default)s)")
     p.add_argument("--decode", type=int, default=c.num_decode, help="decode ranks (default %(default)s)")
+    p.add_argument("--cache-tokens", type=int, default=c.prefill_cache_tokens,
+                   help="prefix-cache capacity per prefill rank in tokens (default %(default)s)")
     p.add_argument("--gateways", type=int, default=c.num_gateways, help="gateway replicas (default %(default)s)")
     p.add_argument("--heartbeat", type=float, default=c.heartbeat_s,
                    help="seconds between engine load reports; 0: one gateway reads live loads (default %(default)s)")
@@ -111,7 +113,7 @@ def main(argv=None) -> int:
         workload = replace(WorkloadConfig(), duration_s=args.duration, warmup_s=args.warmup, prefill_load=args.load,
                            agent_session_share=args.agent_share)
         cluster = replace(ClusterConfig(), num_prefill=args.prefill, num_decode=args.decode,
-                          num_gateways=args.gateways, heartbeat_s=args.heartbeat)
+                          num_gateways=args.gateways, heartbeat_s=args.heartbeat, prefill_cache_tokens=args.cache_tokens)
         for name in names:
             build_policy(name, cluster.prefill_cost, cluster.decode_cost, 1)
     except ValueError as exc:
