@@ -1,17 +1,18 @@
 """The one dispatch point for device ops: model code calls ``ops.NAME(...)`` and never imports a
 backend directly.
 
-Today every op is the torch reference (kernels/torch_ref.py), which runs on CPU and CUDA alike.
+Every op has a torch reference (kernels/torch_ref.py) that runs on CPU and CUDA alike and is the
+oracle for every other backend. The default routing adds the native CPU kernels
+(kernels/cpu_native.py), which fall back to the reference for anything they do not handle.
 A faster backend (Triton/CuPy on NVIDIA) registers replacements for the ops it implements with
-``register``; ops it does not implement keep the reference. The reference stays the oracle: a
-backend's tests compare against it.
+``register``; ``reset`` restores the default routing and ``use_reference`` the pure reference.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from deepinfer.kernels import torch_ref
+from deepinfer.kernels import cpu_native, torch_ref
 
 OP_NAMES = (
     "linear",
@@ -21,9 +22,8 @@ OP_NAMES = (
     "silu",
     "softplus",
     "rms_norm",
-    "rms_norm_unweighted",
-    "rope_cos_sin",
-    "apply_rope",
+    "rope_tables",
+    "apply_rope_",
     "attention_with_sink",
     "sinkhorn",
     "hc_pre",
@@ -33,7 +33,11 @@ OP_NAMES = (
 )
 
 _reference: dict[str, Callable] = {name: getattr(torch_ref, name) for name in OP_NAMES}
-_active: dict[str, Callable] = dict(_reference)
+_default: dict[str, Callable] = {
+    **_reference,
+    **{name: getattr(cpu_native, name) for name in ("hc_pre", "rms_norm", "apply_rope_", "swiglu_clamped")},
+}
+_active: dict[str, Callable] = {}
 
 
 def register(name: str, fn: Callable) -> None:
@@ -45,9 +49,15 @@ def register(name: str, fn: Callable) -> None:
 
 
 def reset() -> None:
-    """Route every op back to the torch reference."""
-    _active.update(_reference)
-    globals().update(_reference)
+    """Restore the default routing (reference + native CPU kernels)."""
+    for name, fn in _default.items():
+        register(name, fn)
+
+
+def use_reference() -> None:
+    """Route every op to the torch reference."""
+    for name, fn in _reference.items():
+        register(name, fn)
 
 
 def backend_of(name: str) -> str:
@@ -62,12 +72,12 @@ sigmoid = torch_ref.sigmoid
 silu = torch_ref.silu
 softplus = torch_ref.softplus
 rms_norm = torch_ref.rms_norm
-rms_norm_unweighted = torch_ref.rms_norm_unweighted
-rope_cos_sin = torch_ref.rope_cos_sin
-apply_rope = torch_ref.apply_rope
+rope_tables = torch_ref.rope_tables
+apply_rope_ = torch_ref.apply_rope_
 attention_with_sink = torch_ref.attention_with_sink
 sinkhorn = torch_ref.sinkhorn
-hc_pre = torch_ref.hc_pre
+hc_pre = cpu_native.hc_pre
 hc_post = torch_ref.hc_post
 hc_head = torch_ref.hc_head
 swiglu_clamped = torch_ref.swiglu_clamped
+reset()

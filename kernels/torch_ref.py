@@ -1,12 +1,13 @@
 """Torch reference ops: run on any device, define the numbers every other backend must match.
 
 Batch invariance (``batch_invariant=True``): a row's result must not depend on which other rows
-share the call. Measured on CPU (MKL sgemm, AVX2): ``mm`` takes a different kernel when
-M == 1 (gemv) and for a few small M (2, 3, 5-7, 9-11), but gives identical per-row results for
-every M >= 12 at any row offset; ``bmm`` gives identical per-entry results for any batch count
-except a batch of 1 (it then falls back to ``mm``/gemv). So the invariant paths pad the row count
-to at least ``MIN_GEMM_ROWS`` and the batch count to at least 2. Reductions along the last
-dimension (sum, mean, softmax, amax) are per-row already.
+share the call. Measured on CPU (MKL sgemm, AVX2, 1 and 2 threads): ``mm`` takes other kernels
+for M in 1-3 (gemv among them) and, multi-threaded, for M in 5-7 and 9-11, but gives identical
+per-row results at any row offset for M = 4, M = 8 and every M >= 12; ``bmm`` gives identical
+per-entry results for any batch count except a batch of 1 (it falls back to ``mm``). So the
+invariant paths round the row count up with ``gemm_rows`` (never more than 3 extra rows) and
+the batch count to at least 2. Reductions along the last dimension (sum, mean, softmax, amax)
+are per-row already.
 
 Transcendental elementwise ops (exp, sigmoid, silu, softplus, cos, sin) are the other trap: the
 vectorised CPU loop computes the last < 16 elements of a call (and of each thread's chunk) with
@@ -21,7 +22,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-MIN_GEMM_ROWS = 16
+def gemm_rows(m: int) -> int:
+    """Rows to run a GEMM of ``m`` rows with so it takes the kernel every large M takes."""
+    return m if m >= 12 else -(-m // 4) * 4
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -35,8 +38,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, batch_invariant: bool = False)
     if batch_invariant:
         # one memory layout on every path: a strided input takes another GEMM variant
         x = x.contiguous()
-        if m < MIN_GEMM_ROWS:
-            return F.linear(_pad_rows(x, MIN_GEMM_ROWS), weight)[:m]
+        rows = gemm_rows(m)
+        if rows != m:
+            return F.linear(_pad_rows(x, rows), weight)[:m]
     return F.linear(x, weight)
 
 
@@ -45,8 +49,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, batch_invariant: bool 
     m = x.shape[0]
     if batch_invariant:
         x = x.contiguous()
-        if m < MIN_GEMM_ROWS:
-            x = _pad_rows(x, MIN_GEMM_ROWS)
+        if gemm_rows(m) != m:
+            x = _pad_rows(x, gemm_rows(m))
     y = torch.bmm(x.transpose(0, 1), weight.transpose(1, 2))  # [G, M, N]
     return y.transpose(0, 1)[:m]
 
@@ -72,72 +76,70 @@ def softplus(x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
     return F.softplus(x.double()).to(x.dtype) if batch_invariant else F.softplus(x)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm in float32 with a float32 weight, cast back to ``x``'s dtype once at the end."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * xf).to(x.dtype)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim in float32 (float32 weight), cast back to ``x``'s dtype.
 
-
-def rms_norm_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
-
-
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin ``[..., rope_dim // 2]`` (float32), one angle per interleaved channel pair.
-
-    The angle is a float32 product; cos/sin are taken in float64 so every position gets the same
-    value whatever else is in the call (see the module note on transcendental ops)."""
-    freqs = (positions[..., None].float() * inv_freq.float()).double()
-    return freqs.cos().float(), freqs.sin().float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Interleaved RoPE on the *trailing* ``2 * cos.shape[-1]`` channels of ``x [T, ..., D]``.
-
-    ``cos``/``sin`` are ``[T, R/2]`` and broadcast over the middle dims. Pass ``-sin`` for the
-    inverse rotation. Channel pairs are (2i, 2i+1) of the rope slice; math in float32.
+    ``F.rms_norm`` computes ``x * rsqrt(mean(x^2) + eps) * w`` with the reference's rounding
+    (checked bitwise in tests/kernels) in one call; ``weight=None`` is the unweighted form.
     """
-    half = cos.shape[-1]
-    rope_dim = 2 * half
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
-    c, s = cos.reshape(shape), sin.reshape(shape)
-    pairs = x[..., -rope_dim:].float().unflatten(-1, (half, 2))
-    even, odd = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack((even * c - odd * s, odd * c + even * s), dim=-1).flatten(-2).to(x.dtype)
-    return torch.cat([x[..., :-rope_dim], rotated], dim=-1)
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(x.dtype)
+
+
+def rope_tables(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Full-width tables ``[..., rope_dim]`` for ``apply_rope_``: cos per channel, and sin with
+    the pair sign folded in (-sin on even, +sin on odd channels). Negate sin to un-rotate.
+
+    The angle is a float32 product as in the reference; cos/sin are taken in float64 so every
+    position gets the same value whatever else is in the call (module note)."""
+    freqs = (positions[..., None].float() * inv_freq.float()).double()
+    cos = freqs.cos().float().repeat_interleave(2, dim=-1)
+    sin = freqs.sin().float().repeat_interleave(2, dim=-1)
+    sin[..., 0::2] *= -1
+    return cos, sin
+
+
+def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved RoPE, in place, on the trailing ``rope_dim`` channels of ``x [R, ..., D]``.
+
+    Pair (2i, 2i+1) becomes ``(x0 c - x1 s, x1 c + x0 s)``: ``x * cos + swap_pairs(x) * sin``
+    with the tables of ``rope_tables`` (``[R, rope_dim]``, broadcast over middle dims); float32
+    math, same rounding as the reference's rotate-half form. Returns ``x``.
+    """
+    rope_dim = cos.shape[-1]
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (rope_dim,)
+    part = x[..., -rope_dim:]
+    xf = part if part.dtype == torch.float32 else part.float()
+    swapped = xf.unflatten(-1, (rope_dim // 2, 2)).flip(-1).flatten(-2)
+    part.copy_(xf * cos.view(shape) + swapped * sin.view(shape))
+    return x
 
 
 def attention_with_sink(
     q: torch.Tensor,
-    keys: list[torch.Tensor],
-    biases: list[torch.Tensor],
+    keys: torch.Tensor,
+    bias: torch.Tensor,
     sinks: torch.Tensor,
+    sink_slot: int,
     scale: float,
     batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Shared-KV multi-query attention of each token over its own key set, with a sink logit.
 
-    ``q [G, H, D]``; ``keys[i] [G, N_i, D]`` (K = V) with additive ``biases[i] [G, 1, N_i]``
-    (0 or -inf) - one segment per key source (window rows, compressed entries). ``sinks [H]`` is a
-    per-head logit in the softmax denominator with no value. Each token's key set has a fixed size
-    chosen by the caller, so its numbers never depend on the other tokens in ``q``.
+    ``q [G, H, D]``; ``keys [G, N, D]`` (K = V) where row ``sink_slot`` is an all-zero row
+    standing for the sink; ``bias [G, 1, N]`` additive (0 / -inf; 0 at the sink slot);
+    ``sinks [H]`` the per-head sink logit, written over the sink slot's logit: the sink sits in
+    the softmax denominator and, its row being zero, adds nothing to the output. Each token's
+    key set has a fixed size chosen by the caller, so its numbers never depend on the other
+    tokens in ``q``.
     """
+    scores = bmm(q, keys.transpose(1, 2), batch_invariant)
     # logits and softmax in float32 whatever the compute dtype (the sink is a float32 parameter)
-    logits = [bmm(q, k.transpose(1, 2), batch_invariant).float() * scale + b for k, b in zip(keys, biases)]
-    g, h = q.shape[0], q.shape[1]
-    logits.append(sinks.float().view(1, h, 1).expand(g, h, 1))
-    combined = torch.cat(logits, dim=-1)
-    combined = combined - combined.amax(dim=-1, keepdim=True)
-    probs = torch.softmax(combined, dim=-1).to(q.dtype)
-    out = None
-    start = 0
-    for k in keys:
-        n = k.shape[1]
-        part = bmm(probs[..., start : start + n].contiguous(), k, batch_invariant)
-        out = part if out is None else out + part
-        start += n
-    return out
+    logits = (scores if scores.dtype == torch.float32 else scores.float()) * scale + bias
+    logits[:, :, sink_slot] = sinks
+    probs = torch.softmax(logits, dim=-1)
+    return bmm(probs if probs.dtype == keys.dtype else probs.to(keys.dtype), keys, batch_invariant)
 
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -165,8 +167,10 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 def hc_pre(
     streams: torch.Tensor,
     fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
+    pre_post_scale: torch.Tensor,
+    pre_post_base: torch.Tensor,
+    comb_scale: torch.Tensor,
+    comb_base: torch.Tensor,
     *,
     norm_eps: float,
     hc_eps: float,
@@ -175,19 +179,22 @@ def hc_pre(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mHC weights for one block: ``streams [T, N, D]`` -> (post [T, N], comb [T, N, N], collapsed [T, D]).
 
-    pre/post are sigmoids of a linear map of the RMS-normalised flattened streams; comb is a
-    softmax projected towards a doubly-stochastic matrix by Sinkhorn-Knopp (column first).
+    pre/post are sigmoids of a linear map of the RMS-normalised flattened streams
+    (``pre_post_scale/base [2N]`` hold the per-column scale and bias of both); comb is a softmax
+    projected towards a doubly-stochastic matrix by Sinkhorn-Knopp (column first).
     """
     t, n, _ = streams.shape
-    flat = rms_norm_unweighted(streams.reshape(t, -1).float(), norm_eps)
-    mixes = linear(flat, fn.float(), batch_invariant)
-    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
-    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
-    pre = sigmoid(pre_w * scale[0] + pre_b, batch_invariant) + hc_eps
-    post = 2 * sigmoid(post_w * scale[1] + post_b, batch_invariant)
-    comb = torch.softmax(comb_w.view(t, n, n) * scale[2] + comb_b.view(n, n), dim=-1) + hc_eps
+    flat = rms_norm(streams.reshape(t, -1).float(), None, norm_eps)
+    mixes = linear(flat, fn, batch_invariant)
+    pre_post = sigmoid(mixes[:, : 2 * n] * pre_post_scale + pre_post_base, batch_invariant)
+    pre = pre_post[:, :n] + hc_eps
+    post = pre_post[:, n:] * 2
+    comb = torch.softmax(mixes[:, 2 * n :].view(t, n, n) * comb_scale + comb_base, dim=-1) + hc_eps
     comb = sinkhorn(comb, sinkhorn_iters, hc_eps)
-    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    if streams.dtype != torch.float32:
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    else:
+        collapsed = bmm(pre.unsqueeze(1), streams, batch_invariant).view(t, -1)
     return post, comb, collapsed
 
 
@@ -200,8 +207,10 @@ def hc_post(
 ) -> torch.Tensor:
     """New streams ``post_k * out + sum_j comb[j, k] * streams_j`` -> ``[T, N, D]``."""
     dtype = streams.dtype
-    mixed = bmm(comb.to(dtype).transpose(1, 2), streams, batch_invariant)
-    return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(1) + mixed
+    if dtype != torch.float32:
+        post, comb = post.to(dtype), comb.to(dtype)
+    mixed = bmm(comb.transpose(1, 2), streams, batch_invariant)
+    return post.unsqueeze(-1) * block_out.unsqueeze(1) + mixed
 
 
 def hc_head(
@@ -216,7 +225,7 @@ def hc_head(
 ) -> torch.Tensor:
     """Final collapse of the mHC streams ``[T, N, D]`` -> ``[T, D]``."""
     t = streams.shape[0]
-    flat = rms_norm_unweighted(streams.reshape(t, -1).float(), norm_eps)
+    flat = rms_norm(streams.reshape(t, -1).float(), None, norm_eps)
     mixes = linear(flat, fn.float(), batch_invariant)
     pre = sigmoid(mixes * scale.float() + base.float(), batch_invariant) + hc_eps
     return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from deepinfer.kernels import ops, torch_ref
+from deepinfer.kernels import cpu_native, ops, torch_ref
 
 
 def gen(seed=0):
@@ -58,43 +58,49 @@ def test_rope_matches_complex_rotation_and_inverts():
     g = gen(4)
     positions = torch.tensor([0, 1, 7, 300, 4095])
     inv_freq = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
-    cos, sin = ops.rope_cos_sin(positions, inv_freq)
+    cos, sin = ops.rope_tables(positions, inv_freq)
     x = torch.randn(5, 3, 24, generator=g)
-    y = ops.apply_rope(x, cos, sin)
+    y = torch_ref.apply_rope_(x.clone(), cos, sin)
     assert torch.equal(y[..., :16], x[..., :16])  # the leading channels are not rotated
     z = torch.view_as_complex(x[..., 16:].double().reshape(5, 3, 4, 2).contiguous())
     angle = positions[:, None, None].double() * inv_freq.double()
     expected = torch.view_as_real(z * torch.polar(torch.ones_like(angle), angle)).reshape(5, 3, 8)
     assert torch.allclose(y[..., 16:].double(), expected, atol=1e-4)
-    assert torch.allclose(ops.apply_rope(y, cos, -sin), x, atol=1e-5)
-    single = ops.rope_cos_sin(positions[3:4], inv_freq)
+    assert torch.allclose(torch_ref.apply_rope_(y.clone(), cos, -sin), x, atol=1e-5)
+    single = ops.rope_tables(positions[3:4], inv_freq)
     assert torch.equal(single[0], cos[3:4]) and torch.equal(single[1], sin[3:4])
+    native = cpu_native.apply_rope_(x.clone(), cos, sin)
+    assert torch.equal(native, y)  # same float32 rounding sequence
+    strided = torch.randn(5, 40, generator=g)[:, 8:32].view(5, 3, 8)  # rows of a column slice
+    assert torch.equal(cpu_native.apply_rope_(strided.clone(), cos[:, :8].contiguous(), sin[:, :8].contiguous()),
+                       torch_ref.apply_rope_(strided.clone(), cos[:, :8], sin[:, :8]))  # fmt: skip
 
 
-def naive_attention(q, keys, biases, sinks, scale):
-    k = torch.cat(keys, 1).double()
-    logits = torch.einsum("ghd,gnd->ghn", q.double(), k) * scale + torch.cat(biases, -1).double()
-    logits = torch.cat([logits, sinks.double().view(1, -1, 1).expand(q.shape[0], -1, 1)], -1)
-    p = torch.softmax(logits, -1)[..., :-1]
+def naive_attention(q, keys, bias, sinks, sink_slot, scale):
+    k = keys.double()
+    logits = torch.einsum("ghd,gnd->ghn", q.double(), k) * scale + bias.double()
+    logits[:, :, sink_slot] = sinks.double()
+    p = torch.softmax(logits, -1)
+    p[:, :, sink_slot] = 0
     return torch.einsum("ghn,gnd->ghd", p, k)
 
 
 def test_attention_with_sink_matches_naive_and_is_invariant():
     g = gen(5)
     q = torch.randn(20, 4, 32, generator=g)
-    kw, kc = torch.randn(20, 16, 32, generator=g), torch.randn(20, 6, 32, generator=g)
-    bw = torch.zeros(20, 1, 16)
-    bw[:5, :, :10] = -math.inf  # early tokens see fewer window rows
-    bc = torch.zeros(20, 1, 6)
-    bc[:, :, 4:] = -math.inf
+    keys = torch.randn(20, 23, 32, generator=g)
+    keys[:, 16] = 0  # the sink slot between the window rows and the compressed entries
+    bias = torch.zeros(20, 1, 23)
+    bias[:5, :, :10] = -math.inf  # early tokens see fewer window rows
+    bias[:, :, 21:] = -math.inf  # two compressed entries not closed yet
     sinks = torch.randn(4, generator=g)
-    out = ops.attention_with_sink(q, [kw, kc], [bw, bc], sinks, 32**-0.5, True)
-    assert torch.allclose(out.double(), naive_attention(q, [kw, kc], [bw, bc], sinks, 32**-0.5), atol=1e-5)
+    out = ops.attention_with_sink(q, keys, bias, sinks, 16, 32**-0.5, True)
+    assert torch.allclose(out.double(), naive_attention(q, keys, bias, sinks, 16, 32**-0.5), atol=1e-5)
     for lo, hi in [(0, 1), (4, 5), (3, 11)]:
-        part = ops.attention_with_sink(q[lo:hi], [kw[lo:hi], kc[lo:hi]], [bw[lo:hi], bc[lo:hi]], sinks, 32**-0.5, True)
+        part = ops.attention_with_sink(q[lo:hi], keys[lo:hi], bias[lo:hi], sinks, 16, 32**-0.5, True)
         assert torch.equal(part, out[lo:hi])
     # a huge sink logit takes all the mass: the output goes to zero
-    assert ops.attention_with_sink(q, [kw], [bw], torch.full((4,), 1e4), 0.1, True).abs().max() < 1e-6
+    assert ops.attention_with_sink(q, keys, bias, torch.full((4,), 1e4), 16, 0.1, True).abs().max() < 1e-6
 
 
 def test_sinkhorn_numpy_path_equals_torch_and_is_doubly_stochastic():
@@ -110,19 +116,71 @@ def test_sinkhorn_numpy_path_equals_torch_and_is_doubly_stochastic():
     assert torch.allclose(fast.sum(-2), torch.ones(30, 4), atol=1e-5)
 
 
-def test_hc_pre_rows_are_invariant():
+def hc_inputs(n=4, d=32, rows=40):
     g = gen(7)
-    n, d = 4, 32
-    streams = torch.randn(40, n, d, generator=g)
-    fn, base, scale = torch.randn((2 + n) * n, n * d, generator=g) * 0.1, torch.randn((2 + n) * n, generator=g), torch.ones(3)
+    streams = torch.randn(rows, n, d, generator=g)
+    fn = torch.randn((2 + n) * n, n * d, generator=g) * 0.1
+    base, scale = torch.randn((2 + n) * n, generator=g), 1 + 0.1 * torch.randn(3, generator=g)
+    weights = (fn, torch.cat([scale[0].expand(n), scale[1].expand(n)]), base[: 2 * n], scale[2], base[2 * n :].view(n, n))
+    return streams, weights
+
+
+@pytest.mark.parametrize("impl", [torch_ref.hc_pre, cpu_native.hc_pre])
+def test_hc_pre_rows_are_invariant(impl):
+    streams, weights = hc_inputs()
     kw = dict(norm_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=20, batch_invariant=True)
-    full = ops.hc_pre(streams, fn, base, scale, **kw)
+    full = impl(streams, *weights, **kw)
     for lo, hi in [(0, 1), (39, 40), (5, 22)]:
-        part = ops.hc_pre(streams[lo:hi], fn, base, scale, **kw)
+        part = impl(streams[lo:hi], *weights, **kw)
         assert all(torch.equal(a, b[lo:hi]) for a, b in zip(part, full))
     post, comb, collapsed = full
-    assert post.shape == (40, n) and comb.shape == (40, n, n) and collapsed.shape == (40, d)
+    assert post.shape == (40, 4) and comb.shape == (40, 4, 4) and collapsed.shape == (40, 32)
     assert torch.all(post > 0) and torch.all(post < 2)
+
+
+def test_native_kernels_match_the_reference():
+    if cpu_native.library() is None:
+        pytest.skip("no C compiler: the reference runs instead")
+    streams, weights = hc_inputs(n=3, d=48)
+    kw = dict(norm_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=20, batch_invariant=True)
+    for a, b in zip(cpu_native.hc_pre(streams, *weights, **kw), torch_ref.hc_pre(streams, *weights, **kw)):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+    g = gen(9)
+    x, w = torch.randn(7, 3, 64, generator=g), torch.rand(64, generator=g) + 0.5
+    assert torch.allclose(cpu_native.rms_norm(x, w, 1e-6), torch_ref.rms_norm(x, w, 1e-6), atol=1e-6)
+    strided = torch.randn(7, 100, generator=g)[:, 10:74]
+    assert torch.allclose(cpu_native.rms_norm(strided, None, 1e-6), torch_ref.rms_norm(strided, None, 1e-6), atol=1e-6)
+    gu = torch.randn(9, 16, generator=g) * 20
+    assert torch.allclose(cpu_native.swiglu_clamped(gu, 10.0), torch_ref.swiglu_clamped(gu, 10.0), atol=1e-5)
+    big = torch.randn(300, 16, generator=g)
+    full = cpu_native.swiglu_clamped(big, 10.0)
+    assert torch.equal(cpu_native.swiglu_clamped(big[7:8], 10.0), full[7:8])
+
+
+def test_native_kernels_fall_back_when_disabled():
+    streams, weights = hc_inputs(n=2, d=16, rows=3)
+    kw = dict(norm_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=20, batch_invariant=True)
+    try:
+        cpu_native.set_enabled(False)
+        assert cpu_native.library() is None
+        got = cpu_native.hc_pre(streams, *weights, **kw)
+    finally:
+        cpu_native.set_enabled(True)
+    assert all(torch.equal(a, b) for a, b in zip(got, torch_ref.hc_pre(streams, *weights, **kw)))
+    double = streams.double()  # not float32: the reference runs
+    assert cpu_native.rms_norm(double, None, 1e-6).dtype == torch.float64
+
+
+def test_moe_dense_and_per_expert_gemms_give_the_same_rows():
+    g = gen(10)
+    w = torch.randn(6, 32, 48, generator=g)
+    rows = torch.randn(6, 8, 48, generator=g)
+    dense = torch.bmm(rows, w.transpose(1, 2))
+    for e in range(6):
+        for count in [1, 3, 5, 8]:
+            padded = torch_ref.gemm_rows(count)
+            x = torch.cat([rows[e, :count], torch.zeros(padded - count, 48)])
+            assert torch.equal(torch.mm(x, w[e].t())[:count], dense[e, :count])
 
 
 def test_rms_norm_and_swiglu_formulas():
@@ -130,7 +188,9 @@ def test_rms_norm_and_swiglu_formulas():
     x, w = torch.randn(6, 16, generator=g), torch.rand(16, generator=g) + 0.5
     expected = x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6) * w
     assert torch.allclose(ops.rms_norm(x, w, 1e-6), expected, atol=1e-6)
-    assert torch.allclose(ops.rms_norm_unweighted(x, 1e-6), expected / w, atol=1e-5)
+    assert torch.allclose(ops.rms_norm(x, None, 1e-6), expected / w, atol=1e-5)
+    reference = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert torch.equal(torch_ref.rms_norm(x, w, 1e-6), (w * reference).to(x.dtype))  # transformers' rounding
     gu = torch.randn(6, 8, generator=g) * 20
     gate, up = gu[:, :4], gu[:, 4:]
     expected = F.silu(gate.clamp(max=10)) * up.clamp(-10, 10)
@@ -154,3 +214,9 @@ def test_register_routes_an_op_and_reset_restores_it():
     finally:
         ops.reset()
     assert ops.backend_of("linear") == "torch_ref" and ops.linear is torch_ref.linear
+    assert ops.hc_pre is cpu_native.hc_pre  # the default routing is back
+    try:
+        ops.use_reference()
+        assert ops.hc_pre is torch_ref.hc_pre
+    finally:
+        ops.reset()

@@ -35,6 +35,7 @@ class Attention(nn.Module):
         c = config
         self.layer = layer
         self.num_heads, self.head_dim, self.eps = c.num_attention_heads, c.head_dim, c.rms_norm_eps
+        self.sliding_window = c.sliding_window
         self.o_groups, self.o_lora_rank = c.o_groups, c.o_lora_rank
         self.ratio = c.compress_ratio(layer)
         self.is_csa = self.ratio > 0 and c.layer_types[layer] == "compressed_sparse_attention"
@@ -76,14 +77,14 @@ class Attention(nn.Module):
         self.w_qb, _ = fuse_linears(q_bs)
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext, blocks: BlockCache, swa: SwaArena) -> torch.Tensor:
-        bi, t, layer = ctx.batch_invariant, h.shape[0], self.layer
+        """``h [R, hidden]`` (R = ctx.num_rows) -> ``[R, hidden]``; only rows < T attend."""
+        bi, rows, t, layer = ctx.batch_invariant, ctx.num_rows, ctx.num_tokens, self.layer
         hd, nh = self.head_dim, self.num_heads
         proj = ops.linear(h, self.w_in, bi).split(self.in_sizes, dim=-1)
-        q_res = ops.rms_norm(proj[0], self.q_a_norm.weight, self.eps)
-        q_all = ops.linear(q_res, self.w_qb, bi)
-        cos, sin = ctx.rope[self.rope_name]
-        q = ops.apply_rope(ops.rms_norm_unweighted(q_all[:, : nh * hd].view(t, nh, hd), self.eps), cos, sin)
-        kv = ops.apply_rope(ops.rms_norm(proj[1], self.kv_norm.weight, self.eps), cos, sin)
+        q_all = ops.linear(ops.rms_norm(proj[0], self.q_a_norm.weight, self.eps), self.w_qb, bi)
+        rope = ctx.rope[self.rope_name]
+        q = ops.apply_rope_(ops.rms_norm(q_all[:, : nh * hd].view(rows, nh, hd), None, self.eps), rope.cos, rope.sin)
+        kv = ops.apply_rope_(ops.rms_norm(proj[1], self.kv_norm.weight, self.eps), rope.cos, rope.sin)
 
         index_q = index_w = None
         if self.compressor is not None:
@@ -93,44 +94,47 @@ class Attention(nn.Module):
                 ix = self.indexer
                 self._compress(ix, proj[4], proj[5], plan, blocks, swa, "index", "indexer_keys")
                 index_w = proj[6].float() * ix.num_heads**-0.5
-                index_q = q_all[:, nh * hd :].reshape(t, ix.num_heads, ix.head_dim)
-                index_q = ops.apply_rope(index_q, *ctx.rope["compress"])
+                index_q = q_all[:, nh * hd :].view(rows, ix.num_heads, ix.head_dim)
+                ops.apply_rope_(index_q, ctx.rope["compress"].cos, ctx.rope["compress"].sin)
             groups = plan.groups
         else:
             groups = ctx.window.groups
 
         window_ring = swa.flat(layer, "window")
-        pool = torch.cat([window_ring.index_select(0, ctx.window.ring_rows), kv])
+        # pool = [ring rows before each step | fresh rows | zero row for the sink]
+        pool = torch.cat([window_ring.index_select(0, ctx.window.ring_rows), kv, kv.new_zeros(1, hd)])
         _write_ring(window_ring, kv, ctx.window.ring_write)
 
-        out = None if len(groups) == 1 and groups[0].token_index is None else q.new_empty(q.shape)
+        whole = len(groups) == 1 and groups[0].token_index is None
+        out = None if whole and rows == t else q.new_zeros(rows, nh, hd)
         for g in groups:
             sel = g.token_index
-            pick = (lambda x: x) if sel is None else (lambda x: x.index_select(0, sel))
-            key_index = pick(ctx.window.key_index)
-            num = key_index.shape[0]
-            keys = [pool.index_select(0, key_index.reshape(-1)).view(num, -1, hd)]
-            biases = [pick(ctx.window.key_bias)]
+            pick = (lambda x: x[:t]) if sel is None else (lambda x: x.index_select(0, sel))
+            qg = pick(q)
+            num = qg.shape[0]
+            keys = pool.index_select(0, g.win_index).view(num, g.window_len + 1, hd)
+            bias = g.win_bias
             if g.num_candidates:
                 if self.indexer is not None:
                     cand_keys = blocks.flat(layer, "indexer_keys").index_select(0, g.cand_rows.reshape(-1))
                     cand_keys = cand_keys.view(num, g.num_candidates, -1)
-                    rows, bias = self.indexer.select(pick(index_q), pick(index_w), cand_keys, g, bi)
+                    cand_rows, cand_bias = self.indexer.select(pick(index_q), pick(index_w), cand_keys, g, bi)
                 else:
-                    rows, bias = g.cand_rows, g.cand_bias
-                compressed = blocks.flat(layer, "compressed").index_select(0, rows.reshape(-1))
-                keys.append(compressed.view(num, -1, hd))
-                biases.append(bias)
-            part = ops.attention_with_sink(pick(q), keys, biases, self.sinks, hd**-0.5, bi)
+                    cand_rows, cand_bias = g.cand_rows, g.cand_bias
+                compressed = blocks.flat(layer, "compressed").index_select(0, cand_rows.reshape(-1))
+                keys = torch.cat([keys, compressed.view(num, -1, hd)], dim=1)
+                bias = torch.cat([bias, cand_bias], dim=-1)
+            part = ops.attention_with_sink(qg, keys, bias, self.sinks, g.window_len, hd**-0.5, bi)
             if out is None:
                 out = part
+            elif sel is None:
+                out[:t] = part
             else:
                 out.index_copy_(0, sel, part)
 
-        out = ops.apply_rope(out, cos, -sin)  # undo the rotation V carried on its rope channels
-        grouped = out.reshape(t, self.o_groups, -1)
+        ops.apply_rope_(out, rope.cos, rope.neg_sin)  # undo the rotation V carried on its rope channels
         o_a = self.o_a_proj.weight.view(self.o_groups, self.o_lora_rank, -1)
-        mixed = ops.grouped_linear(grouped, o_a, bi).reshape(t, -1)
+        mixed = ops.grouped_linear(out.view(rows, self.o_groups, -1), o_a, bi).reshape(rows, -1)
         return ops.linear(mixed, self.o_b_proj.weight, bi)
 
     def _compress(self, comp: Compressor, kv, gate, plan, blocks: BlockCache, swa: SwaArena, ring: str, paged: str):

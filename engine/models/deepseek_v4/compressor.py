@@ -70,7 +70,7 @@ class Compressor(nn.Module):
         src_gate = src_gate.masked_fill(~plan.src_valid[..., None], NEG_INF)
         weights = src_gate.softmax(dim=1).to(src_kv.dtype)
         pooled = ops.rms_norm((src_kv * weights).sum(dim=1), self.kv_norm.weight, self.eps)
-        return ops.apply_rope(pooled, plan.cos, plan.sin)
+        return ops.apply_rope_(pooled, plan.cos, plan.sin)
 
 
 class Scorer(nn.Module):
@@ -99,7 +99,7 @@ class Indexer(Compressor):
         group: TokenGroup,
         batch_invariant: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k closed entries per token, ascending: (flat block-cache rows [G, k], bias [G, 1, k]).
+        """Top-k closed entries per token: (flat block-cache rows [G, k], bias [G, 1, k]).
 
         ``q [G, H, Di]`` (rotated), ``head_weights [G, H]`` float32, ``keys [G, B, Di]`` the
         candidates of ``group``. Candidates never closed score -inf and, if picked because a
@@ -110,13 +110,7 @@ class Indexer(Compressor):
         total = (scores * head_weights[:, :, None]).sum(dim=1)  # [G, B]
         total = total.masked_fill(~group.cand_valid, NEG_INF)
         k = min(self.top_k, group.num_candidates)
+        # topk works row by row: the same scores give the same picks in the same order
         picked = torch.topk(total, k, dim=-1).indices
-        is_valid = group.cand_valid.gather(1, picked)
-        # a canonical order (valid ascending, then invalid) so the attention sum never depends
-        # on the order topk happens to return
-        sort_key = torch.where(is_valid, picked, picked + group.num_candidates)
-        picked = picked.gather(1, sort_key.argsort(dim=-1))
-        is_valid = group.cand_valid.gather(1, picked)
-        rows = group.cand_rows.gather(1, picked)
-        bias = torch.zeros(is_valid.shape, dtype=torch.float32, device=q.device).masked_fill_(~is_valid, NEG_INF)
-        return rows, bias[:, None, :]
+        bias = group.cand_bias[:, 0, :].gather(1, picked)  # 0, or -inf for entries never closed
+        return group.cand_rows.gather(1, picked), bias[:, None, :]

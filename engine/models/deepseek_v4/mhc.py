@@ -23,10 +23,18 @@ class HyperConnection(nn.Module):
         self.base = nn.Parameter(torch.empty((2 + n) * n, **f32), requires_grad=False)
         self.scale = nn.Parameter(torch.empty(3, **f32), requires_grad=False)
 
+    def finalize(self) -> None:
+        """Per-column scale/bias vectors from ``base``/``scale`` (call once weights are in place)."""
+        n = self.hc_mult
+        self.pre_post_scale = torch.cat([self.scale[0:1].expand(n), self.scale[1:2].expand(n)])
+        self.pre_post_base = self.base[: 2 * n].clone()
+        self.comb_scale = self.scale[2].clone()
+        self.comb_base = self.base[2 * n :].view(n, n).clone()
+
     def pre(self, streams: torch.Tensor, batch_invariant: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``streams [T, N, D]`` -> (post [T, N], comb [T, N, N], block input [T, D])."""
         return ops.hc_pre(
-            streams, self.fn, self.base, self.scale,
+            streams, self.fn, self.pre_post_scale, self.pre_post_base, self.comb_scale, self.comb_base,
             norm_eps=self.norm_eps, hc_eps=self.hc_eps, sinkhorn_iters=self.sinkhorn_iters,
             batch_invariant=batch_invariant,
         )  # fmt: skip

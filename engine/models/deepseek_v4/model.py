@@ -42,7 +42,8 @@ class DecoderLayer(nn.Module):
         out = self.self_attn(ops.rms_norm(x, self.input_layernorm.weight, self.eps), ctx, blocks, swa)
         streams = HyperConnection.post(out, streams, post, comb, bi)
         post, comb, x = self.ffn_hc.pre(streams, bi)
-        out = self.mlp(ops.rms_norm(x, self.post_attention_layernorm.weight, self.eps), ctx.token_ids, bi)
+        x = ops.rms_norm(x, self.post_attention_layernorm.weight, self.eps)
+        out = self.mlp(x, ctx.token_ids, ctx.num_tokens, bi)
         return HyperConnection.post(out, streams, post, comb, bi)
 
 
@@ -115,6 +116,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         for layer in self.layers:
             layer.self_attn.finalize()
             layer.mlp.finalize()
+            layer.attn_hc.finalize()
+            layer.ffn_hc.finalize()
 
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, ctx: ForwardContext, blocks: BlockCache, swa: SwaArena) -> torch.Tensor:

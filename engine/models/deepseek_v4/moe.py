@@ -3,25 +3,37 @@
 One forward runs in four explicit stages so expert parallelism can replace the middle two:
 
     route     scores + expert choice per token       -> RoutePlan (ids sorted ascending)
-    dispatch  (token, slot) pairs grouped by expert  -> DispatchPlan
-    compute   each expert's SwiGLU on its rows        -> rows in dispatch order
-    combine   back to tokens, weighted sum in ascending expert order, + shared expert
+    dispatch  (token, slot) pairs grouped by expert  -> DispatchPlan (planned on the host)
+    compute   each expert's SwiGLU on its segment     -> rows in dispatch order
+    combine   back to tokens, weighted sum over the token's experts, + shared expert
 
-Batch invariance: every expert GEMM goes through ``ops.linear`` (per-row results independent of
-the row count) and each token's expert outputs are summed in a fixed order, so a token's output
-never depends on which other tokens share its experts.
+Dispatched rows form one buffer of per-expert segments:
+
+    rows:  | expert e0: its pairs, padding | expert e1: its pairs, padding | ...
+
+A segment has gemm_rows(pairs) rows in batch-invariant mode (padding rows copy token row 0 and
+are never read back), so every expert GEMM takes the same kernel and a token's numbers never
+depend on which other tokens share its experts; each token then sums its k experts in
+ascending expert order. When padding every expert to the busiest one costs few extra rows
+(decode batches where most experts are busy) all experts get segments of one size and two
+batched GEMMs over all experts replace the per-expert loop; MKL gives bitwise the same rows
+either way (tests/kernels checks it), so the choice never changes a token's numbers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
 from deepinfer.engine.model_config import ModelConfig
 from deepinfer.engine.models.deepseek_v4.layers import fuse_linears, linear_holder
 from deepinfer.kernels import ops
+from deepinfer.kernels.torch_ref import gemm_rows
+
+DENSE_ROWS_PER_CALL = 2  # measured on CPU: one per-expert GEMM call ~ two extra GEMM rows
 
 
 @dataclass(slots=True)
@@ -32,9 +44,10 @@ class RoutePlan:
 
 @dataclass(slots=True)
 class DispatchPlan:
-    order: torch.Tensor  # [T*k] pair index (token * k + slot) in expert-major order
-    token_of_row: torch.Tensor  # [T*k] token of each dispatched row
-    rows_per_expert: list[int]  # [E] row counts, in expert order
+    token_of_row: torch.Tensor  # [num_rows] token index of each dispatched row (padding: 0)
+    row_of_pair: torch.Tensor  # [T*k] dispatched row of pair (token * k + slot)
+    segments: list[tuple[int, int, int]]  # (expert, first row, end row) per active expert
+    rows_per_expert: int = 0  # > 0: dense layout, expert e owns rows [e * n, (e + 1) * n)
 
 
 class Router(nn.Module):
@@ -58,8 +71,9 @@ class Router(nn.Module):
                 "e_score_correction_bias", torch.zeros(config.n_routed_experts, dtype=torch.float32, device=device)
             )
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, batch_invariant: bool) -> RoutePlan:
-        logits = ops.linear(x, self.weight, batch_invariant)
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, num_tokens: int, batch_invariant: bool) -> RoutePlan:
+        """Route the first ``num_tokens`` rows of ``x``."""
+        logits = ops.linear(x, self.weight, batch_invariant)[:num_tokens]
         if self.scoring_func == "sqrtsoftplus":
             scores = ops.softplus(logits, batch_invariant).sqrt()
         elif self.scoring_func == "sigmoid":
@@ -69,7 +83,7 @@ class Router(nn.Module):
         else:
             raise ValueError(f"scoring_func {self.scoring_func!r} is not supported")
         if self.is_hash:
-            ids = self.tid2eid[token_ids].long()
+            ids = self.tid2eid[token_ids[:num_tokens]].long()
         else:
             # the correction bias only steers the choice; weights come from the raw scores
             ids = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
@@ -88,9 +102,17 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h, device=device, dtype=dtype), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(e, h, i, device=device, dtype=dtype), requires_grad=False)
 
-    def run_expert(self, expert: int, rows: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
-        act = ops.swiglu_clamped(ops.linear(rows, self.gate_up_proj[expert], batch_invariant), self.limit, batch_invariant)
-        return ops.linear(act, self.down_proj[expert], batch_invariant)
+    def gate_up(self, expert: int, rows: torch.Tensor, out: torch.Tensor) -> None:
+        torch.mm(rows, self.gate_up_proj[expert].t(), out=out)
+
+    def down(self, expert: int, rows: torch.Tensor, out: torch.Tensor) -> None:
+        torch.mm(rows, self.down_proj[expert].t(), out=out)
+
+    def dense(self, rows: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
+        """Every expert on its own ``[E, n, H]`` rows: two batched GEMMs."""
+        hidden = torch.bmm(rows, self.gate_up_proj.transpose(1, 2))
+        act = ops.swiglu_clamped(hidden.view(-1, hidden.shape[-1]), self.limit, batch_invariant)
+        return torch.bmm(act.view(rows.shape[0], rows.shape[1], -1), self.down_proj.transpose(1, 2))
 
 
 class SharedExpert(nn.Module):
@@ -122,35 +144,64 @@ class MoE(nn.Module):
     def finalize(self) -> None:
         self.shared_experts.finalize()
 
-    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
-        plan = self.gate(x, token_ids, batch_invariant)
-        dispatch = self.dispatch(plan)
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor, num_tokens: int, batch_invariant: bool) -> torch.Tensor:
+        """``x [R, H]``; rows >= ``num_tokens`` are padding: routed nowhere, shared expert only."""
+        plan = self.gate(x, token_ids, num_tokens, batch_invariant)
+        dispatch = self.dispatch(plan, batch_invariant)
         rows = self.compute(x, dispatch, batch_invariant)
-        return self.combine(rows, dispatch, plan) + self.shared_experts(x, batch_invariant)
+        out = self.shared_experts(x, batch_invariant)
+        out[:num_tokens] += self.combine(rows, dispatch, plan)
+        return out
 
-    def dispatch(self, plan: RoutePlan) -> DispatchPlan:
-        flat = plan.expert_ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.experts.num_experts)
-        return DispatchPlan(order=order, token_of_row=order // self.top_k, rows_per_expert=counts.tolist())
+    def dispatch(self, plan: RoutePlan, batch_invariant: bool) -> DispatchPlan:
+        k, num_experts = self.top_k, self.experts.num_experts
+        expert_of_pair = plan.expert_ids.reshape(-1).cpu().numpy()
+        order = np.argsort(expert_of_pair, kind="stable")  # pairs grouped by expert, in pair order
+        counts = np.bincount(expert_of_pair, minlength=num_experts)
+        pad = gemm_rows if batch_invariant else (lambda n: n)
+        busy = np.flatnonzero(counts)
+        most = int(counts.max())
+        loop_rows = sum(pad(int(c)) for c in counts[busy])
+        # a loop iteration costs about as much as DENSE_ROWS_PER_CALL extra GEMM rows
+        dense = num_experts * pad(most) <= loop_rows + DENSE_ROWS_PER_CALL * len(busy)
+        experts = range(num_experts) if dense else busy.tolist()
+        sizes = np.array([pad(most) if dense else pad(int(counts[e])) for e in experts])
+        firsts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        first_of_expert = np.zeros(num_experts, dtype=np.int64)
+        first_of_expert[list(experts)] = firsts
+        # the j-th pair of expert e goes to row first_of_expert[e] + j; padding rows read token 0
+        sorted_experts = expert_of_pair[order]
+        rank = np.arange(len(order)) - (np.cumsum(counts) - counts)[sorted_experts]
+        row_of_pair = np.empty(len(order), dtype=np.int64)
+        row_of_pair[order] = first_of_expert[sorted_experts] + rank
+        token_of_row = np.zeros(int(sizes.sum()), dtype=np.int64)
+        token_of_row[row_of_pair] = np.arange(len(order)) // k
+        device = plan.expert_ids.device
+        segments = [(int(e), int(f), int(f + n)) for e, f, n in zip(experts, firsts, sizes)]
+        return DispatchPlan(
+            token_of_row=torch.from_numpy(token_of_row).to(device),
+            row_of_pair=torch.from_numpy(row_of_pair).to(device),
+            segments=segments,
+            rows_per_expert=pad(most) if dense else 0,
+        )
 
     def compute(self, x: torch.Tensor, dispatch: DispatchPlan, batch_invariant: bool) -> torch.Tensor:
-        """Expert outputs ``[T*k, H]`` in dispatch (expert-major) order."""
+        """Expert outputs ``[num_rows, H]`` in dispatch order."""
         gathered = x.index_select(0, dispatch.token_of_row)
-        outputs, start = [], 0
-        for expert, n in enumerate(dispatch.rows_per_expert):
-            if n:
-                outputs.append(self.experts.run_expert(expert, gathered[start : start + n], batch_invariant))
-                start += n
-        return torch.cat(outputs) if outputs else gathered
+        ex = self.experts
+        if dispatch.rows_per_expert:
+            rows = gathered.view(ex.num_experts, dispatch.rows_per_expert, -1)
+            return ex.dense(rows, batch_invariant).view(gathered.shape)
+        hidden = x.new_empty(gathered.shape[0], ex.gate_up_proj.shape[1])
+        for expert, first, end in dispatch.segments:
+            ex.gate_up(expert, gathered[first:end], hidden[first:end])
+        act = ops.swiglu_clamped(hidden, ex.limit, batch_invariant)
+        out = torch.empty_like(gathered)
+        for expert, first, end in dispatch.segments:
+            ex.down(expert, act[first:end], out[first:end])
+        return out
 
     def combine(self, rows: torch.Tensor, dispatch: DispatchPlan, plan: RoutePlan) -> torch.Tensor:
         t, k = plan.expert_ids.shape
-        per_pair = torch.empty_like(rows)
-        per_pair[dispatch.order] = rows
-        per_pair = per_pair.view(t, k, -1)
-        weights = plan.weights.to(rows.dtype)
-        out = per_pair[:, 0] * weights[:, :1]
-        for slot in range(1, k):  # ascending expert id, the same order for every token
-            out = out + per_pair[:, slot] * weights[:, slot : slot + 1]
-        return out
+        per_pair = rows.index_select(0, dispatch.row_of_pair).view(t, k, -1)
+        return (per_pair * plan.weights.to(rows.dtype).unsqueeze(-1)).sum(dim=1)
