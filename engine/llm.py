@@ -185,7 +185,8 @@ class LLM:
                 seq.blocks = list(range(seq.slot * self.blocks_per_seq, (seq.slot + 1) * self.blocks_per_seq))
                 running.append(seq)
             plan = self._plan(running)
-            logits = self.runner.execute(ForwardBatch([step for _, step in plan]))
+            # one row per sampled token or scored prompt position: sampling runs on the host
+            logits = self.runner.execute(ForwardBatch([step for _, step in plan])).cpu()
             row = 0
             for seq, step in plan:
                 rows = logits[row : row + step.num_logits]
