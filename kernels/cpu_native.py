@@ -130,6 +130,70 @@ void rope(float* x, int64_t outer, int64_t inner, int64_t so, int64_t si, int64_
     }
 }
 
+/* Router: logits [rows, e] -> ids [rows, k] ascending (int64), weights [rows, k].
+   scoring 0 = sqrt(softplus), 1 = sigmoid, 2 = softmax; hash_ids [rows, k] or NULL (then top-k
+   of score + bias, lowest id first on ties); weights = chosen scores / (sum + 1e-20) * scale. */
+void moe_route(const float* logits, int64_t rows, int64_t e, const float* bias, const int64_t* hash_ids,
+               int64_t k, int64_t scoring, float scale, int64_t* ids, float* weights) {
+    float scores[1024];
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* x = logits + r * e;
+        if (scoring == 2) {
+            float mx = x[0];
+            for (int64_t j = 1; j < e; ++j) if (x[j] > mx) mx = x[j];
+            float sum = 0.0f;
+            for (int64_t j = 0; j < e; ++j) { scores[j] = expf(x[j] - mx); sum = sum + scores[j]; }
+            for (int64_t j = 0; j < e; ++j) scores[j] = scores[j] / sum;
+        } else {
+            for (int64_t j = 0; j < e; ++j) {
+                double v = (double)x[j];
+                if (scoring == 0) scores[j] = sqrtf((float)(v > 20.0 ? v : log1p(exp(v))));
+                else scores[j] = (float)(1.0 / (1.0 + exp(-v)));
+            }
+        }
+        int64_t* id = ids + r * k;
+        if (hash_ids) {
+            for (int64_t i = 0; i < k; ++i) id[i] = hash_ids[r * k + i];
+        } else {
+            for (int64_t i = 0; i < k; ++i) {
+                int64_t best = -1;
+                float best_v = 0.0f;
+                for (int64_t j = 0; j < e; ++j) {
+                    int taken = 0;
+                    for (int64_t q = 0; q < i; ++q) if (id[q] == j) { taken = 1; break; }
+                    if (taken) continue;
+                    float v = scores[j] + (bias ? bias[j] : 0.0f);
+                    if (best < 0 || v > best_v) { best = j; best_v = v; }
+                }
+                id[i] = best;
+            }
+        }
+        for (int64_t i = 1; i < k; ++i) {  /* ascending ids: a fixed summation order */
+            int64_t v = id[i], q = i - 1;
+            while (q >= 0 && id[q] > v) { id[q + 1] = id[q]; --q; }
+            id[q + 1] = v;
+        }
+        float* w = weights + r * k;
+        float sum = 0.0f;
+        for (int64_t i = 0; i < k; ++i) { w[i] = scores[id[i]]; sum = sum + w[i]; }
+        sum = sum + 1e-20f;
+        for (int64_t i = 0; i < k; ++i) w[i] = (w[i] / sum) * scale;
+    }
+}
+
+/* out[t, :] += sum_j w[t, j] * rows[row_of_pair[t * k + j], :], j in order. */
+void moe_combine(float* out, const float* rows, const int64_t* row_of_pair, const float* w,
+                 int64_t t_count, int64_t k, int64_t d) {
+    for (int64_t t = 0; t < t_count; ++t) {
+        float* o = out + t * d;
+        for (int64_t c = 0; c < d; ++c) {
+            float acc = w[t * k] * rows[row_of_pair[t * k] * d + c];
+            for (int64_t j = 1; j < k; ++j) acc = acc + w[t * k + j] * rows[row_of_pair[t * k + j] * d + c];
+            o[c] = o[c] + acc;
+        }
+    }
+}
+
 /* out[r, j] = silu(min(g, limit)) * clamp(u, -limit, limit), gate_up rows = [g (m) | u (m)]. */
 void swiglu(const float* gate_up, int64_t rows, int64_t m, float limit, float* out) {
     for (int64_t r = 0; r < rows; ++r) {
@@ -182,6 +246,10 @@ def _build() -> ctypes.CDLL | None:
     lib.rope.restype = None
     lib.swiglu.argtypes = [f32p, i64, i64, ctypes.c_float, f32p]
     lib.swiglu.restype = None
+    lib.moe_route.argtypes = [f32p, i64, i64, f32p, f32p, i64, i64, ctypes.c_float, f32p, f32p]
+    lib.moe_route.restype = None
+    lib.moe_combine.argtypes = [f32p, f32p, f32p, f32p, i64, i64, i64]
+    lib.moe_combine.restype = None
     return lib
 
 
@@ -232,7 +300,7 @@ def hc_pre(
             norm_eps=norm_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters, batch_invariant=batch_invariant,
         )  # fmt: skip
     streams = streams.contiguous()
-    flat = torch_ref.rms_norm(streams.view(t, -1), None, norm_eps)
+    flat = rms_norm(streams.view(t, -1), None, norm_eps)
     mixes = torch_ref.linear(flat, fn, batch_invariant).contiguous()
     post = streams.new_empty(t, n)
     comb = streams.new_empty(t, n, n)
@@ -291,4 +359,34 @@ def swiglu_clamped(gate_up: torch.Tensor, limit: float, batch_invariant: bool = 
     rows, m = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, m, dtype=gate_up.dtype)
     lib.swiglu(gate_up.data_ptr(), rows, m, limit, out.data_ptr())
+    return out
+
+
+_SCORING_CODES = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
+MAX_EXPERTS = 1024
+
+
+def moe_route(logits, correction_bias, hash_ids, top_k, scoring_func, routed_scaling_factor, batch_invariant=False):
+    lib = _native_f32(logits)
+    if lib is None or scoring_func not in _SCORING_CODES or logits.shape[-1] > MAX_EXPERTS or logits.dim() != 2:
+        return torch_ref.moe_route(logits, correction_bias, hash_ids, top_k, scoring_func,
+                                   routed_scaling_factor, batch_invariant)  # fmt: skip
+    logits = logits.contiguous()
+    rows, e = logits.shape
+    ids = torch.empty(rows, top_k, dtype=torch.long)
+    weights = torch.empty(rows, top_k, dtype=torch.float32)
+    bias = 0 if correction_bias is None or hash_ids is not None else correction_bias.float().contiguous().data_ptr()
+    hashed = 0 if hash_ids is None else hash_ids.contiguous().data_ptr()
+    lib.moe_route(logits.data_ptr(), rows, e, bias, hashed, top_k, _SCORING_CODES[scoring_func],
+                  routed_scaling_factor, ids.data_ptr(), weights.data_ptr())  # fmt: skip
+    return ids, weights
+
+
+def moe_combine_(out: torch.Tensor, rows: torch.Tensor, row_of_pair: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    lib = _native_f32(out, rows, weights)
+    if lib is None or not (out.is_contiguous() and rows.is_contiguous()) or row_of_pair.device.type != "cpu":
+        return torch_ref.moe_combine_(out, rows, row_of_pair, weights)
+    t, k = weights.shape
+    row_of_pair, weights = row_of_pair.contiguous(), weights.contiguous()
+    lib.moe_combine(out.data_ptr(), rows.data_ptr(), row_of_pair.data_ptr(), weights.data_ptr(), t, k, out.shape[-1])
     return out

@@ -30,12 +30,17 @@ OP_NAMES = (
     "hc_post",
     "hc_head",
     "swiglu_clamped",
+    "moe_route",
+    "moe_combine_",
 )
 
 _reference: dict[str, Callable] = {name: getattr(torch_ref, name) for name in OP_NAMES}
 _default: dict[str, Callable] = {
     **_reference,
-    **{name: getattr(cpu_native, name) for name in ("hc_pre", "rms_norm", "apply_rope_", "swiglu_clamped")},
+    **{
+        name: getattr(cpu_native, name)
+        for name in ("hc_pre", "rms_norm", "apply_rope_", "swiglu_clamped", "moe_route", "moe_combine_")
+    },
 }
 _active: dict[str, Callable] = {}
 
@@ -80,4 +85,6 @@ hc_pre = cpu_native.hc_pre
 hc_post = torch_ref.hc_post
 hc_head = torch_ref.hc_head
 swiglu_clamped = torch_ref.swiglu_clamped
+moe_route = torch_ref.moe_route
+moe_combine_ = torch_ref.moe_combine_
 reset()

@@ -231,6 +231,50 @@ def hc_head(
     return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
 
 
+SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
+
+
+def moe_route(
+    logits: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    hash_ids: torch.Tensor | None,
+    top_k: int,
+    scoring_func: str,
+    routed_scaling_factor: float,
+    batch_invariant: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits ``[T, E]`` -> (expert ids ``[T, k]`` ascending, float32 weights ``[T, k]``).
+
+    Scores are ``sqrtsoftplus``/``sigmoid``/``softmax`` of the logits; experts come from
+    ``hash_ids`` (hash layers) or the top-k of score + correction bias (the bias only steers
+    the choice); weights are the chosen scores normalised to sum 1, times the scaling factor.
+    """
+    if scoring_func == "sqrtsoftplus":
+        scores = softplus(logits, batch_invariant).sqrt()
+    elif scoring_func == "sigmoid":
+        scores = sigmoid(logits, batch_invariant)
+    elif scoring_func == "softmax":
+        scores = logits.softmax(dim=-1)
+    else:
+        raise ValueError(f"scoring_func {scoring_func!r} is not supported; use one of {SCORING_FUNCS}")
+    if hash_ids is not None:
+        ids = hash_ids
+    else:
+        ids = torch.topk(scores + correction_bias, top_k, dim=-1, sorted=False).indices
+    ids = ids.sort(dim=-1).values
+    weights = scores.gather(1, ids).float()
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, weights * routed_scaling_factor
+
+
+def moe_combine_(out: torch.Tensor, rows: torch.Tensor, row_of_pair: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``out[t] += sum_j weights[t, j] * rows[row_of_pair[t * k + j]]`` for the first T rows, j in order."""
+    t, k = weights.shape
+    per_pair = rows.index_select(0, row_of_pair).view(t, k, -1)
+    out[:t] += (per_pair * weights.to(rows.dtype).unsqueeze(-1)).sum(dim=1)
+    return out
+
+
 def swiglu_clamped(gate_up: torch.Tensor, limit: float, batch_invariant: bool = False) -> torch.Tensor:
     """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` for ``gate_up = [gate | up]``."""
     gate, up = gate_up.chunk(2, dim=-1)

@@ -220,3 +220,32 @@ def test_register_routes_an_op_and_reset_restores_it():
         assert ops.hc_pre is torch_ref.hc_pre
     finally:
         ops.reset()
+
+
+@pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid", "softmax"])
+def test_moe_route_native_matches_reference(scoring):
+    g = gen(11)
+    logits, bias = torch.randn(37, 16, generator=g), 0.2 * torch.randn(16, generator=g)
+    ids, weights = torch_ref.moe_route(logits, bias, None, 4, scoring, 1.5, True)
+    assert torch.all(ids[:, 1:] > ids[:, :-1])  # ascending, distinct
+    assert torch.allclose(weights.sum(-1), torch.full((37,), 1.5), atol=1e-5)
+    hashed = torch.randint(0, 16, (37, 4), generator=g).sort(-1).values
+    hid, _ = torch_ref.moe_route(logits, None, hashed, 4, scoring, 1.5, True)
+    assert torch.equal(hid, hashed)
+    if cpu_native.library() is None:
+        pytest.skip("no C compiler")
+    nid, nweights = cpu_native.moe_route(logits, bias, None, 4, scoring, 1.5, True)
+    assert torch.equal(nid, ids) and torch.allclose(nweights, weights, atol=1e-6)
+    part = cpu_native.moe_route(logits[5:6], bias, None, 4, scoring, 1.5, True)
+    assert torch.equal(part[0], nid[5:6]) and torch.equal(part[1], nweights[5:6])
+
+
+def test_moe_combine_native_matches_reference():
+    g = gen(12)
+    rows, weights = torch.randn(40, 24, generator=g), torch.rand(6, 3, generator=g)
+    row_of_pair = torch.randperm(40, generator=g)[:18]
+    base = torch.randn(8, 24, generator=g)
+    expected = torch_ref.moe_combine_(base.clone(), rows, row_of_pair, weights)
+    assert torch.equal(expected[6:], base[6:])  # rows past the tokens are untouched
+    got = cpu_native.moe_combine_(base.clone(), rows, row_of_pair, weights)
+    assert torch.allclose(got, expected, atol=1e-5)

@@ -27,10 +27,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from deepinfer.engine.batch import ForwardBatch
-from deepinfer.kernels import ops
 from deepinfer.kernels.torch_ref import gemm_rows
 
 NEG_INF = float("-inf")
@@ -128,18 +128,20 @@ class Geometry:
 
 @dataclass(slots=True)
 class StepArrays:
-    """The batch's steps as flat tensors (CPU), shared by the plan builders."""
+    """The batch's steps as flat int64 numpy arrays (host), shared by the plan builders."""
 
     steps: list
     offsets: list[int]  # first flat token of each step, plus the total
-    positions: torch.Tensor  # [T]
-    tok_step: torch.Tensor  # [T] step of each token
-    starts: torch.Tensor  # [S]
-    slots: torch.Tensor  # [S]
-    window_floor: torch.Tensor  # [S] max(0, window_start)
-    tables: torch.Tensor  # [S, max blocks] zero-padded block tables
-    table_len: torch.Tensor  # [S] max(1, table length)
+    positions: np.ndarray  # [T]
+    tok_step: np.ndarray  # [T] step of each token
+    starts: np.ndarray  # [S]
+    lengths: np.ndarray  # [S] tokens per step
+    slots: np.ndarray  # [S]
+    window_floor: np.ndarray  # [S] max(0, window_start)
+    tables: np.ndarray  # [S, max blocks] zero-padded block tables
+    table_len: np.ndarray  # [S] max(1, table length)
     num_rows: int
+    window_cache: dict = field(default_factory=dict)  # (L, token index) -> window key sets
 
 
 def validate(batch: ForwardBatch, geo: Geometry, num_slots: int) -> None:
@@ -174,7 +176,7 @@ def validate(batch: ForwardBatch, geo: Geometry, num_slots: int) -> None:
 
 
 def build_context(batch: ForwardBatch, geo: Geometry, *, device: torch.device, batch_invariant: bool) -> ForwardContext:
-    from deepinfer.engine.models.deepseek_v4.index_plans import compress_plan, window_plan
+    from deepinfer.engine.models.deepseek_v4.index_plans import compress_plan, rope_tables, window_plan
 
     steps = batch.steps
     offsets = [0]
@@ -183,30 +185,35 @@ def build_context(batch: ForwardBatch, geo: Geometry, *, device: torch.device, b
     num_tokens = offsets[-1]
     num_rows = gemm_rows(num_tokens) if batch_invariant else num_tokens
     max_blocks = max(1, max(len(s.block_table) for s in steps))
-    long = torch.long
-    tables = torch.tensor([list(s.block_table) + [0] * (max_blocks - len(s.block_table)) for s in steps], dtype=long)
-    positions = torch.tensor([p for s in steps for p in range(s.start_pos, s.end_pos)], dtype=long)
+    tables = np.zeros((len(steps), max_blocks), dtype=np.int64)
+    for i, s in enumerate(steps):
+        tables[i, : len(s.block_table)] = s.block_table
+    lengths = np.array([s.num_tokens for s in steps], dtype=np.int64)
+    starts = np.array([s.start_pos for s in steps], dtype=np.int64)
+    tok_step = np.repeat(np.arange(len(steps)), lengths)
+    positions = starts[tok_step] + (np.arange(num_tokens) - np.asarray(offsets[:-1])[tok_step])
     arrays = StepArrays(
         steps=steps,
         offsets=offsets,
         positions=positions,
-        tok_step=torch.tensor([i for i, s in enumerate(steps) for _ in range(s.num_tokens)], dtype=long),
-        starts=torch.tensor([s.start_pos for s in steps], dtype=long),
-        slots=torch.tensor([s.slot for s in steps], dtype=long),
-        window_floor=torch.tensor([max(0, s.window_start) for s in steps], dtype=long),
-        tables=tables.view(len(steps), max_blocks),
-        table_len=torch.tensor([max(1, len(s.block_table)) for s in steps], dtype=long),
+        tok_step=tok_step,
+        starts=starts,
+        lengths=lengths,
+        slots=np.array([s.slot for s in steps], dtype=np.int64),
+        window_floor=np.array([max(0, s.window_start) for s in steps], dtype=np.int64),
+        tables=tables,
+        table_len=np.array([max(1, len(s.block_table)) for s in steps], dtype=np.int64),
         num_rows=num_rows,
     )
-    pad = [0] * (num_rows - num_tokens)
-    token_ids = torch.tensor([t for s in steps for t in s.token_ids] + pad, dtype=long)
-    row_positions = torch.cat([positions, torch.tensor(pad, dtype=long)]) if pad else positions
+    pad = num_rows - num_tokens
+    token_ids = torch.tensor([t for s in steps for t in s.token_ids] + [0] * pad, dtype=torch.long)
+    row_positions = torch.from_numpy(np.concatenate([positions, np.zeros(pad, dtype=np.int64)]))
     logit_index = torch.tensor(
-        [j for i, s in enumerate(steps) for j in range(offsets[i + 1] - s.num_logits, offsets[i + 1])], dtype=long
+        [j for i, s in enumerate(steps) for j in range(offsets[i + 1] - s.num_logits, offsets[i + 1])], dtype=torch.long
     )
     rope = {}
     for name, f in geo.inv_freq.items():
-        cos, sin = ops.rope_tables(row_positions, f)
+        cos, sin = rope_tables(row_positions.numpy(), f)
         rope[name] = RopeRows(cos, sin, -sin)
     ctx = ForwardContext(
         num_tokens=num_tokens,

@@ -34,6 +34,7 @@ from deepinfer.kernels import ops
 from deepinfer.kernels.torch_ref import gemm_rows
 
 DENSE_ROWS_PER_CALL = 2  # measured on CPU: one per-expert GEMM call ~ two extra GEMM rows
+SMALL_DISPATCH_PAIRS = 256  # below this many (token, expert) pairs plain Python beats numpy
 
 
 @dataclass(slots=True)
@@ -74,23 +75,12 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor, num_tokens: int, batch_invariant: bool) -> RoutePlan:
         """Route the first ``num_tokens`` rows of ``x``."""
         logits = ops.linear(x, self.weight, batch_invariant)[:num_tokens]
-        if self.scoring_func == "sqrtsoftplus":
-            scores = ops.softplus(logits, batch_invariant).sqrt()
-        elif self.scoring_func == "sigmoid":
-            scores = ops.sigmoid(logits, batch_invariant)
-        elif self.scoring_func == "softmax":
-            scores = logits.softmax(dim=-1)
-        else:
-            raise ValueError(f"scoring_func {self.scoring_func!r} is not supported")
-        if self.is_hash:
-            ids = self.tid2eid[token_ids[:num_tokens]].long()
-        else:
-            # the correction bias only steers the choice; weights come from the raw scores
-            ids = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
-        ids = ids.sort(dim=-1).values
-        weights = scores.gather(1, ids).float()
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return RoutePlan(expert_ids=ids, weights=weights * self.routed_scaling_factor)
+        hashed = self.tid2eid[token_ids[:num_tokens]] if self.is_hash else None
+        bias = None if self.is_hash else self.e_score_correction_bias
+        ids, weights = ops.moe_route(
+            logits, bias, hashed, self.top_k, self.scoring_func, self.routed_scaling_factor, batch_invariant
+        )
+        return RoutePlan(expert_ids=ids, weights=weights)
 
 
 class Experts(nn.Module):
@@ -102,11 +92,10 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h, device=device, dtype=dtype), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(e, h, i, device=device, dtype=dtype), requires_grad=False)
 
-    def gate_up(self, expert: int, rows: torch.Tensor, out: torch.Tensor) -> None:
-        torch.mm(rows, self.gate_up_proj[expert].t(), out=out)
-
-    def down(self, expert: int, rows: torch.Tensor, out: torch.Tensor) -> None:
-        torch.mm(rows, self.down_proj[expert].t(), out=out)
+    def finalize(self) -> None:
+        """Per-expert transposed views, built once (a decode step loops over many experts)."""
+        self.gate_up_t = [w.t() for w in self.gate_up_proj]
+        self.down_t = [w.t() for w in self.down_proj]
 
     def dense(self, rows: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
         """Every expert on its own ``[E, n, H]`` rows: two batched GEMMs."""
@@ -143,17 +132,18 @@ class MoE(nn.Module):
 
     def finalize(self) -> None:
         self.shared_experts.finalize()
+        self.experts.finalize()
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor, num_tokens: int, batch_invariant: bool) -> torch.Tensor:
         """``x [R, H]``; rows >= ``num_tokens`` are padding: routed nowhere, shared expert only."""
         plan = self.gate(x, token_ids, num_tokens, batch_invariant)
         dispatch = self.dispatch(plan, batch_invariant)
         rows = self.compute(x, dispatch, batch_invariant)
-        out = self.shared_experts(x, batch_invariant)
-        out[:num_tokens] += self.combine(rows, dispatch, plan)
-        return out
+        return self.combine(self.shared_experts(x, batch_invariant), rows, dispatch, plan)
 
     def dispatch(self, plan: RoutePlan, batch_invariant: bool) -> DispatchPlan:
+        if plan.expert_ids.numel() <= SMALL_DISPATCH_PAIRS:
+            return self._dispatch_small(plan, batch_invariant)
         k, num_experts = self.top_k, self.experts.num_experts
         expert_of_pair = plan.expert_ids.reshape(-1).cpu().numpy()
         order = np.argsort(expert_of_pair, kind="stable")  # pairs grouped by expert, in pair order
@@ -185,6 +175,35 @@ class MoE(nn.Module):
             rows_per_expert=pad(most) if dense else 0,
         )
 
+    def _dispatch_small(self, plan: RoutePlan, batch_invariant: bool) -> DispatchPlan:
+        """``dispatch`` in plain Python: the same layout, cheaper than numpy for decode batches."""
+        k, num_experts = self.top_k, self.experts.num_experts
+        pairs_of_expert: dict[int, list[int]] = {}
+        for pair, expert in enumerate(plan.expert_ids.reshape(-1).tolist()):
+            pairs_of_expert.setdefault(expert, []).append(pair)
+        pad = gemm_rows if batch_invariant else (lambda n: n)
+        most = max(len(p) for p in pairs_of_expert.values())
+        loop_rows = sum(pad(len(p)) for p in pairs_of_expert.values())
+        dense = num_experts * pad(most) <= loop_rows + DENSE_ROWS_PER_CALL * len(pairs_of_expert)
+        token_of_row: list[int] = []
+        row_of_pair = [0] * plan.expert_ids.numel()
+        segments = []
+        for expert in range(num_experts) if dense else sorted(pairs_of_expert):
+            pairs = pairs_of_expert.get(expert, ())
+            first = len(token_of_row)
+            for i, pair in enumerate(pairs):
+                row_of_pair[pair] = first + i
+            token_of_row.extend(pair // k for pair in pairs)
+            token_of_row.extend([0] * ((pad(most) if dense else pad(len(pairs))) - len(pairs)))
+            segments.append((expert, first, len(token_of_row)))
+        device = plan.expert_ids.device
+        return DispatchPlan(
+            token_of_row=torch.tensor(token_of_row, dtype=torch.long, device=device),
+            row_of_pair=torch.tensor(row_of_pair, dtype=torch.long, device=device),
+            segments=segments,
+            rows_per_expert=pad(most) if dense else 0,
+        )
+
     def compute(self, x: torch.Tensor, dispatch: DispatchPlan, batch_invariant: bool) -> torch.Tensor:
         """Expert outputs ``[num_rows, H]`` in dispatch order."""
         gathered = x.index_select(0, dispatch.token_of_row)
@@ -192,16 +211,16 @@ class MoE(nn.Module):
         if dispatch.rows_per_expert:
             rows = gathered.view(ex.num_experts, dispatch.rows_per_expert, -1)
             return ex.dense(rows, batch_invariant).view(gathered.shape)
+        sizes = [end - first for _, first, end in dispatch.segments]
         hidden = x.new_empty(gathered.shape[0], ex.gate_up_proj.shape[1])
-        for expert, first, end in dispatch.segments:
-            ex.gate_up(expert, gathered[first:end], hidden[first:end])
+        for (expert, _, _), rows, out in zip(dispatch.segments, gathered.split(sizes), hidden.split(sizes)):
+            torch.mm(rows, ex.gate_up_t[expert], out=out)
         act = ops.swiglu_clamped(hidden, ex.limit, batch_invariant)
-        out = torch.empty_like(gathered)
-        for expert, first, end in dispatch.segments:
-            ex.down(expert, act[first:end], out[first:end])
-        return out
+        result = torch.empty_like(gathered)
+        for (expert, _, _), rows, out in zip(dispatch.segments, act.split(sizes), result.split(sizes)):
+            torch.mm(rows, ex.down_t[expert], out=out)
+        return result
 
-    def combine(self, rows: torch.Tensor, dispatch: DispatchPlan, plan: RoutePlan) -> torch.Tensor:
-        t, k = plan.expert_ids.shape
-        per_pair = rows.index_select(0, dispatch.row_of_pair).view(t, k, -1)
-        return (per_pair * plan.weights.to(rows.dtype).unsqueeze(-1)).sum(dim=1)
+    def combine(self, out: torch.Tensor, rows: torch.Tensor, dispatch: DispatchPlan, plan: RoutePlan) -> torch.Tensor:
+        """Add each token's weighted expert outputs (ascending expert order) onto ``out``."""
+        return ops.moe_combine_(out, rows, dispatch.row_of_pair, plan.weights)
