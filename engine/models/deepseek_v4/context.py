@@ -109,7 +109,6 @@ class ForwardContext:
     compress: dict[tuple[int, bool], CompressPlan]
     logit_index: torch.Tensor  # [num_logits]
     batch_invariant: bool
-    extras: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
