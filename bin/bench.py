@@ -21,6 +21,7 @@ BENCH_PACKAGE = "deepinfer_bench"
 BENCHES = {
     "transport": "bulk data-plane throughput over ipc/tcp next to memcpy",
     "engine": "scheduler overhead, async overlap, cost model error, tokens/s vs transformers",
+    "model": "DeepSeek-V4 forward tokens/s vs transformers on the same tiny weights",
     "serve": "load generator against a running OpenAI-compatible server",
     "store": "erasure coding and storage-cluster put/get throughput",
     "swa": "exact vs bounded SWA replay: cost and quality",
