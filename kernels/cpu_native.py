@@ -300,7 +300,7 @@ def hc_pre(
             norm_eps=norm_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters, batch_invariant=batch_invariant,
         )  # fmt: skip
     streams = streams.contiguous()
-    flat = rms_norm(streams.view(t, -1), None, norm_eps)
+    flat = rms_norm(streams.view(t, n * d), None, norm_eps)
     mixes = torch_ref.linear(flat, fn, batch_invariant).contiguous()
     post = streams.new_empty(t, n)
     comb = streams.new_empty(t, n, n)

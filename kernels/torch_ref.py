@@ -183,8 +183,8 @@ def hc_pre(
     (``pre_post_scale/base [2N]`` hold the per-column scale and bias of both); comb is a softmax
     projected towards a doubly-stochastic matrix by Sinkhorn-Knopp (column first).
     """
-    t, n, _ = streams.shape
-    flat = rms_norm(streams.reshape(t, -1).float(), None, norm_eps)
+    t, n, d = streams.shape
+    flat = rms_norm(streams.reshape(t, n * d).float(), None, norm_eps)  # explicit width: t may be 0
     mixes = linear(flat, fn, batch_invariant)
     pre_post = sigmoid(mixes[:, : 2 * n] * pre_post_scale + pre_post_base, batch_invariant)
     pre = pre_post[:, :n] + hc_eps
@@ -194,7 +194,7 @@ def hc_pre(
     if streams.dtype != torch.float32:
         collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
     else:
-        collapsed = bmm(pre.unsqueeze(1), streams, batch_invariant).view(t, -1)
+        collapsed = bmm(pre.unsqueeze(1), streams, batch_invariant).view(t, d)
     return post, comb, collapsed
 
 
@@ -224,8 +224,8 @@ def hc_head(
     batch_invariant: bool = False,
 ) -> torch.Tensor:
     """Final collapse of the mHC streams ``[T, N, D]`` -> ``[T, D]``."""
-    t = streams.shape[0]
-    flat = rms_norm(streams.reshape(t, -1).float(), None, norm_eps)
+    t, n, d = streams.shape
+    flat = rms_norm(streams.reshape(t, n * d).float(), None, norm_eps)  # explicit width: t may be 0
     mixes = linear(flat, fn.float(), batch_invariant)
     pre = sigmoid(mixes * scale.float() + base.float(), batch_invariant) + hc_eps
     return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)

@@ -7,7 +7,6 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 
 runner_mod = pytest.importorskip("deepinfer.engine.model_runner")
 testing = pytest.importorskip("deepinfer.engine.models.deepseek_v4.testing")
@@ -29,19 +28,6 @@ def ref():
 def make_core(ref, *, num_blocks, budget, prefix_caching=True) -> EngineCore:
     cfg = ref.config
     runner = runner_mod.ModelRunner(cfg, ref.state_dict, num_blocks=num_blocks, num_slots=8, block_size=BS)
-    execute = runner.execute
-
-    def execute_any(batch):
-        # TODO(runner): a batch of middle prefill chunks only (0 logits) fails inside the
-        # model's hc_head; run it with one throwaway logit row until the runner accepts it.
-        if batch.num_logits == 0:
-            batch.steps[-1].num_logits = 1
-            execute(batch)
-            batch.steps[-1].num_logits = 0
-            return torch.zeros(0, cfg.vocab_size)
-        return execute(batch)
-
-    runner.execute = execute_any
     sched = SchedulerConfig(block_size=BS, max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=4096,
                             enable_prefix_caching=prefix_caching, model_id="tiny-v4",
                             max_replay_tokens=cfg.sliding_window * cfg.num_hidden_layers)

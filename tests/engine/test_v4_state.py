@@ -134,3 +134,27 @@ def test_bad_batches_fail_with_a_message(ref, steps, message):
 def test_empty_batch_is_rejected(ref):
     with pytest.raises(BatchError, match="no steps"):
         runner_for(ref, num_slots=1, num_blocks=2).execute(ForwardBatch([]))
+
+
+@pytest.mark.parametrize("reference_ops", [False, True])
+def test_batch_without_logits_returns_empty_and_keeps_state(ref, reference_ops):
+    """Middle prefill chunks only (every num_logits 0): an empty [0, vocab] float32 result, and
+    the state they wrote continues exactly like a run that asked for logits."""
+    from deepinfer.kernels import ops
+
+    if reference_ops:
+        ops.use_reference()
+    try:
+        seq_a, seq_b = tokens(70, seed=8), tokens(45, seed=9)
+        r = runner_for(ref, num_slots=2, num_blocks=20)
+        got = r.execute(ForwardBatch([
+            SeqStep(0, 0, list(range(10)), 0, seq_a[:50], num_logits=0),
+            SeqStep(1, 1, list(range(10, 20)), 0, seq_b[:30], num_logits=0),
+        ]))  # fmt: skip
+        assert got.shape == (0, ref.config.vocab_size) and got.dtype == torch.float32
+        assert r.execute_hidden(ForwardBatch([SeqStep(0, 0, list(range(10)), 50, seq_a[50:60], num_logits=0)])).shape[0] == 0
+        tail = one(r, 0, list(range(10)), 60, seq_a[60:], num_logits=10)
+        whole = one(runner_for(ref, num_slots=1, num_blocks=10), 0, list(range(10)), 0, seq_a, num_logits=10)
+        assert torch.equal(tail, whole)
+    finally:
+        ops.reset()
