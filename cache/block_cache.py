@@ -93,6 +93,41 @@ class BlockCache:
         for t in self._tensors.values():
             t[d] = t[s]
 
+    def read_blocks(self, block_ids: Sequence[int], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """Copies of the blocks' rows on ``device``, one ``[len(block_ids), rows_per_block, width]``
+        tensor per paged tensor keyed ``"<layer>.<name>"`` (entry i is block ``block_ids[i]``)."""
+        self._check_ids(block_ids)
+        index = self._index(block_ids)
+        return {f"{layer}.{name}": t.index_select(0, index).to(device) for (layer, name), t in self._tensors.items()}
+
+    def write_blocks(self, block_ids: Sequence[int], tensors: dict[str, torch.Tensor]) -> None:
+        """Overwrite blocks ``block_ids`` with ``tensors`` as ``read_blocks`` returns them (any device,
+        same dtype and shapes)."""
+        self._check_ids(block_ids)
+        if len(set(block_ids)) != len(block_ids):
+            raise BlockCacheError(f"write_blocks: duplicate block ids in {list(block_ids)[:8]}")
+        self._check_rows("write_blocks", tensors, len(block_ids))
+        index = self._index(block_ids)
+        for (layer, name), t in self._tensors.items():
+            t.index_copy_(0, index, tensors[f"{layer}.{name}"].to(t.device))
+
+    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
+        device = next(iter(self._tensors.values())).device if self._tensors else "cpu"
+        return torch.tensor(list(block_ids), dtype=torch.long, device=device)
+
+    def _check_rows(self, what: str, tensors: dict[str, torch.Tensor], num_blocks: int | None) -> None:
+        expected = {f"{layer}.{name}" for layer, name in self._tensors}
+        if set(tensors) != expected:
+            missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+            raise BlockCacheError(f"{what}: missing tensors {missing[:4]}, unexpected {extra[:4]}")
+        for (layer, name), t in self._tensors.items():
+            src, key = tensors[f"{layer}.{name}"], f"{layer}.{name}"
+            shape = tuple(t.shape[1:]) if num_blocks is None else (num_blocks, *t.shape[1:])
+            if tuple(src.shape) != shape or src.dtype != t.dtype:
+                raise BlockCacheError(
+                    f"{what}: tensor {key!r} is {tuple(src.shape)} {src.dtype}, expected {shape} {t.dtype}"
+                )
+
     def read_block(self, block_id: int) -> dict[str, torch.Tensor]:
         """Copies of one block's rows, keyed ``"<layer>.<name>"`` (for host tiers and the store)."""
         self._check_ids([block_id])
@@ -100,9 +135,6 @@ class BlockCache:
 
     def write_block(self, block_id: int, rows: dict[str, torch.Tensor]) -> None:
         self._check_ids([block_id])
-        expected = {f"{layer}.{name}" for layer, name in self._tensors}
-        if set(rows) != expected:
-            missing, extra = sorted(expected - set(rows)), sorted(set(rows) - expected)
-            raise BlockCacheError(f"write_block: missing tensors {missing[:4]}, unexpected {extra[:4]}")
+        self._check_rows("write_block", rows, None)
         for (layer, name), t in self._tensors.items():
             t[block_id].copy_(rows[f"{layer}.{name}"])

@@ -81,16 +81,28 @@ class SwaArena:
         for t in self._rings.values():
             t[dst].copy_(t[src])
 
-    def read_slot(self, slot: int) -> dict[str, torch.Tensor]:
-        """Copies of one slot's rings keyed ``"<layer>.<name>"`` (for the slot store / handoff)."""
+    def read_slot(self, slot: int, device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+        """Copies of one slot's rings ``[capacity, width]`` keyed ``"<layer>.<name>"`` (for the slot
+        store / handoff), on ``device`` (default: the arena's)."""
         self._check_slot(slot)
-        return {f"{layer}.{name}": t[slot].clone() for (layer, name), t in self._rings.items()}
+        return {
+            f"{layer}.{name}": t[slot].clone() if device is None else t[slot].to(device, copy=True)
+            for (layer, name), t in self._rings.items()
+        }
 
     def write_slot(self, slot: int, rings: dict[str, torch.Tensor]) -> None:
+        """Overwrite one slot with rings as ``read_slot`` returns them (any device, same dtype and shapes)."""
         self._check_slot(slot)
         expected = {f"{layer}.{name}" for layer, name in self._rings}
         if set(rings) != expected:
             missing, extra = sorted(expected - set(rings)), sorted(set(rings) - expected)
             raise SwaStateError(f"write_slot: missing rings {missing[:4]}, unexpected {extra[:4]}")
+        for (layer, name), t in self._rings.items():
+            src = rings[f"{layer}.{name}"]
+            if tuple(src.shape) != tuple(t.shape[1:]) or src.dtype != t.dtype:
+                raise SwaStateError(
+                    f"write_slot: ring '{layer}.{name}' is {tuple(src.shape)} {src.dtype}, "
+                    f"expected {tuple(t.shape[1:])} {t.dtype}"
+                )
         for (layer, name), t in self._rings.items():
             t[slot].copy_(rings[f"{layer}.{name}"])

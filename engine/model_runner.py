@@ -2,18 +2,42 @@
 
 The runner owns device memory only; which blocks and slots a sequence uses is the scheduler's
 business (engine/batch.py draws the addressing). ``execute`` returns float32 logits
-``[batch.num_logits, vocab]`` in step order (the last ``num_logits`` positions of each step).
+``[batch.num_logits, vocab]`` in step order (the last ``num_logits`` positions of each step;
+``[0, vocab]`` when no step wants logits).
+
+KV state export/import (host tiers, the storage cluster, SWA slot store, prefill->decode
+handoff): ``kv_layout()`` describes it, ``read_blocks``/``write_blocks`` move paged blocks and
+``read_slot``/``write_slot`` a sequence's SWA slot, as dicts keyed ``"<layer>.<kind>"``. Call
+them between forwards (never while ``execute`` runs on another thread). The state of a
+sequence that has computed ``n`` tokens is
+
+- its logical blocks ``0 .. ceil(n / block_size) - 1``: compressed rows and indexer keys of every
+  compress window that closed below ``n`` (rows of windows not yet closed are never read), and
+- its slot: per layer ring ``window`` holds the K=V row of position p at row ``p % capacity``
+  (a forward starting at n reads positions ``n - sliding_window + 1 .. n - 1``); per compressed
+  layer ``comp_kv``/``comp_gate`` (and ``index_kv``/``index_gate`` for CSA) hold the projected
+  kv/gate features of source position p at row ``p % capacity`` (a forward starting at n reads
+  the open window ``r * (n // r) .. n - 1``, and for CSA also the previous window
+  ``r * (n // r - 1) ..``, whose first halves overlap into the next entry).
+
+Each ring keeps ``span + lookahead`` rows (``KvTensor.span``), so a slot read while the sequence
+had computed ``n'`` tokens restores it exactly at any ``n`` in ``[n' - lookahead, n']``
+(e.g. save at a block boundary ``n`` right after the forward that reached it, later restore
+with ``num_computed_tokens = n`` and blocks ``0 .. n / block_size - 1``). Rows carry no
+physical id: blocks and slots can be written under any ids of a runner whose ``kv_layout()``
+equals the sender's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 
 from deepinfer.cache.block_cache import BlockCache
 from deepinfer.cache.swa_state import SwaArena
 from deepinfer.engine.batch import ForwardBatch
+from deepinfer.engine.kv_layout import KvLayout, KvTensor
 from deepinfer.engine.model_config import ModelConfig
 from deepinfer.engine.models import build_model
 from deepinfer.engine.models.deepseek_v4.context import build_context, validate
@@ -89,6 +113,41 @@ class ModelRunner:
     def num_slots(self) -> int:
         return self.swa.num_slots
 
+    # ---- KV state export / import -----------------------------------------------------------
+    def kv_layout(self) -> KvLayout:
+        """Names, shapes, dtypes and bytes of one block and one slot (module docstring)."""
+        blocks = tuple(
+            KvTensor(f"{s.layer}.{s.name}", s.layer, s.name, (self.block_size // s.ratio, s.width), self.dtype, ratio=s.ratio)
+            for s in self.blocks.specs
+        )
+        lookahead = self.geometry.lookahead
+        slots = tuple(
+            KvTensor(f"{s.layer}.{s.name}", s.layer, s.name, (s.capacity, s.width), self.dtype, span=s.capacity - lookahead)
+            for s in self.swa.specs
+        )
+        return KvLayout(self.config.model_type, self.dtype, self.block_size, lookahead, blocks, slots)
+
+    @torch.no_grad()  # not inference_mode: the copies must be ordinary tensors for the caller
+    def read_blocks(self, block_ids: Sequence[int]) -> dict[str, torch.Tensor]:
+        """Host copies of blocks ``block_ids``: per block tensor ``[len(block_ids), rows, width]``."""
+        return self.blocks.read_blocks(block_ids, device="cpu")
+
+    @torch.inference_mode()
+    def write_blocks(self, block_ids: Sequence[int], tensors: Mapping[str, torch.Tensor]) -> None:
+        """Write tensors shaped as ``read_blocks`` returns them (any device) into blocks ``block_ids``."""
+        self.blocks.write_blocks(block_ids, dict(tensors))
+
+    @torch.no_grad()
+    def read_slot(self, slot: int) -> dict[str, torch.Tensor]:
+        """Host copies of slot ``slot``'s rings: per ring ``[capacity, width]``."""
+        return self.swa.read_slot(slot, device="cpu")
+
+    @torch.inference_mode()
+    def write_slot(self, slot: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Write rings shaped as ``read_slot`` returns them (any device) into slot ``slot``."""
+        self.swa.write_slot(slot, dict(tensors))
+
+    # ---- forward ------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute_hidden(self, batch: ForwardBatch) -> torch.Tensor:
         """Final hidden states ``[num_logits, hidden]`` (the seam for speculative decoding)."""
