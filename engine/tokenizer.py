@@ -105,6 +105,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def hf_tokenizer(self) -> tokenizers.Tokenizer:
+        """The underlying ``tokenizers.Tokenizer`` (what xgrammar reads the vocabulary from)."""
+        return self._tok
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

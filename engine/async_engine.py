@@ -1,0 +1,338 @@
+"""``AsyncEngine``: the engine inside any running asyncio loop (vLLM's AsyncLLM shape).
+
+    engine = await AsyncEngine.start(model=DIR, dtype="float32", max_num_seqs=16)
+    async for out in engine.generate("Hello", SamplingParams(max_tokens=8), request_id="r1"):
+        out.outputs[0].text          # the new text of this delta
+    await engine.abort("r1"); await engine.shutdown()
+
+One background task (the *step loop*) drives ``AsyncStepPipeline``: forwards run on one device
+thread while the loop schedules the next step and commits the previous one, and between those
+awaits the loop serves everything else (HTTP, new requests, aborts). All EngineCore calls
+happen on the loop's thread, so no locks are needed. Each request has a ``_Stream`` the step
+loop pushes deltas into; ``generate`` yields them (coalesced when the consumer lags).
+
+Failures: bad input raises a one-line ValueError from ``generate``'s first ``__anext__``. A step
+that raises fails every request that was running (its stream raises ``EngineStepError``), the
+prefix cache is dropped (blocks of a failed step may hold garbage) and the engine serves on;
+after ``max_consecutive_failures`` failing steps in a row it is dead: ``check_health`` raises
+and new requests are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from deepinfer import envs
+from deepinfer.engine.engine_core import EngineCore
+from deepinfer.engine.engine_factory import EngineOptions, EngineParts, build_engine
+from deepinfer.engine.output_processor import merge_output
+from deepinfer.engine.outputs import RequestOutput
+from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.engine.step_pipeline import AsyncStepPipeline
+from deepinfer.engine.tokenizer import Tokenizer
+from deepinfer.runtime.gateway.engine_client import EngineOverloadedError, EngineStats, ModelInfo
+
+log = logging.getLogger(__name__)
+
+PromptType = str | Mapping[str, Any]
+
+
+class InvalidPromptError(ValueError):
+    """A prompt the engine cannot take (wrong shape, empty, too long, ids outside the vocabulary)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine is shut down or failed too often to serve."""
+
+
+class EngineStepError(RuntimeError):
+    """A model step failed while this request was running; the request is finished."""
+
+
+class _Stream:
+    """One request's deltas, pushed by the step loop and pulled by ``generate``."""
+
+    __slots__ = ("items", "ready", "is_done")
+
+    def __init__(self) -> None:
+        self.items: deque[RequestOutput | BaseException] = deque()
+        self.ready = asyncio.Event()
+        self.is_done = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.items.append(item)
+        self.ready.set()
+
+    async def get(self) -> RequestOutput:
+        while not self.items:
+            self.ready.clear()
+            await self.ready.wait()
+        item = self.items.popleft()
+        if isinstance(item, BaseException):
+            raise item
+        # coalesce deltas that piled up while the consumer was busy (an error stays queued)
+        while self.items and not item.finished and isinstance(self.items[0], RequestOutput):
+            item = merge_output(merge_output(None, item), self.items.popleft())
+        return item
+
+
+class AsyncEngine:
+    """Implements the gateway's ``EngineClient`` protocol (runtime/gateway/engine_client.py)."""
+
+    def __init__(self, parts: EngineParts, options: EngineOptions, *, max_consecutive_failures: int = 3) -> None:
+        """Use ``await AsyncEngine.start(...)``; this wires already-built parts to the running loop."""
+        self.options = options
+        self.core: EngineCore = parts.core
+        self._parts = parts
+        self._loop = asyncio.get_running_loop()
+        self._device = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-device")
+        self._compile = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-grammar")
+        self._pipe = AsyncStepPipeline(self.core, self._device)
+        self._streams: dict[str, _Stream] = {}
+        self._wake = asyncio.Event()
+        self._is_closed = False  # no new requests; the step loop ends once idle
+        self._shutdown_task: asyncio.Task | None = None
+        self._dead_reason: str | None = None
+        self._num_failures_in_row = 0
+        self._max_failures = max_consecutive_failures
+        self._ids = itertools.count()
+        self.num_failed_steps = 0
+        self._model_info = ModelInfo(
+            name=parts.served_model_name,
+            max_model_len=min(parts.max_model_len, self.core.config.num_blocks * options.block_size),
+            vocab_size=parts.model_config.vocab_size,
+            eos_token_ids=self.core.config.eos_token_ids,
+            created=parts.created,
+        )
+        self._task = self._loop.create_task(self._step_loop(), name="deepinfer-step-loop")
+
+    @classmethod
+    async def start(cls, model: str | Path | None = None, **options: Any) -> AsyncEngine:
+        """Load ``model`` (a checkpoint directory) off the loop and start serving.
+        ``options``: the fields of ``EngineOptions`` (dtype, device, max_num_seqs, ...)."""
+        model = model or envs.get().hf_model_dir
+        if not model:
+            raise ValueError("no model: pass AsyncEngine.start(model=DIR) or set DEEPINFER_HF_MODEL_DIR")
+        opts = EngineOptions.from_kwargs(**options)
+        parts = await asyncio.get_running_loop().run_in_executor(None, build_engine, model, opts)
+        return cls(parts, opts)
+
+    # ---- EngineClient -------------------------------------------------------------------
+    @property
+    def model_info(self) -> ModelInfo:
+        return self._model_info
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self._parts.tokenizer
+
+    def stats(self) -> EngineStats:
+        sched = self.core.scheduler
+        pool = sched.pool
+        return EngineStats(
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            max_num_waiting=self.options.max_num_waiting,
+            prefix_cache_hit_rate=pool.num_hits / pool.num_queries if pool.num_queries else None,
+            kv_cache_usage=pool.usage,
+        )
+
+    async def check_health(self) -> None:
+        if self._dead_reason is not None:
+            raise EngineDeadError(self._dead_reason)
+        if self._is_closed:
+            raise EngineDeadError("the engine is shut down")
+
+    async def generate(
+        self, prompt: PromptType, params: SamplingParams | None = None, *, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream ``RequestOutput`` deltas; the last has ``finished=True``. Bad input raises a
+        one-line ValueError here before anything is queued; leaving the loop early aborts."""
+        rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
+        stream = await self._add_request(rid, prompt, params or SamplingParams())
+        try:
+            while True:
+                out = await stream.get()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if self._streams.get(rid) is stream:
+                del self._streams[rid]
+                if not stream.is_done:  # the caller left early (cancelled, aclose, error)
+                    self.core.abort([rid])
+
+    async def abort(self, request_id: str) -> None:
+        """Finish ``request_id`` with "abort" and free its blocks and slot at once (the step in
+        flight drops its result); an unknown or finished id is a no-op."""
+        for out in self.core.abort([request_id]):
+            self._deliver(out)
+
+    async def shutdown(self) -> None:
+        """Abort everything in flight, stop the step loop and join the device thread (idempotent)."""
+        if self._shutdown_task is None:
+            self._shutdown_task = self._loop.create_task(self._shutdown())
+        await asyncio.shield(self._shutdown_task)
+
+    async def _shutdown(self) -> None:
+        self._is_closed = True
+        for out in self.core.abort(list(self._streams)):
+            self._deliver(out)
+        for stream in self._streams.values():  # streams whose request never reached the core
+            if not stream.is_done:
+                stream.is_done = True
+                stream.put(EngineDeadError("the engine is shut down"))
+        self._wake.set()
+        try:
+            await self._task
+        finally:
+            await self._loop.run_in_executor(None, self._shutdown_threads)
+
+    def _shutdown_threads(self) -> None:
+        self._device.shutdown(wait=True)
+        self._compile.shutdown(wait=True)
+
+    # ---- requests -----------------------------------------------------------------------
+    async def _add_request(self, rid: str, prompt: PromptType, params: SamplingParams) -> _Stream:
+        self._check_accepting(rid)
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
+        text, ids = self._prompt_ids(prompt)
+        self._check_prompt(ids, params)
+        if params.structured_outputs is not None:
+            backend = self._parts.structured_output
+            if backend is None:
+                raise InvalidPromptError("structured_outputs need the tokenizer; this engine was started without one")
+            # compiled (and cached) on a worker thread: a big schema never stalls the loop
+            await self._loop.run_in_executor(self._compile, backend.compile, params.structured_outputs)
+            self._check_accepting(rid)
+        self.core.add_request(rid, ids, params, prompt=text)  # grammar: a cache hit now
+        stream = _Stream()
+        self._streams[rid] = stream
+        self._wake.set()
+        return stream
+
+    def _check_accepting(self, rid: str) -> None:
+        if self._dead_reason is not None:
+            raise EngineDeadError(self._dead_reason)
+        if self._is_closed:
+            raise EngineDeadError("the engine is shut down")
+        if rid in self._streams:
+            raise ValueError(f"request id {rid!r} is already in use")
+        cap = self.options.max_num_waiting
+        if cap is not None and len(self.core.scheduler.waiting) >= cap:
+            raise EngineOverloadedError(f"the waiting queue is full ({cap} requests); retry shortly")
+
+    def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            tok = self._parts.tokenizer
+            if tok is None:
+                raise InvalidPromptError("the prompt is text but the tokenizer was skipped; pass {'prompt_token_ids': [...]}")
+            return prompt, tok.encode(prompt)
+        if isinstance(prompt, Mapping):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, Sequence) or isinstance(ids, str) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in ids
+                ):
+                    raise InvalidPromptError("prompt_token_ids must be a list of integers")
+                text = prompt.get("prompt")
+                return text if isinstance(text, str) else None, list(ids)
+            if isinstance(prompt.get("prompt"), str):
+                return self._prompt_ids(prompt["prompt"])
+        raise InvalidPromptError("a prompt must be a string or a dict with 'prompt_token_ids' or 'prompt'")
+
+    def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        info = self._model_info
+        if not ids:
+            raise InvalidPromptError("the prompt is empty")
+        bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
+        if bad is not None:
+            raise InvalidPromptError(f"prompt token id {bad} is outside the vocabulary [0, {info.vocab_size})")
+        if len(ids) >= info.max_model_len:
+            raise InvalidPromptError(f"the prompt has {len(ids)} tokens; max_model_len is {info.max_model_len} "
+                                     "(prompt + output)")
+
+    # ---- the step loop ------------------------------------------------------------------
+    def _deliver(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if stream is not None and not stream.is_done:
+            stream.is_done = out.finished
+            stream.put(out)
+
+    async def _step_loop(self) -> None:
+        pipe, core = self._pipe, self.core
+        check = self.options.check_integrity_every_step
+        while True:
+            if not pipe.has_work():
+                if self._is_closed:
+                    break
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            num_steps = core.num_steps
+            try:
+                outputs = await pipe.step()
+            except Exception as e:  # noqa: BLE001 - a failed step must never hang streams
+                await self._fail_running(e)
+                continue
+            self._num_failures_in_row = 0
+            for out in outputs:
+                self._deliver(out)
+            if check:
+                core.check_integrity()
+            if core.num_steps == num_steps and not outputs:
+                # nothing could be scheduled (e.g. waiting for blocks a finished step frees):
+                # yield until something changes instead of spinning
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), 0.005)
+                except TimeoutError:
+                    pass
+            else:
+                await asyncio.sleep(0)  # let consumers and new requests in between steps
+        await pipe.drain()
+
+    async def _fail_running(self, error: Exception) -> None:
+        """Fail every running request (the failed step's and the one queued behind it), drop
+        the prefix cache and let the device thread go idle; waiting requests carry on."""
+        self.num_failed_steps += 1
+        self._num_failures_in_row += 1
+        log.error("engine step failed: %s: %s", type(error).__name__, error)
+        await self._loop.run_in_executor(self._device, lambda: None)  # the queued step has ended
+        message = f"the model step failed ({type(error).__name__}: {_one_line(error)})"
+        sched = self.core.scheduler
+        # running requests may have positions of the failed steps; a preempted one with a token
+        # in flight waits for a commit that will never come
+        touched = [r.request_id for r in sched.running]
+        touched += [r.request_id for r in sched.waiting if r.num_output_placeholders > 0]
+        parents = {self.core.parent_id(rid) for rid in touched}
+        self.core.abort(parents)
+        for rid in parents:
+            self._fail_stream(rid, EngineStepError(message))
+        sched.pool.evict_all_unreferenced()
+        if self._num_failures_in_row >= self._max_failures:
+            self._dead_reason = f"the engine stopped after {self._num_failures_in_row} failed steps in a row: {message}"
+            self._is_closed = True
+            self.core.abort(list(self._streams))
+            for rid in list(self._streams):
+                self._fail_stream(rid, EngineDeadError(self._dead_reason))
+
+    def _fail_stream(self, rid: str, error: BaseException) -> None:
+        stream = self._streams.get(rid)
+        if stream is not None and not stream.is_done:
+            stream.is_done = True
+            stream.put(error)
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
