@@ -40,7 +40,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -53,8 +53,7 @@ from deepinfer.engine.cost_model import CostModel
 from deepinfer.engine.output_processor import DetokenizerFactory, OutputProcessor, format_logprobs
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.request import RequestStatus
-from deepinfer.engine.sampler import LogprobsTensors, Sampler, SamplerOutput, gather_logprobs
-from deepinfer.engine.sampling_metadata import SampleRow, SamplingMetadata, has_penalties
+from deepinfer.engine.sampling_prep import SampledStep, SamplingPrep, SamplingPreparer
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.scheduler import PLACEHOLDER_TOKEN_ID, Scheduler, SchedulerConfig, SchedulerOutput
 from deepinfer.engine.structured_output import GrammarState, StructuredOutputBackend
@@ -102,29 +101,6 @@ class StepPlan:
         return self.sched.is_empty
 
 
-@dataclass(slots=True)
-class SamplingPrep:
-    """What ``prepare_sampling`` hands to ``run_sampling`` (built from request state)."""
-
-    meta: SamplingMetadata | None = None
-    row_index: torch.Tensor | None = None  # logit rows that are sampled (None: all, in order)
-    request_rows: dict[str, range] = field(default_factory=dict)
-    drafts: dict[str, list[int]] = field(default_factory=dict)
-    prompt_index: torch.Tensor | None = None  # logit rows scored for prompt logprobs
-    prompt_targets: torch.Tensor | None = None
-    prompt_rows: dict[str, range] = field(default_factory=dict)
-    max_prompt_top: int = 0
-
-
-@dataclass(slots=True)
-class SampledStep:
-    accepted: dict[str, list[int]] = field(default_factory=dict)
-    sampler_output: SamplerOutput | None = None
-    request_rows: dict[str, range] = field(default_factory=dict)  # rows of sampler_output per request
-    prompt_logprobs: LogprobsTensors | None = None
-    prompt_rows: dict[str, range] = field(default_factory=dict)
-
-
 class EngineCore:
     def __init__(
         self,
@@ -145,10 +121,12 @@ class EngineCore:
         self.cost_model = cost_model
         self.scheduler = Scheduler(sc, BlockPool(config.num_blocks, sc.block_size, enable_prefix_caching=sc.enable_prefix_caching),
                                    SlotPool(sc.max_num_seqs), cost_model)
-        self.sampler = Sampler()
         self.outputs = OutputProcessor(detokenizer_factory, decode_token)
         self.structured_output = structured_output
         self._grammars: dict[str, GrammarState] = {}
+        self._sampling = SamplingPreparer(self.scheduler.requests, self._grammars, config.vocab_size, config.device,
+                                          structured_output)
+        self.sampler = self._sampling.sampler
         self._children: dict[str, list[str]] = {}  # parent id -> engine request ids
         self._parent_of: dict[str, str] = {}
         self._seed_rng = seed_rng or random.SystemRandom()
@@ -233,6 +211,10 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def parent_id(self, engine_request_id: str) -> str:
+        """The id given to add_request for one of its engine requests (``id#i`` when n > 1)."""
+        return self._parent_of.get(engine_request_id, engine_request_id)
+
     def drain_kv_events(self) -> list[BlockEvent]:
         return self.scheduler.pool.drain_events()
 
@@ -293,71 +275,11 @@ class EngineCore:
     def prepare_sampling(self, plan: StepPlan) -> SamplingPrep:
         """Per-row sampling inputs from request state (seeds, positions, penalty history, grammar
         bitmasks). Must run after the previous step is committed; touches no logits."""
-        prep = SamplingPrep()
-        requests = self.scheduler.requests
-        rows: list[SampleRow] = []
-        row_index: list[int] = []
-        grammar_rows: list[tuple[GrammarState, int, list[int]]] = []
-        prompt_index: list[int] = []
-        prompt_targets: list[int] = []
-        offset = 0
-        for s in plan.sched.scheduled:
-            req = requests.get(s.request_id)
-            start, offset = offset, offset + s.step.num_logits
-            if req is None:
-                continue  # finished or aborted since it was scheduled
-            if s.num_prompt_logprob_rows:
-                first = s.first_prompt_logprob_row
-                prep.prompt_rows[s.request_id] = range(len(prompt_index), len(prompt_index) + s.num_prompt_logprob_rows)
-                prompt_index.extend(range(start, start + s.num_prompt_logprob_rows))
-                prompt_targets.extend(req.all_token_ids[first + 1 : first + 1 + s.num_prompt_logprob_rows])
-                prep.max_prompt_top = max(prep.max_prompt_top, req.sampling_params.prompt_logprobs)
-            if not s.num_sample_rows:
-                continue
-            drafts = list(s.step.token_ids[len(s.step.token_ids) - s.num_draft_tokens :]) if s.num_draft_tokens else []
-            params = req.sampling_params
-            prep.request_rows[s.request_id] = range(len(rows), len(rows) + s.num_sample_rows)
-            prep.drafts[s.request_id] = drafts
-            grammar = self._grammars.get(s.request_id)
-            if grammar is not None:
-                grammar_rows.append((grammar, len(rows), drafts))
-            num_tokens, num_out = req.num_tokens, req.num_output_tokens
-            penalized = has_penalties(params)
-            for k in range(s.num_sample_rows):
-                suppress = ()
-                if num_out + k < params.min_tokens:
-                    suppress = tuple(req.eos_token_ids) + tuple(params.stop_token_ids)
-                history = req.output_token_ids + drafts[:k] if penalized else ()
-                rows.append(SampleRow(params, req.seed, num_tokens + k, req.prompt_token_ids, history, suppress))
-                row_index.append(start + s.num_prompt_logprob_rows + k)
-        device = self.config.device
-        if rows:
-            bitmask = None
-            if grammar_rows:
-                bitmask = self.structured_output.allocate_bitmask(len(rows))
-                for grammar, first, drafts in grammar_rows:
-                    grammar.fill_bitmasks_for_drafts(bitmask, first, drafts)
-            prep.meta = SamplingMetadata.build(rows, self.config.vocab_size, device, bitmask)
-            if len(row_index) != offset or row_index[-1] != offset - 1:  # not simply every row
-                prep.row_index = torch.tensor(row_index, dtype=torch.int64, device=device)
-        if prompt_index:
-            prep.prompt_index = torch.tensor(prompt_index, dtype=torch.int64, device=device)
-            prep.prompt_targets = torch.tensor(prompt_targets, dtype=torch.int64, device=device)
-        return prep
+        return self._sampling.prepare(plan.sched)
 
     def run_sampling(self, prep: SamplingPrep, logits: torch.Tensor) -> SampledStep:
         """Tensor work only (safe in the device thread): sample, verify drafts, logprobs."""
-        out = SampledStep(request_rows=prep.request_rows, prompt_rows=prep.prompt_rows)
-        if prep.meta is not None:
-            sel = logits if prep.row_index is None else logits.index_select(0, prep.row_index)
-            out.sampler_output = self.sampler(sel, prep.meta)
-            sampled = out.sampler_output.token_ids.tolist()
-            for rid, r in prep.request_rows.items():
-                out.accepted[rid] = _verify(sampled[r.start : r.stop], prep.drafts[rid])
-        if prep.prompt_index is not None:
-            lp = logits.index_select(0, prep.prompt_index).float().log_softmax(dim=-1)
-            out.prompt_logprobs = gather_logprobs(lp, prep.prompt_targets, prep.max_prompt_top)
-        return out
+        return self._sampling.run(prep, logits)
 
     def commit_step(self, plan: StepPlan, sampled: SampledStep) -> list[RequestOutput]:
         self.num_steps += 1
@@ -407,14 +329,3 @@ class EngineCore:
         if kids is not None and not any(k in self._parent_of for k in kids):
             del self._children[parent]
 
-
-def _verify(sampled: list[int], drafts: list[int]) -> list[int]:
-    """Accept drafts while each equals the token the sampler draws at its position, then the
-    first differing (or bonus) token. With counter-based sampling the result is exactly what
-    non-speculative decoding produces: drafts change speed, never outputs."""
-    accepted = []
-    for k, tok in enumerate(sampled):
-        accepted.append(tok)
-        if k >= len(drafts) or tok != drafts[k]:
-            break
-    return accepted
