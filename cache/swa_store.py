@@ -159,6 +159,11 @@ class SwaSlotStore:
             row = self._key2row.get(key)
             return None if row is None else self._row2entry[row].num_tokens
 
+    def stored_boundaries(self) -> list[tuple[BlockHash, int]]:
+        """(key, boundary) of every stored slot, least recently used first."""
+        with self._lock:
+            return [(key, self._row2entry[row].num_tokens) for key, row in self._key2row.items()]
+
     def read(self, key: BlockHash, dtype: torch.dtype, device: torch.device | str = "cpu") -> tuple[int, dict[str, torch.Tensor]] | None:
         """(boundary, decoded rings) of the slot under ``key``, marked most recently used; None on a miss."""
         with self._lock:
