@@ -23,6 +23,7 @@
     control = "tcp://10.0.0.5:7100"   # ROUTER: Hello / Drain / Status
     events = "tcp://10.0.0.5:7101"    # PUB: heartbeats and this node's view of its peers
     data = "tcp://10.0.0.5:7102"      # bulk data plane receiver (roles that receive bulk data)
+    engine = "tcp://10.0.0.5:7103"    # prefill/decode: engine RPC ROUTER (P/D dispatch, handoff, status)
     curve_public_key = "Z85..."
     curve_secret_key_file = "/etc/deepinfer/prefill-0.key_secret"   # read only by that node
 
@@ -94,6 +95,7 @@ class NodeSpec(_Section):
     control: str
     events: str
     data: str = ""
+    engine: str = ""  # prefill/decode: the engine RPC ROUTER (runtime/disagg)
     curve_public_key: str = ""
     curve_secret_key_file: str = ""
 
@@ -174,9 +176,9 @@ def _check(config: ClusterConfig) -> str | None:
         if spec.name in seen_names:
             return f"nodes[{i}].name: duplicate node name {spec.name!r} (also nodes[{seen_names[spec.name]}])"
         seen_names[spec.name] = i
-        for key in ("control", "events", "data"):
+        for key in ("control", "events", "data", "engine"):
             address = getattr(spec, key)
-            if not address and key == "data":
+            if not address and key in ("data", "engine"):
                 continue
             if not _ADDRESS_RE.match(address):
                 return f"nodes[{i}].{key}: expected tcp://HOST:PORT or ipc://PATH, got {address!r}"

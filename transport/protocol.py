@@ -428,6 +428,8 @@ class PdKvPush(_Message):
     lease_s: float
     first_logprobs: bytes = b""  # msgpack list[PositionLogprobs] of the first token ("" if none)
     prompt_logprobs: bytes = b""  # msgpack list[PositionLogprobs | None] ("" if not asked)
+    window_start: int = 0  # the request's replay bounds after a prefix hit (engine/batch.py)
+    write_from: int = 0
 
 
 class PdKvReady(_Message):
@@ -516,8 +518,30 @@ class PdLoadReport(_HotMessage):
     is_draining: bool = False
 
 
-PdEngineRequest = PdDispatch | PdKvReady | PdAbort | PdLeaseRenew
-PdEngineReply = PdDispatchReply | PdHandoffAck | PdDone | ErrorReply
+class PdStatusRequest(_Message):
+    pass
+
+
+class PdEngineStatus(_Message):
+    """An engine's handoff state (tests, operators, ``deepinfer bench pd``)."""
+
+    node_name: str
+    role: Role
+    instance_id: int
+    num_requests: int
+    num_held_handoffs: int  # prefill: leases on exported KV not yet acknowledged
+    held_bytes: int
+    num_pending_imports: int  # decode: transfers received, not yet imported
+    num_handoffs: int
+    handoff_bytes: int
+    handoff_p50_s: float
+    handoff_p99_s: float
+    handoff_GBps: float
+    failures: dict[str, int] = {}
+
+
+PdEngineRequest = PdDispatch | PdKvReady | PdAbort | PdLeaseRenew | PdStatusRequest
+PdEngineReply = PdDispatchReply | PdHandoffAck | PdDone | PdEngineStatus | ErrorReply
 PdStream = PdOutput | PdFailed
 PdLoadEvent = PdLoadReport
 
