@@ -11,7 +11,9 @@ below 2^63 and int64 arithmetic never overflows, on any device.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 M32 = 0xFFFFFFFF
@@ -54,6 +56,28 @@ def row_key(seed: int, position: int) -> int:
     return mix32(k ^ (position >> 32) ^ _KEY_SALT) if position > M32 else k
 
 
+def mix32_np(x: np.ndarray) -> np.ndarray:
+    """``mix32`` on a uint32 array: uint32 arithmetic wraps mod 2^32, so no masking is needed
+    (about 3x fewer passes than the int64 tensor form on CPU); same values bit for bit."""
+    x = x ^ (x >> np.uint32(16))
+    x *= np.uint32(_MUL_A)
+    x ^= x >> np.uint32(15)
+    x *= np.uint32(_MUL_B)
+    x ^= x >> np.uint32(16)
+    return x
+
+
+def row_keys(seed_keys: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+    """Vectorised ``row_key`` from per-row ``seed_key(seed)`` values: int64 array of keys."""
+    pos = np.asarray(positions, dtype=np.int64)
+    keys = mix32_np(np.asarray(seed_keys, dtype=np.uint32) ^ (pos & M32).astype(np.uint32))
+    high = pos > M32
+    if high.any():
+        hi = (pos[high] >> 32).astype(np.uint32)
+        keys[high] = mix32_np(keys[high] ^ hi ^ np.uint32(_KEY_SALT))
+    return keys.astype(np.int64)
+
+
 class GumbelNoise:
     """Gumbel(0, 1) noise for rows of logits: ``u = mix32(key[row] ^ token_hash[v])``.
 
@@ -76,6 +100,12 @@ class GumbelNoise:
         """U(0,1) float32 ``[B, V]`` (or ``[B, K]`` at ``token_ids [B, K]``); keys ``[B]`` int64."""
         th = self.token_hash(vocab_size, keys.device)
         th = th[token_ids] if token_ids is not None else th.unsqueeze(0)
+        if keys.device.type == "cpu":
+            # uint32 numpy: the same integers in a third of the passes (and no GIL hand-offs
+            # between many small torch calls when this runs on the engine's device thread)
+            x = mix32_np(keys.numpy().astype(np.uint32)[:, None] ^ th.numpy().astype(np.uint32))
+            h = torch.from_numpy((x >> np.uint32(8)).astype(np.int64))
+            return (h.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
         h = mix32_tensor(keys.unsqueeze(1) ^ th)
         # 24 bits: exactly representable in float32, strictly inside (0, 1)
         return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))

@@ -158,6 +158,29 @@ class OutputProcessor:
             st.metrics.finished_time = now
         return ProcessedStep(self._delta(engine_request_id, st, max_stop), num_kept, stop_string)
 
+    def process_one(self, engine_request_id: str, token_id: int, now: float, num_cached_tokens: int = 0) -> RequestOutput:
+        """``process`` for the per-step common case, without the generality: one new token that
+        finishes nothing, on a request without stop strings or logprobs. Same output."""
+        st = self._states[engine_request_id]
+        st.token_ids.append(token_id)
+        if st.detokenizer is not None:
+            st.text += st.detokenizer.step(token_id)
+        m = st.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.num_cached_tokens = num_cached_tokens
+        new_tokens = st.token_ids[st.num_sent_tokens :]
+        text = st.text
+        new_text = text[st.num_sent_chars :] if st.num_sent_chars != len(text) else ""
+        prompt_lp = None
+        if st.prompt_logprobs is not None and not st.is_prompt_logprobs_sent:
+            prompt_lp, st.is_prompt_logprobs_sent = st.prompt_logprobs, True
+        st.num_sent_tokens, st.num_sent_chars = len(st.token_ids), len(text)
+        # not finished, so neither is its parent
+        completion = CompletionOutput(st.index, new_text, new_tokens, st.cumulative_logprob)
+        return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, [completion], False, prompt_lp,
+                             num_cached_tokens, m)
+
     def abort(self, engine_request_id: str, now: float) -> RequestOutput | None:
         st = self._states.get(engine_request_id)
         if st is None:

@@ -15,9 +15,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import TYPE_CHECKING, Literal
 
 from deepinfer.cache.block_hash import BlockHash, MultiModalSpan, extend_block_hashes
 from deepinfer.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from deepinfer.engine.sampling_metadata import RowSpec
 
 
 class RequestStatus(IntEnum):
@@ -80,6 +84,10 @@ class Request:
     num_preemptions: int = 0
     scheduled_in: int = -1  # the scheduler's step counter when last scheduled
     num_prompt_logprob_rows_done: int = 0  # rows j (predicting prompt token j+1) already emitted
+
+    # sampling constants of a plain request, filled on first use by the sampling preparer
+    # (None: not computed yet, False: not plain); params must not change after arrival
+    row_spec: RowSpec | Literal[False] | None = None
 
     stop_reason: int | str | None = None
     first_token_time: float | None = None

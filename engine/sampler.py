@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from deepinfer.engine.counter_rng import GumbelNoise
@@ -45,7 +46,11 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape[0] != meta.num_rows:
             raise ValueError(f"sampler got logits of shape {tuple(logits.shape)} for {meta.num_rows} rows")
-        logits = logits.float()
+        if meta.is_plain_greedy:
+            # the common serving case: one reduction, no masks, no copies
+            return SamplerOutput(argmax_rows(logits), None)
+        if logits.dtype != torch.float32:
+            logits = logits.float()
         raw_logprobs = logits.log_softmax(dim=-1) if meta.max_num_logprobs is not None else None
         if meta.bitmask is not None or meta.suppress is not None or meta.penalties is not None:
             logits = logits.clone()  # masked in place below; the caller's logits stay intact
@@ -56,7 +61,7 @@ class Sampler:
         if meta.penalties is not None:
             apply_penalties(logits, meta.penalties)
 
-        sampled = logits.argmax(dim=-1)
+        sampled = argmax_rows(logits)
         if not meta.all_greedy:
             rows = torch.nonzero(~meta.is_greedy).squeeze(1)
             sampled[rows] = self._sample_random(logits[rows], meta, rows)
@@ -87,7 +92,7 @@ class Sampler:
             if top_p is not None:
                 cand = _mask_top_p_sorted(cand, top_p[ik])
             g = self.noise.gumbel(keys[ik], logits.shape[1], cand_ids)
-            out[ik] = cand_ids.gather(1, (cand + g).argmax(dim=-1, keepdim=True)).squeeze(1)
+            out[ik] = cand_ids.gather(1, argmax_rows(cand + g).unsqueeze(1)).squeeze(1)
             rest = torch.nonzero(~has_k).squeeze(1)
         else:
             rest = torch.arange(rows.numel(), device=logits.device)
@@ -95,8 +100,17 @@ class Sampler:
             sub = logits[rest]
             if top_p is not None:
                 sub = apply_top_k_top_p(sub, None, top_p[rest])
-            out[rest] = (sub + self.noise.gumbel(keys[rest], sub.shape[1])).argmax(dim=-1)
+            out[rest] = argmax_rows(sub + self.noise.gumbel(keys[rest], sub.shape[1]))
         return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` (first maximum; NaN counts as the maximum, as in torch). On CPU float32
+    numpy's SIMD argmax is ~6x faster than torch's at [256, 4096] and, holding the GIL, costs
+    the engine's device thread no GIL hand-off."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[-1] > 0 and not x.requires_grad:
+        return torch.from_numpy(x.numpy().argmax(axis=-1).astype(np.int64, copy=False))
+    return x.argmax(dim=-1)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

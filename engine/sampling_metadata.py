@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.engine.counter_rng import row_key
+from deepinfer.engine.counter_rng import row_key, row_keys, seed_key
 from deepinfer.engine.sampling_params import SamplingParams
 
 
@@ -50,6 +50,8 @@ class SamplingMetadata:
     bitmask: torch.Tensor | None  # [B, ceil(V/32)] int32 allowed-token bits (structured output)
     num_logprobs: list[int | None]  # per row: None = no logprobs
     max_num_logprobs: int | None
+    # every row greedy with no mask, penalty or logprobs: the sampler is one argmax
+    is_plain_greedy: bool = False
 
     @classmethod
     def build(
@@ -95,10 +97,11 @@ class SamplingMetadata:
             suppress = (torch.tensor(ri, dtype=torch.int64, device=device), torch.tensor(ti, dtype=torch.int64, device=device))
 
         wanted = [n for n in nlp if n is not None]
+        all_greedy = all(greedy)
         return cls(
             num_rows=b,
             is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            all_greedy=all(greedy),
+            all_greedy=all_greedy,
             temperature=torch.tensor(temps, dtype=torch.float32, device=device),
             keys=torch.tensor(keys, dtype=torch.int64, device=device),
             top_k=top_k.to(device) if top_k is not None else None,
@@ -109,7 +112,64 @@ class SamplingMetadata:
             bitmask=bitmask.to(device) if bitmask is not None else None,
             num_logprobs=nlp,
             max_num_logprobs=max(wanted) if wanted else None,
+            is_plain_greedy=all_greedy and not wanted and penalties is None and suppress is None and bitmask is None,
         )
+
+    @classmethod
+    def from_plain(
+        cls, specs: Sequence[RowSpec], positions: Sequence[int], device: torch.device | str = "cpu"
+    ) -> SamplingMetadata:
+        """``build`` for rows of plain requests (``RowSpec.of`` not None), one per spec, sampling
+        at ``positions``: no per-row objects, keys hashed vectorised, same tensors as ``build``."""
+        b = len(specs)
+        none: list[int | None] = [None] * b
+        if all(s.is_greedy for s in specs):
+            return cls(
+                num_rows=b, is_greedy=torch.ones(b, dtype=torch.bool, device=device), all_greedy=True,
+                temperature=torch.ones(b, dtype=torch.float32, device=device),
+                keys=torch.zeros(b, dtype=torch.int64, device=device),  # greedy rows draw no noise
+                top_k=None, top_p=None, min_p=None, penalties=None, suppress=None, bitmask=None,
+                num_logprobs=none, max_num_logprobs=None, is_plain_greedy=True,
+            )  # fmt: skip
+        keys = torch.from_numpy(row_keys([s.seed_key for s in specs], positions))
+        sampled = [s for s in specs if not s.is_greedy]
+        any_k = any(s.top_k > 0 for s in sampled)
+        any_p = any(s.top_p < 1.0 for s in sampled)
+        any_min_p = any(s.min_p > 0.0 for s in sampled)
+        return cls(
+            num_rows=b,
+            is_greedy=torch.tensor([s.is_greedy for s in specs], dtype=torch.bool, device=device),
+            all_greedy=False,
+            temperature=torch.tensor([s.temperature for s in specs], dtype=torch.float32, device=device),
+            keys=keys.to(device),
+            top_k=torch.tensor([s.top_k for s in specs], dtype=torch.int64, device=device) if any_k else None,
+            top_p=torch.tensor([s.top_p for s in specs], dtype=torch.float32, device=device) if any_p else None,
+            min_p=torch.tensor([s.min_p for s in specs], dtype=torch.float32, device=device) if any_min_p else None,
+            penalties=None, suppress=None, bitmask=None, num_logprobs=none, max_num_logprobs=None,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class RowSpec:
+    """What a *plain* request (no penalties, no logprobs) contributes to each of its sample rows,
+    computed once per request instead of once per row and step. ``top_k`` is already resolved
+    against the vocabulary (vocab_size where disabled)."""
+
+    is_greedy: bool
+    temperature: float  # 1.0 on greedy rows (unused there)
+    top_k: int
+    top_p: float
+    min_p: float
+    seed_key: int  # counter_rng.seed_key(seed)
+
+    @classmethod
+    def of(cls, params: SamplingParams, seed: int, vocab_size: int) -> RowSpec | None:
+        """None when the request needs per-row state (penalty history, logprobs)."""
+        if has_penalties(params) or params.logprobs is not None:
+            return None
+        g = params.temperature == 0.0
+        return cls(g, 1.0 if g else float(params.temperature), params.top_k if params.top_k > 0 else vocab_size,
+                   float(params.top_p), float(params.min_p), seed_key(seed))
 
 
 def has_penalties(p: SamplingParams) -> bool:
