@@ -33,6 +33,7 @@ from typing import Any
 from deepinfer import envs
 from deepinfer.engine.engine_core import EngineCore
 from deepinfer.engine.engine_factory import EngineOptions, EngineParts, build_engine
+from deepinfer.engine.model_config import ModelConfig
 from deepinfer.engine.output_processor import merge_output
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.sampling_params import SamplingParams
@@ -82,6 +83,39 @@ class _Stream:
         while self.items and not item.finished and isinstance(self.items[0], RequestOutput):
             item = merge_output(merge_output(None, item), self.items.popleft())
         return item
+
+
+class RequestStream:
+    """The deltas of one queued request (``AsyncEngine.submit``); ``close()`` aborts it unless
+    it has finished."""
+
+    __slots__ = ("_engine", "request_id", "_stream", "_is_closed")
+
+    def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream) -> None:
+        self._engine = engine
+        self.request_id = request_id
+        self._stream = stream
+        self._is_closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._is_closed:
+            raise StopAsyncIteration
+        try:
+            out = await self._stream.get()
+        except BaseException:
+            self.close()
+            raise
+        if out.finished:
+            self.close()
+        return out
+
+    def close(self) -> None:
+        if not self._is_closed:
+            self._is_closed = True
+            self._engine._release_stream(self.request_id, self._stream)
 
 
 class AsyncEngine:
@@ -134,6 +168,10 @@ class AsyncEngine:
     def tokenizer(self) -> Tokenizer | None:
         return self._parts.tokenizer
 
+    @property
+    def model_config(self) -> ModelConfig:
+        return self._parts.model_config
+
     def stats(self) -> EngineStats:
         sched = self.core.scheduler
         pool = sched.pool
@@ -156,19 +194,21 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream ``RequestOutput`` deltas; the last has ``finished=True``. Bad input raises a
         one-line ValueError here before anything is queued; leaving the loop early aborts."""
+        outputs = await self.submit(prompt, params, request_id=request_id)
+        try:
+            async for out in outputs:
+                yield out
+        finally:
+            outputs.close()
+
+    async def submit(
+        self, prompt: PromptType, params: SamplingParams | None = None, *, request_id: str | None = None
+    ) -> RequestStream:
+        """``generate`` in two stages: validate and queue now (raising for bad input), stream
+        later. Iterate the result to the end or ``close()`` it (that aborts the request)."""
         rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
         stream = await self._add_request(rid, prompt, params or SamplingParams())
-        try:
-            while True:
-                out = await stream.get()
-                yield out
-                if out.finished:
-                    return
-        finally:
-            if self._streams.get(rid) is stream:
-                del self._streams[rid]
-                if not stream.is_done:  # the caller left early (cancelled, aclose, error)
-                    self.core.abort([rid])
+        return RequestStream(self, rid, stream)
 
     async def abort(self, request_id: str) -> None:
         """Finish ``request_id`` with "abort" and free its blocks and slot at once (the step in
@@ -260,6 +300,12 @@ class AsyncEngine:
         if len(ids) >= info.max_model_len:
             raise InvalidPromptError(f"the prompt has {len(ids)} tokens; max_model_len is {info.max_model_len} "
                                      "(prompt + output)")
+
+    def _release_stream(self, rid: str, stream: _Stream) -> None:
+        if self._streams.get(rid) is stream:
+            del self._streams[rid]
+            if not stream.is_done:  # the caller left early (cancelled, closed, error)
+                self.core.abort([rid])
 
     # ---- the step loop ------------------------------------------------------------------
     def _deliver(self, out: RequestOutput) -> None:
