@@ -287,8 +287,15 @@ class EngineCore:
             self.cost_model.observe(plan.sched.features, plan.exec_seconds)
         now = self._clock()
         outputs: list[RequestOutput] = []
+        grammars, prompt_rows, process_one = self._grammars, sampled.prompt_rows, self.outputs.process_one
         for upd in self.scheduler.update_from_output(plan.sched, sampled.accepted):
             req, rid = upd.request, upd.request.request_id
+            tokens, params = upd.new_token_ids, req.sampling_params
+            if (upd.finish_status is None and len(tokens) == 1 and not params.stop and params.logprobs is None
+                    and rid not in grammars and rid not in prompt_rows):
+                # one token that ends nothing and needs no text check: the per-step common case
+                outputs.append(process_one(rid, tokens[0], now, max(req.num_cached_tokens, 0)))
+                continue
             if rid in sampled.prompt_rows:
                 self.outputs.add_prompt_logprobs(rid, sampled.prompt_logprobs, sampled.prompt_rows[rid],
                                                  req.sampling_params.prompt_logprobs)
