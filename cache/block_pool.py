@@ -87,6 +87,15 @@ class BlockPool:
         self.num_hits += len(hits)
         return hits
 
+    def cached_prefix_length(self, block_hashes: Sequence[BlockHash]) -> int:
+        """Length of the leading run of ``block_hashes`` cached here (no stats, no refcounts)."""
+        if not self.enable_prefix_caching:
+            return 0
+        for i, h in enumerate(block_hashes):
+            if h not in self._hash2block:
+                return i
+        return len(block_hashes)
+
     def num_allocatable_with(self, hit_blocks: Iterable[int]) -> int:
         """Blocks allocatable after ``touch(hit_blocks)`` (touching takes evictable hits out)."""
         return self.num_free_blocks - sum(1 for b in hit_blocks if self._ref_counts[b] == 0)

@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -57,6 +57,9 @@ from deepinfer.engine.sampling_prep import SampledStep, SamplingPrep, SamplingPr
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.scheduler import PLACEHOLDER_TOKEN_ID, Scheduler, SchedulerConfig, SchedulerOutput
 from deepinfer.engine.structured_output import GrammarState, StructuredOutputBackend
+
+if TYPE_CHECKING:
+    from deepinfer.engine.kv_offload import KVOffload
 
 
 def tune_interpreter_for_serving(gen0_threshold: int = 50_000, switch_interval_s: float = 0.0005) -> None:
@@ -95,6 +98,9 @@ class StepPlan:
     sched: SchedulerOutput
     batch: ForwardBatch
     exec_seconds: float | None = None
+    # KV tiers (engine/kv_offload.py): block copies out of / into the device that must run on
+    # the device thread right before this plan's forward
+    device_io: Callable[[], None] | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -114,6 +120,7 @@ class EngineCore:
         seed_rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
         step_timer: Callable[[], float] = time.perf_counter,
+        kv_offload: KVOffload | None = None,
     ) -> None:
         self.runner = runner
         self.config = config
@@ -133,6 +140,11 @@ class EngineCore:
         self._clock = clock  # timestamps in outputs (arrival, first token, finish)
         self._step_timer = step_timer  # forward durations for the cost model
         self.num_steps = 0
+        # KV tiers: host tier / store behind the device pool (hooks in kv_manager.py, the
+        # scheduler's admission, schedule_step, execute and commit_step's metrics)
+        self.kv_offload = kv_offload
+        if kv_offload is not None:
+            self.scheduler.kv.attach_offload(kv_offload)
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(
@@ -234,10 +246,15 @@ class EngineCore:
 
     def schedule_step(self) -> StepPlan:
         sched = self.scheduler.schedule()
-        return StepPlan(sched, sched.batch)
+        plan = StepPlan(sched, sched.batch)
+        if self.kv_offload is not None and not sched.is_empty:
+            plan.device_io = self.kv_offload.take_device_io()
+        return plan
 
     def execute(self, plan: StepPlan) -> torch.Tensor:
         """The device part (thread-safe w.r.t. the other calls): runs and times the forward."""
+        if plan.device_io is not None:  # KV tier copies, before the forward reads the blocks
+            plan.device_io()
         t0 = self._step_timer()
         logits = self.runner.execute(plan.batch)
         plan.exec_seconds = self._step_timer() - t0
@@ -327,6 +344,9 @@ class EngineCore:
                 self._grammars.pop(rid, None)
                 self._forget_child(rid)
             if processed.output is not None:
+                m = processed.output.metrics
+                if m is not None and not m.cached_tokens_by_tier:  # once per request (kv_manager.py)
+                    m.cached_tokens_by_tier = self.scheduler.kv.pop_cached_tokens_by_tier(rid) or {}
                 outputs.append(processed.output)
         return outputs
 

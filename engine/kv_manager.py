@@ -8,15 +8,31 @@ slot in ``slot``; this manager is the only code that moves them in or out of the
 
 The scheduler only appends to a ``block_ids`` list it handed to a SeqStep; trimming and
 releasing replace the list, so a step in flight keeps a valid table.
+
+With KV tiers attached (``attach_offload``, engine/kv_offload.py) the prefix lookup walks device
+pool -> host tier -> store: ``is_kv_ready`` keeps a request waiting (without holding the queue)
+while its blocks are read from the store, ``lookup_prefix`` turns host/store blocks into
+ordinary device hits, and every newly registered block is queued for write-behind.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
+from deepinfer.cache.block_hash import BlockHash
 from deepinfer.cache.block_pool import BlockPool
+from deepinfer.cache.kv_tiers import TIER_DEVICE, TIER_HOST, TIER_STORE
 from deepinfer.cache.slot_pool import SlotPool
 from deepinfer.engine.request import Request
+
+if TYPE_CHECKING:
+    from deepinfer.engine.kv_offload import KVOffload
+
+# Splits not picked up by the engine (a request aborted before its first output) are dropped
+# oldest first past this many.
+_MAX_UNREAD_SPLITS = 4096
 
 
 class KVManager:
@@ -24,15 +40,43 @@ class KVManager:
         self.pool = block_pool
         self.slots = slot_pool
         self.block_size = block_pool.block_size
+        # [swa-slots hooks] engine/swa_slots.py: blocks computed over an approximate (bounded-
+        # replay) SWA state stay out of the prefix cache; a sequence's SWA slot snapshot is saved
+        # when it releases its blocks (finish or preempt), while its block hashes are still known
+        self.may_cache_blocks: Callable[[Request], bool] | None = None
+        self.on_release: Callable[[Request], None] | None = None
+        self.offload: KVOffload | None = None
+        # request id -> cached tokens by tier at its first admission, until the engine puts it
+        # into the request's metrics (pop_cached_tokens_by_tier)
+        self._rid2tier_split: OrderedDict[str, dict[str, int]] = OrderedDict()
 
-    def lookup_prefix(self, req: Request) -> list[int]:
-        """Cached blocks of the longest known prefix; never the whole sequence (at least one
-        token is computed to produce logits), none for prompt-logprob requests (they need the
-        logits of every prompt position)."""
+    def attach_offload(self, offload: KVOffload) -> None:
+        self.offload = offload
+
+    def _lookup_hashes(self, req: Request) -> list[BlockHash]:
+        """Hashes a prefix lookup may hit: never the whole sequence (at least one token is
+        computed to produce logits), none for prompt-logprob requests (they need the logits of
+        every prompt position)."""
         if not req.block_hashes or req.sampling_params.prompt_logprobs is not None:
             return []
-        num_blocks = (req.num_tokens - 1) // self.block_size
-        return self.pool.lookup_prefix(req.block_hashes[:num_blocks])
+        return req.block_hashes[: (req.num_tokens - 1) // self.block_size]
+
+    def is_kv_ready(self, req: Request) -> bool:
+        """False while the KV tiers are still reading this waiting request's prefix blocks."""
+        if self.offload is None:
+            return True
+        return self.offload.is_ready(req, self.pool, self._lookup_hashes(req))
+
+    def lookup_prefix(self, req: Request) -> list[int]:
+        """Device blocks of the longest known prefix (host/store blocks promoted into the
+        device pool first when tiers are attached); refcounts are taken by ``admit``."""
+        hashes = self._lookup_hashes(req)
+        if not hashes:
+            return []
+        hits = self.pool.lookup_prefix(hashes)
+        if self.offload is not None and len(hits) < len(hashes):
+            hits = self.offload.extend_hits(req, self.pool, hits, hashes)
+        return hits
 
     def admit(self, req: Request, hits: list[int], end: int) -> bool:
         """Give a waiting request its slot, the hit blocks and new blocks up to position ``end``;
@@ -44,7 +88,21 @@ class KVManager:
         req.block_ids = hits + self.pool.allocate(num_new)
         req.num_registered_blocks = len(hits)
         req.slot = self.slots.allocate()
+        if req.num_cached_tokens < 0:  # first admission: what the request reports as cached
+            if self.offload is not None:
+                split = self.offload.tier_split(req, hits, self._lookup_hashes(req))
+            else:
+                split = {TIER_DEVICE: len(hits) * self.block_size, TIER_HOST: 0, TIER_STORE: 0}
+            self._rid2tier_split[req.request_id] = split
+            while len(self._rid2tier_split) > _MAX_UNREAD_SPLITS:
+                self._rid2tier_split.popitem(last=False)
+        if self.offload is not None:
+            self.offload.forget(req)
         return True
+
+    def pop_cached_tokens_by_tier(self, request_id: str) -> dict[str, int] | None:
+        """The request's cached tokens by tier ("device"/"host"/"store"), once."""
+        return self._rid2tier_split.pop(request_id, None)
 
     def ensure_blocks(self, req: Request, end: int) -> bool:
         """Blocks for positions ``[0, end)``; False (nothing changed) when the pool is short."""
@@ -61,11 +119,17 @@ class KVManager:
         num_full = min(computed_end, req.num_tokens) // self.block_size
         if num_full <= req.num_registered_blocks:
             return
+        if self.may_cache_blocks is not None and not self.may_cache_blocks(req):
+            return
         num_full = min(num_full, len(req.block_hashes), len(req.block_ids))
+        new_blocks = []
         for i in range(req.num_registered_blocks, num_full):
             parent = req.block_hashes[i - 1] if i else None
-            self.pool.cache_block(req.block_ids[i], req.block_hashes[i], parent)
+            if self.pool.cache_block(req.block_ids[i], req.block_hashes[i], parent):
+                new_blocks.append((req.block_ids[i], req.block_hashes[i]))
         req.num_registered_blocks = max(req.num_registered_blocks, num_full)
+        if self.offload is not None and new_blocks:
+            self.offload.on_registered(new_blocks)  # written behind to the host tier / store
 
     def trim_blocks(self, req: Request) -> None:
         """Free blocks past the known tokens (after speculative tokens were rejected)."""
@@ -75,6 +139,10 @@ class KVManager:
             req.block_ids = req.block_ids[:keep]
 
     def release(self, req: Request) -> None:
+        if self.on_release is not None:
+            self.on_release(req)
+        if self.offload is not None:
+            self.offload.forget(req)
         if req.block_ids:
             self.pool.free(req.block_ids)
             req.block_ids = []

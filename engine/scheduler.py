@@ -25,7 +25,6 @@ ever appends to a block table list it handed to a SeqStep; rollback and preempti
 from __future__ import annotations
 
 import bisect
-import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -78,6 +77,9 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._num_arrivals = 0
         self._next_seq_id = 0
+        # [swa-slots hook] engine/swa_slots.py SwaSlotManager: restore a stored SWA slot at the
+        # prefix-hit boundary instead of replaying (None: always replay)
+        self.swa_slots = None
         self.num_preemptions = 0
         self._num_schedules = 0
 
@@ -163,38 +165,88 @@ class Scheduler:
         # self.running is kept in (priority, arrival) order: decodes first, then chunks
         decodes, chunks = [], []
         for req in self.running:
-            (decodes if req.num_tokens_with_placeholders - req.num_computed_tokens <= 1 else chunks).append(req)
-        for req in itertools.chain(decodes, chunks):
-            if ctx.budget <= 0:
-                break
-            if req.status != RequestStatus.RUNNING or req.is_awaiting_verification:
-                continue
-            num_new = req.num_tokens_with_placeholders - req.num_computed_tokens
-            if num_new <= 0 or req.has_reached_length_limit:
-                continue
-            if num_new == 1 and not req.spec_token_ids and (req.num_computed_tokens + 1) <= len(req.block_ids) * cfg.block_size:
-                self._emit_decode(req, out, ctx)  # the common case, kept cheap
-                continue
-            drafts: list[int] = []
-            if num_new == 1 and req.num_output_placeholders == 0 and req.spec_token_ids:
-                drafts = req.spec_token_ids[: cfg.max_num_spec_tokens]
-            n = self._chunk_size(ctx, req.num_computed_tokens, num_new + len(drafts))
-            if n <= 0:
-                continue
-            end = req.num_computed_tokens + n
-            while not self.kv.ensure_blocks(req, end):
-                victim = max((r for r in self.running if r.scheduled_in != ctx.step_no), key=_sort_key)
-                self._preempt(victim, out, ctx)
-                if victim is req:
+            (decodes if len(req.all_token_ids) + req.num_output_placeholders - req.num_computed_tokens <= 1
+             else chunks).append(req)
+        if self._schedule_decodes(decodes, out, ctx):
+            for req in chunks:
+                if ctx.budget <= 0:
                     break
-            if req.status == RequestStatus.RUNNING:
-                self._emit(req, n, drafts[: max(0, n - num_new)], out, ctx)
+                self._schedule_running(req, out, ctx)
 
         if len(out.preempted_ids) == num_block_preemptions:
             self._admit_waiting(out, ctx)
         if self.cost_model is not None and self.cost_model.is_fitted:
             out.predicted_time_s = self.cost_model.predict(out.features)
         return out
+
+    def _schedule_decodes(self, decodes: list[Request], out: SchedulerOutput, ctx: _StepContext) -> bool:
+        """Schedule running requests with at most one token to compute; False when the budget
+        ran out. A plain decode (one known-or-placeholder token, no drafts, blocks already in
+        place, not at a length limit) is emitted inline, the rest go through
+        ``_schedule_running``: at batch 256 this loop is most of ``schedule()``."""
+        bs = self.config.block_size
+        step_no = ctx.step_no
+        scheduled = out.scheduled
+        f = out.features
+        running = RequestStatus.RUNNING
+        for req in decodes:
+            if ctx.budget <= 0:
+                return False
+            start = req.num_computed_tokens
+            all_ids = req.all_token_ids
+            num_known = len(all_ids)
+            num_placeholders = req.num_output_placeholders
+            max_tokens = req.sampling_params.max_tokens
+            if (
+                num_known + num_placeholders - start != 1
+                or req.status != running
+                or req.is_awaiting_verification
+                or req.spec_token_ids
+                or start >= len(req.block_ids) * bs
+                or (max_tokens is not None and len(req.output_token_ids) + num_placeholders >= max_tokens)
+                or num_known + num_placeholders >= req.max_model_len
+            ):
+                self._schedule_running(req, out, ctx)
+                continue
+            has_placeholder = start == num_known
+            token_ids = [PLACEHOLDER_TOKEN_ID] if has_placeholder else [all_ids[start]]
+            step = SeqStep(req.seq_id, req.slot, req.block_ids, start, token_ids, 1, req.window_start, req.write_from)
+            scheduled.append(ScheduledSeq(req.request_id, step, 0, 0, 1, start, 0, has_placeholder, req.num_preemptions))
+            req.num_computed_tokens = start + 1
+            req.num_output_placeholders = num_placeholders + 1
+            req.scheduled_in = step_no
+            ctx.budget -= 1
+            f.num_seqs += 1
+            f.sum_n += 1
+            f.sum_np += start
+            f.sum_n2 += 1
+        return ctx.budget > 0
+
+    def _schedule_running(self, req: Request, out: SchedulerOutput, ctx: _StepContext) -> None:
+        """One running request's share of the step (any kind: decode, chunk, drafts)."""
+        cfg = self.config
+        if req.status != RequestStatus.RUNNING or req.is_awaiting_verification:
+            return
+        num_new = req.num_tokens_with_placeholders - req.num_computed_tokens
+        if num_new <= 0 or req.has_reached_length_limit:
+            return
+        if num_new == 1 and not req.spec_token_ids and (req.num_computed_tokens + 1) <= len(req.block_ids) * cfg.block_size:
+            self._emit_decode(req, out, ctx)
+            return
+        drafts: list[int] = []
+        if num_new == 1 and req.num_output_placeholders == 0 and req.spec_token_ids:
+            drafts = req.spec_token_ids[: cfg.max_num_spec_tokens]
+        n = self._chunk_size(ctx, req.num_computed_tokens, num_new + len(drafts))
+        if n <= 0:
+            return
+        end = req.num_computed_tokens + n
+        while not self.kv.ensure_blocks(req, end):
+            victim = max((r for r in self.running if r.scheduled_in != ctx.step_no), key=_sort_key)
+            self._preempt(victim, out, ctx)
+            if victim is req:
+                break
+        if req.status == RequestStatus.RUNNING:
+            self._emit(req, n, drafts[: max(0, n - num_new)], out, ctx)
 
     def _admit_waiting(self, out: SchedulerOutput, ctx: _StepContext) -> None:
         cfg = self.config
@@ -206,11 +258,20 @@ class Scheduler:
                 # very step: it waits one step.
                 held_back.append(self.waiting.pop())
                 continue
+            if not self.kv.is_kv_ready(req):
+                # KV tiers (engine/kv_offload.py): its prefix blocks are still being read from
+                # the store; it waits without holding the queue (a wait for KV, not a stall).
+                held_back.append(self.waiting.pop())
+                continue
             if len(self.running) >= cfg.max_num_seqs or self.slots.num_free_slots == 0:
                 break
             hits = self.kv.lookup_prefix(req)
             hit_len = len(hits) * cfg.block_size
-            num_replay = hit_len if cfg.max_replay_tokens is None else min(hit_len, cfg.max_replay_tokens)
+            is_restored = self.swa_slots is not None and self.swa_slots.has_slot(req, hit_len)  # [swa-slots hook]
+            if is_restored:
+                num_replay = 0
+            else:
+                num_replay = hit_len if cfg.max_replay_tokens is None else min(hit_len, cfg.max_replay_tokens)
             start = hit_len - num_replay
             n = self._chunk_size(ctx, start, req.num_tokens - start)
             if n <= 0:
@@ -219,12 +280,14 @@ class Scheduler:
                 break
             self.waiting.pop()
             req.num_computed_tokens = start
-            req.window_start = start
+            req.window_start = 0 if is_restored else start  # a restored slot holds the whole window
             req.write_from = hit_len
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = hit_len
             req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=_sort_key)
+            if self.swa_slots is not None:  # [swa-slots hook] queue the restore / note an approximate replay
+                self.swa_slots.on_admit(req, hit_len, is_restored=is_restored)
             self._emit(req, n, [], out, ctx)
         for req in held_back:
             self.waiting.push(req)
@@ -342,9 +405,9 @@ class Scheduler:
                 continue
             is_stale = req.num_preemptions != s.preemption_epoch
             if s.num_sample_rows == 1 and not s.num_prompt_logprob_rows and not is_stale:
-                upd = self._commit_one_token(req, s, sampled.get(s.request_id))
-                if upd is not None:
-                    updates.append(upd)
+                tokens = sampled.get(s.request_id)
+                if tokens is not None and len(tokens) == 1 and self._commit_one_token(req, s, tokens[0]):
+                    updates.append(RequestUpdate(req, [tokens[0]], 0, None))
                     continue
             tokens = sampled.get(s.request_id, ())
             if s.num_prompt_logprob_rows:
@@ -376,26 +439,30 @@ class Scheduler:
             updates.append(RequestUpdate(req, kept, num_rejected, stop.status))
         return updates
 
-    def _commit_one_token(self, req: Request, s: ScheduledSeq, tokens: Sequence[int] | None) -> RequestUpdate | None:
-        """Fast path of update_from_output for one sampled token that stops nothing; None
+    def _commit_one_token(self, req: Request, s: ScheduledSeq, tok: int) -> bool:
+        """Fast path of update_from_output for one sampled token that stops nothing; False
         (nothing changed) sends the request down the general path."""
-        if tokens is None or len(tokens) != 1:
-            return None
-        tok = tokens[0]
         params = req.sampling_params
-        num_out = len(req.output_token_ids) + 1
+        out_ids, all_ids = req.output_token_ids, req.all_token_ids
+        num_out = len(out_ids) + 1
         if (
             (num_out >= params.min_tokens and ((tok in req.eos_token_ids and not params.ignore_eos) or tok in params.stop_token_ids))
             or (params.max_tokens is not None and num_out >= params.max_tokens)
-            or len(req.all_token_ids) + 1 >= req.max_model_len
+            or len(all_ids) + 1 >= req.max_model_len
         ):
-            return None
+            return False
+        bs = self.config.block_size
         req.num_output_placeholders -= 1
         req.is_awaiting_verification = False
-        req.append_output_tokens(tokens, self.config.block_size)
-        if req.status == RequestStatus.RUNNING and s.step.end_pos // self.config.block_size > req.num_registered_blocks:
-            self.kv.register_blocks(req, s.step.end_pos)
-        return RequestUpdate(req, [tok], 0, None)
+        out_ids.append(tok)
+        all_ids.append(tok)
+        if req.block_root and len(all_ids) // bs > len(req.block_hashes):
+            extend_block_hashes(req.block_hashes, all_ids, bs, req.block_root, req.mm_spans)
+        step = s.step
+        end_pos = step.start_pos + len(step.token_ids)
+        if req.status == RequestStatus.RUNNING and end_pos // bs > req.num_registered_blocks:
+            self.kv.register_blocks(req, end_pos)
+        return True
 
     # ---- block / slot bookkeeping -----------------------------------------------------
     def _preempt(self, req: Request, out: SchedulerOutput, ctx: _StepContext) -> None:
