@@ -1,21 +1,136 @@
-"""`deepinfer serve`: OpenAI-compatible server (embedded default: gateway + engine + store)."""
+"""`deepinfer serve`: the OpenAI-compatible server, gateway and engine in this one process.
+
+With no ``--model`` it serves the built-in tiny model, written once into the user cache dir
+(runtime/gateway/builtin_model.py). SIGINT/SIGTERM shut down cleanly (exit status 0).
+"""
 
 from __future__ import annotations
 
-from deepinfer.bin.cli import NotBuiltError
+import logging
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+from deepinfer import envs
+from deepinfer.bin.cli import CliError
+
+BUILTIN_MODEL_NAME = "deepinfer-tiny"
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+# CLI flag dest -> EngineOptions field; only flags the user gave are passed (the engine's defaults apply)
+ENGINE_FLAGS = ("dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks",
+                "block_size", "max_num_waiting", "seed", "num_threads")
 
 
 def add_parser(subparsers, name):
     p = subparsers.add_parser(
         name,
         help="run the OpenAI-compatible server",
-        description="Run the OpenAI-compatible HTTP server. With no --model it serves the built-in tiny model.",
+        description="Run the OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, "
+                    "/health, /metrics) with the engine in this process. With no --model it serves the built-in "
+                    "tiny model, created once under DEEPINFER_CACHE_DIR. SIGINT/SIGTERM shut it down cleanly.",
     )
-    p.add_argument("--model", default=None, help="HF-style model directory (default: built-in tiny model)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000)")
+    # argparse prints usage + error over two lines, and leaves unknown options to the top-level
+    # parser; every bad option of serve gets one line naming it and exit status 2 instead
+    p.error = lambda message: _one_line_usage_error(name, message)
+    parse_known = p.parse_known_args
+
+    def parse_all_known(args=None, namespace=None):
+        namespace, extras = parse_known(args, namespace)
+        if extras:
+            p.error(f"unrecognized arguments: {' '.join(extras)}")
+        return namespace, extras
+
+    p.parse_known_args = parse_all_known
+    p.add_argument("--model", default=None,
+                   help="HF-style model directory (default: DEEPINFER_HF_MODEL_DIR, else the built-in tiny model)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model name(s) requests may use (default: the model directory's name)")
+    p.add_argument("--max-concurrent-requests", type=int, default=None,
+                   help="generation requests served at once before HTTP 429 (default: no gateway limit)")
+    e = p.add_argument_group("engine")
+    e.add_argument("--dtype", default=None, choices=DTYPES, help="compute dtype (default auto: float32 on CPU)")
+    e.add_argument("--device", default=None, help="cpu, cuda, cuda:N or auto (default auto)")
+    e.add_argument("--max-num-seqs", type=int, default=None, help="sequences decoded together (default 8)")
+    e.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
+    e.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens (default: the model's)")
+    e.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: max-num-seqs full contexts)")
+    e.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 128)")
+    e.add_argument("--max-num-waiting", type=int, default=None, help="queued requests before HTTP 429 (default: no limit)")
+    e.add_argument("--seed", type=int, default=None, help="seed source for requests that give none")
+    e.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    e.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
 
+def _one_line_usage_error(name: str, message: str):
+    print(f"deepinfer {name}: {message} (see deepinfer {name} --help)", file=sys.stderr)
+    sys.exit(2)
+
+
+def _check_args(args) -> None:
+    if not 0 <= args.port <= 65535:
+        raise CliError(f"--port must be between 0 and 65535, got {args.port}", code=2)
+    for flag in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks", "block_size",
+                 "max_num_waiting", "num_threads", "max_concurrent_requests"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise CliError(f"--{flag.replace('_', '-')} must be >= 1, got {value}", code=2)
+    if args.api_key is not None and not args.api_key.strip():
+        raise CliError("--api-key must not be blank; leave it out to disable authentication", code=2)
+    if args.served_model_name is not None and not all(n.strip() for n in args.served_model_name):
+        raise CliError("--served-model-name must not be blank", code=2)
+
+
+def _model_dir(args) -> tuple[Path, bool]:
+    """(model directory, whether it is the built-in tiny model)."""
+    model = args.model or envs.get().hf_model_dir
+    if model:
+        path = Path(model).expanduser()
+        if not path.is_dir():
+            raise CliError(f"--model {model}: no such directory", code=2)
+        if not (path / "config.json").is_file():
+            raise CliError(f"--model {model}: no config.json there; expected an HF-style model directory", code=2)
+        return path, False
+    from deepinfer.runtime.gateway.builtin_model import ensure_builtin_model
+
+    try:
+        path, created = ensure_builtin_model(show_progress=not args.no_progress)
+    except OSError as exc:
+        raise CliError(f"cannot create the built-in tiny model: {exc}") from None
+    print(("Created" if created else "Using") + f" the built-in tiny model at {path}")
+    return path, True
+
+
 def run(args) -> int:
-    raise NotBuiltError("the HTTP gateway and engine ([gateway], [engine-core])")
+    from deepinfer.engine.engine_factory import EngineOptions, EngineOptionsError
+    from deepinfer.runtime import loop
+    from deepinfer.runtime.gateway.config import GatewayConfig
+    from deepinfer.runtime.gateway.launcher import LaunchSpec, launch
+
+    _check_args(args)
+    options = {flag: getattr(args, flag) for flag in ENGINE_FLAGS if getattr(args, flag) is not None}
+    model_dir, is_builtin = _model_dir(args)
+    names = tuple(args.served_model_name or ((BUILTIN_MODEL_NAME,) if is_builtin else ()))
+    if names:
+        options["served_model_name"] = names[0]
+    if "show_progress" in {f.name for f in fields(EngineOptions)}:  # the weight-loading progress bar
+        options["show_progress"] = not args.no_progress
+    try:
+        EngineOptions.from_kwargs(**options)  # bad values fail here, before anything loads
+        gateway = GatewayConfig(served_model_names=names, api_key=args.api_key,
+                                max_concurrent_requests=args.max_concurrent_requests)
+    except (EngineOptionsError, ValueError) as exc:
+        raise CliError(str(exc), code=2) from None
+    logging.basicConfig(level=envs.get().log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    spec = LaunchSpec(model_dir, args.host, args.port, gateway, options)
+    try:
+        return loop.run(launch(spec, print_fn=lambda line: print(line, flush=True)))
+    except OSError as exc:  # e.g. the port is taken
+        raise CliError(f"cannot serve on {args.host}:{args.port}: {exc.strerror or exc}") from None
+    except (EngineOptionsError, ValueError, FileNotFoundError) as exc:
+        raise CliError(f"cannot load {model_dir}: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}",
+                       code=2) from None

@@ -27,12 +27,16 @@ class GatewayConfig:
     retry_after_s: int = 1
     # /v1/completions default max_tokens (OpenAI's); chat defaults to the rest of the context
     default_completion_max_tokens: int = 16
+    # on shutdown, requests in flight get this long to finish before they are cancelled (aborted)
+    shutdown_grace_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be at least 1024, got {self.max_body_bytes}")
         if self.max_n < 1 or self.max_choices < 1:
             raise ValueError("max_n and max_choices must be >= 1")
+        if not self.shutdown_grace_s >= 0:
+            raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be blank; leave it unset to disable authentication")
 

@@ -9,11 +9,12 @@ gateway share whatever loop the caller runs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import shlex
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -52,7 +53,9 @@ async def start_gateway(
     port: int = 8000,
 ) -> RunningGateway:
     """Bind ``host:port`` (port 0: any free port) and serve ``engine``; returns once listening."""
-    runner = web.AppRunner(build_app(engine, config), handler_cancellation=True, access_log=None)
+    config = config or GatewayConfig()
+    runner = web.AppRunner(build_app(engine, config), handler_cancellation=True, access_log=None,
+                           shutdown_timeout=config.shutdown_grace_s)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)
@@ -77,23 +80,9 @@ def curl_example(url: str, model: str, needs_api_key: bool = False) -> str:
             f"-d {shlex.quote(body)}")
 
 
-async def serve(
-    engine: EngineClient,
-    *,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    api_key: str | None = None,
-    config: GatewayConfig | None = None,
-    print_fn: Callable[[str], None] = print,
-    stop: asyncio.Event | None = None,
-) -> None:
-    """Serve until ``stop`` is set, the task is cancelled, or SIGINT/SIGTERM arrives."""
-    if config is None:
-        config = GatewayConfig(api_key=api_key)
-    elif api_key is not None:
-        raise ValueError("give api_key either directly or inside config, not both")
-    gateway = await start_gateway(engine, config, host=host, port=port)
-    stop = stop or asyncio.Event()
+@contextlib.contextmanager
+def stop_on_signals(stop: asyncio.Event) -> Iterator[None]:
+    """SIGINT/SIGTERM set ``stop`` while inside (no-op where the loop cannot take handlers)."""
     loop = asyncio.get_running_loop()
     installed = []
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -103,12 +92,38 @@ async def serve(
         except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
             pass
     try:
-        model = (config.served_model_names or (engine.model_info.name,))[0]
-        print_fn(f"DeepInfer is serving {model!r} at {gateway.url} (OpenAI-compatible API under {gateway.url}/v1)")
-        print_fn("Try:")
-        print_fn(f"  {curl_example(gateway.url, model, config.api_key is not None)}")
-        await stop.wait()
+        yield
     finally:
         for sig in installed:
             loop.remove_signal_handler(sig)
+
+
+async def serve(
+    engine: EngineClient,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    config: GatewayConfig | None = None,
+    print_fn: Callable[[str], None] = print,
+    stop: asyncio.Event | None = None,
+    handle_signals: bool = True,
+) -> None:
+    """Serve until ``stop`` is set, the task is cancelled, or (``handle_signals``) SIGINT/SIGTERM
+    arrives. The engine is the caller's: it is neither started nor shut down here."""
+    if config is None:
+        config = GatewayConfig(api_key=api_key)
+    elif api_key is not None:
+        raise ValueError("give api_key either directly or inside config, not both")
+    stop = stop or asyncio.Event()
+    gateway = await start_gateway(engine, config, host=host, port=port)
+    try:
+        with stop_on_signals(stop) if handle_signals else contextlib.nullcontext():
+            model = (config.served_model_names or (engine.model_info.name,))[0]
+            print_fn(f"DeepInfer is serving {model!r} at {gateway.url} (OpenAI-compatible API under "
+                     f"{gateway.url}/v1)")
+            print_fn("Try:")
+            print_fn(f"  {curl_example(gateway.url, model, config.api_key is not None)}")
+            await stop.wait()
+    finally:
         await gateway.close()

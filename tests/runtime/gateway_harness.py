@@ -55,11 +55,41 @@ async def fake_engine_context() -> AsyncIterator[EngineClient]:
     yield fake_engine()
 
 
-# name -> () -> async context manager yielding a started EngineClient (shut down on exit).
-# The integrator adds the real engine here, e.g. "tiny": a context that awaits
-# AsyncEngine.start(model=<tiny model dir>) and engine.shutdown().
+# The real engine's tests serve the built-in tiny model, written once per machine (atomically,
+# keyed by the writer's fingerprint) under the temp dir rather than the user's cache.
+TEST_CACHE_DIR = Path(tempfile.gettempdir()) / "deepinfer-tests"
+TINY_ENGINE_OPTIONS = dict(device="cpu", max_num_seqs=32, max_model_len=2048)
+
+
+@functools.cache
+def tiny_model_dir() -> Path:
+    from deepinfer.runtime.gateway.builtin_model import ensure_builtin_model
+
+    return ensure_builtin_model(TEST_CACHE_DIR, show_progress=False)[0]
+
+
+@contextlib.asynccontextmanager
+async def tiny_engine_context(**options) -> AsyncIterator[EngineClient]:
+    """The real AsyncEngine on the tiny model (CPU), shut down on exit."""
+    from deepinfer.engine.async_engine import AsyncEngine
+
+    engine = await AsyncEngine.start(model=str(tiny_model_dir()), served_model_name="deepinfer-tiny",
+                                     **{**TINY_ENGINE_OPTIONS, **options})
+    try:
+        yield engine
+    finally:
+        await engine.shutdown()
+
+
+# name -> () -> async context manager yielding a started EngineClient (shut down on exit)
 EngineContext = Callable[[], contextlib.AbstractAsyncContextManager[EngineClient]]
-ENGINE_FACTORIES: dict[str, EngineContext] = {"fake": fake_engine_context}
+ENGINE_FACTORIES: dict[str, EngineContext] = {"fake": fake_engine_context, "tiny": tiny_engine_context}
+
+
+def num_live_requests(engine: EngineClient) -> int:
+    """Requests the engine still holds (running + waiting), for leak checks on either engine."""
+    stats = engine.stats()
+    return stats.num_running + stats.num_waiting
 
 
 @contextlib.asynccontextmanager
