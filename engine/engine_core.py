@@ -305,13 +305,17 @@ class EngineCore:
         now = self._clock()
         outputs: list[RequestOutput] = []
         grammars, prompt_rows, process_one = self._grammars, sampled.prompt_rows, self.outputs.process_one
+        pop_tiers = self.scheduler.kv.pop_cached_tokens_by_tier
         for upd in self.scheduler.update_from_output(plan.sched, sampled.accepted):
             req, rid = upd.request, upd.request.request_id
             tokens, params = upd.new_token_ids, req.sampling_params
             if (upd.finish_status is None and len(tokens) == 1 and not params.stop and params.logprobs is None
                     and rid not in grammars and rid not in prompt_rows):
                 # one token that ends nothing and needs no text check: the per-step common case
-                outputs.append(process_one(rid, tokens[0], now, max(req.num_cached_tokens, 0)))
+                out = process_one(rid, tokens[0], now, max(req.num_cached_tokens, 0))
+                if not out.metrics.cached_tokens_by_tier:  # once per request (kv_manager.py), as below
+                    out.metrics.cached_tokens_by_tier = pop_tiers(rid) or {}
+                outputs.append(out)
                 continue
             if rid in sampled.prompt_rows:
                 self.outputs.add_prompt_logprobs(rid, sampled.prompt_logprobs, sampled.prompt_rows[rid],
