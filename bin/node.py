@@ -19,7 +19,28 @@ def add_parser(subparsers, name):
     p.add_argument("--cluster", required=True, help="cluster config TOML file")
     p.add_argument("--name", default=None, help="this node's name in the cluster config "
                                                 "(default: the only node with --role)")
+    e = p.add_argument_group("prefill/decode engines")
+    e.add_argument("--model", default=None, help="HF-style model directory (default: DEEPINFER_HF_MODEL_DIR)")
+    e.add_argument("--max-num-seqs", type=int, default=None, help="sequences decoded together (default 8)")
+    e.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks")
+    e.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens (default: the model's)")
+    e.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 128)")
+    e.add_argument("--dtype", default=None, help="compute dtype (default auto: float32 on CPU)")
+    e.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    e.add_argument("--lease-s", type=float, default=5.0,
+                   help="prefill: seconds exported KV is held without an ack or renewal (default 5)")
     return p
+
+
+_ENGINE_FLAGS = ("max_num_seqs", "num_blocks", "max_model_len", "block_size", "dtype", "num_threads")
+
+
+def _role_kwargs(args, role) -> dict:
+    """Extra make_role arguments of the engine roles (prefill/decode): model and engine knobs."""
+    if role.value not in ("prefill", "decode"):
+        return {}
+    options = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k, None) is not None}
+    return {"model": args.model, "engine_options": options, "lease_s": args.lease_s}
 
 
 def run(args) -> int:
@@ -49,7 +70,7 @@ def run(args) -> int:
 
     async def serve() -> None:
         try:
-            role_object = make_role(role=role, config=config, node_name=name)
+            role_object = make_role(role=role, config=config, node_name=name, **_role_kwargs(args, role))
         except (ValueError, FileNotFoundError) as exc:  # the role's own config checks
             raise CliError(f"{args.cluster}: {exc}") from None
         node = Node(settings, [role_object])

@@ -24,8 +24,8 @@ class RoleEntry:
 ROLE_MODULES: dict[NodeRole, RoleEntry] = {
     NodeRole.GATEWAY: RoleEntry("deepinfer.runtime.gateway.node_role", "[gateway]"),
     NodeRole.ENCODER: RoleEntry("deepinfer.engine.encoder_role", "the vision encoder"),
-    NodeRole.PREFILL: RoleEntry("deepinfer.runtime.engine_role", "[pd-disagg]"),
-    NodeRole.DECODE: RoleEntry("deepinfer.runtime.engine_role", "[pd-disagg]"),
+    NodeRole.PREFILL: RoleEntry("deepinfer.runtime.disagg.node_role", "[pd-disagg]"),
+    NodeRole.DECODE: RoleEntry("deepinfer.runtime.disagg.node_role", "[pd-disagg]"),
     NodeRole.STORAGE: RoleEntry("deepinfer.cache.store.node_role", "[kv-store]"),
 }
 

@@ -1,0 +1,310 @@
+"""The gateway's ``EngineClient`` for a disaggregated cluster (runtime/gateway/engine_client.py).
+
+``generate`` picks a prefill engine (``TieredPrefillRouter``) and a decode engine
+(``TwoDimDecodeBalancer``) up front from the engines' load reports, sends ``PdDispatch`` to the
+prefill and yields the deltas the decode engine streams back (or the prefill's final delta when
+the first token ends the request). Each try is an *attempt*; engine request ids are
+``<id>@<attempt>``, so outputs of an abandoned attempt are never mixed in.
+
+An attempt is lost when its prefill or decode instance goes down (heartbeats), when the
+prefill reports a failed handoff, or when the decode engine reports a failed request. Policy:
+
+- ``RECOMPUTE`` (default): a new attempt on up engines, excluding the lost ones, carrying the
+  tokens already streamed (``resume_token_ids``); sampling is counter-based (seed, position),
+  so the continuation equals what the lost engine would have produced;
+- ``FAIL``: ``EngineLostError`` naming the lost engine (the gateway turns it into an error).
+
+No request outlives ``request_timeout_s``: every wait is bounded by the request's deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from deepinfer.engine.handoff import decode_output, encode_params
+from deepinfer.engine.outputs import RequestOutput
+from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.runtime.balance import RequestInfo, TieredPrefillRouter, TwoDimDecodeBalancer
+from deepinfer.runtime.balance.prefix_index import PrefixIndex
+from deepinfer.runtime.cluster_config import ClusterConfig, NodeRole
+from deepinfer.runtime.disagg.engine_directory import EngineDirectory, EngineEntry
+from deepinfer.runtime.gateway.engine_client import EngineStats, GatewayTokenizer, ModelInfo, TokensPrompt
+from deepinfer.transport.channels import StreamReceiver
+from deepinfer.transport.errors import RemoteError, TransportError
+from deepinfer.transport.protocol import (
+    ErrorCode,
+    FailurePolicy,
+    HandoffStatus,
+    PdAbort,
+    PdDispatch,
+    PdFailed,
+    PdOutput,
+    PdStream,
+    PeerDown,
+)
+
+log = logging.getLogger(__name__)
+
+_INPUT_ERRORS = ("ValueError", "SamplingParamsError", "SchedulerError", "StructuredOutputError")
+
+
+class EngineLostError(RuntimeError):
+    """A request's engine was lost and the failure policy (or the deadline) forbids a retry."""
+
+
+class _AttemptLost(Exception):
+    def __init__(self, message: str, engine: str):
+        super().__init__(message)
+        self.engine = engine
+
+
+@dataclass(slots=True)
+class _Attempt:
+    request_id: str
+    number: int
+    prefill: EngineEntry
+    decode: EngineEntry
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    lost: asyncio.Future | None = None
+
+
+class PdEngineClient:
+    def __init__(self, cluster: ClusterConfig, *, gateway_name: str, model_info: ModelInfo,
+                 tokenizer: GatewayTokenizer | None = None, failure_policy: FailurePolicy = FailurePolicy.RECOMPUTE,
+                 request_timeout_s: float = 300.0, max_attempts: int = 4, ctx=None, seed: int | None = None):
+        spec = cluster.node(gateway_name)
+        if not spec.data:
+            raise ValueError(f"nodes.{gateway_name}.data: the gateway needs a data address for the engines' streams")
+        self.gateway_name = gateway_name
+        self.instance_id = secrets.randbits(63)
+        self.failure_policy = FailurePolicy(failure_policy)
+        self.request_timeout_s = request_timeout_s
+        self.max_attempts = max_attempts
+        self._model_info = model_info
+        self._tokenizer = tokenizer
+        self.directory = EngineDirectory(cluster, ctx=ctx, name=gateway_name)
+        self.directory.add_listener(self._on_engine_event)
+        self.router = TieredPrefillRouter(PrefixIndex())
+        self.balancer = TwoDimDecodeBalancer()
+        self._receiver = StreamReceiver(spec.data, PdStream, ctx=ctx, name=f"{gateway_name}-streams")
+        self._attempts: dict[tuple[str, int], _Attempt] = {}
+        self._current: dict[str, _Attempt] = {}
+        self._rng = random.Random(seed) if seed is not None else random.SystemRandom()
+        self._tasks: list[asyncio.Task] = []
+        self.num_attempts_lost = 0
+
+    @property
+    def stream_address(self) -> str:
+        return self._receiver.address
+
+    async def start(self) -> "PdEngineClient":
+        await self._receiver.start()
+        await self.directory.start()
+        self._tasks.append(asyncio.create_task(self._pump_streams(), name=f"{self.gateway_name}-streams"))
+        return self
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.directory.close()
+        await self._receiver.close()
+
+    async def wait_ready(self, timeout_s: float) -> None:
+        """Until at least one prefill and one decode engine are up and reporting load."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout_s
+        while not (self.directory.prefill_loads(loop.time(), set()) and self.directory.decode_loads(set())):
+            if loop.time() > end:
+                raise TimeoutError(f"no prefill + decode engine came up within {timeout_s:g}s")
+            await self.directory.wait_changed(0.1)
+
+    # ---- EngineClient ---------------------------------------------------------------------------
+    @property
+    def model_info(self) -> ModelInfo:
+        return self._model_info
+
+    @property
+    def tokenizer(self) -> GatewayTokenizer | None:
+        return self._tokenizer
+
+    def stats(self) -> EngineStats:
+        loads = self.directory.decode_view.loads()
+        return EngineStats(num_running=sum(load.num_requests for load in loads), num_waiting=0)
+
+    async def check_health(self) -> None:
+        if not self.directory.up(NodeRole.PREFILL):
+            raise RuntimeError("no prefill engine is up")
+        if not self.directory.up(NodeRole.DECODE):
+            raise RuntimeError("no decode engine is up")
+
+    async def abort(self, request_id: str) -> None:
+        attempt = self._current.pop(request_id, None)
+        if attempt is None:
+            return
+        if attempt.lost is not None and not attempt.lost.done():
+            attempt.lost.set_result(None)  # None: aborted, not lost
+        for entry in (attempt.prefill, attempt.decode):
+            asyncio.ensure_future(self._send_abort(entry, request_id, attempt.number, "aborted by the gateway"))
+
+    async def generate(self, prompt: TokensPrompt, params: SamplingParams, *,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.request_timeout_s
+        prompt_ids = list(prompt["prompt_token_ids"])
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        sampling = encode_params(params)
+        streamed: list[int] = []
+        is_prompt_logprobs_sent = False
+        excluded: set[str] = set()
+        number = 0
+        while True:
+            attempt = await self._choose(request_id, number, len(prompt_ids) + len(streamed), excluded, deadline)
+            try:
+                async for out in self._run_attempt(attempt, prompt_ids, sampling, seed, streamed, deadline):
+                    out.request_id = request_id
+                    if is_prompt_logprobs_sent:
+                        out.prompt_logprobs = None
+                    is_prompt_logprobs_sent = is_prompt_logprobs_sent or out.prompt_logprobs is not None
+                    streamed.extend(out.outputs[0].token_ids)
+                    yield out
+                    if out.finished:
+                        return
+                if self._current.get(request_id) is not attempt:
+                    return  # aborted
+                raise _AttemptLost("the stream ended before the request finished", attempt.decode.name)
+            except _AttemptLost as lost:
+                self.num_attempts_lost += 1
+                excluded.add(lost.engine)
+                for entry in (attempt.prefill, attempt.decode):
+                    asyncio.ensure_future(self._send_abort(entry, request_id, attempt.number, str(lost)))
+                number += 1
+                if self.failure_policy == FailurePolicy.FAIL or number >= self.max_attempts or loop.time() >= deadline:
+                    why = "failure policy is fail" if self.failure_policy == FailurePolicy.FAIL else \
+                        ("deadline reached" if loop.time() >= deadline else f"{number} attempts failed")
+                    raise EngineLostError(f"request {request_id}: {lost} ({why})") from None
+                log.warning("request %s: %s; recomputing (attempt %d, %d tokens already streamed)",
+                            request_id, lost, number, len(streamed))
+            finally:
+                self._attempts.pop((request_id, attempt.number), None)
+                if self._current.get(request_id) is attempt:
+                    del self._current[request_id]
+
+    # ---- one attempt ----------------------------------------------------------------------------
+    async def _choose(self, request_id: str, number: int, num_tokens: int, excluded: set[str],
+                      deadline: float) -> _Attempt:
+        loop = asyncio.get_running_loop()
+        while True:
+            now = loop.time()
+            prefill_loads = self.directory.prefill_loads(now, excluded) or self.directory.prefill_loads(now, set())
+            decode_loads = self.directory.decode_loads(excluded) or self.directory.decode_loads(set())
+            if prefill_loads and decode_loads:
+                break
+            if now >= deadline:
+                missing = "prefill" if not prefill_loads else "decode"
+                raise EngineLostError(f"request {request_id}: no {missing} engine is up")
+            await self.directory.wait_changed(min(0.2, deadline - now))
+        info = RequestInfo(request_id, max(1, num_tokens))
+        p = self.router.route(info, prefill_loads, now)
+        d = self.balancer.place(info, decode_loads)
+        self.directory.prefill_view.on_routed(now, p.engine_id, p.predicted_s)
+        self.directory.decode_view.on_routed(now, d.engine_id, num_tokens)
+        attempt = _Attempt(request_id, number, self.directory.by_id(NodeRole.PREFILL, p.engine_id),
+                           self.directory.by_id(NodeRole.DECODE, d.engine_id))
+        attempt.lost = loop.create_future()
+        self._attempts[(request_id, number)] = attempt
+        self._current[request_id] = attempt
+        return attempt
+
+    async def _run_attempt(self, attempt: _Attempt, prompt_ids: list[int], sampling: bytes, seed: int,
+                           streamed: list[int], deadline: float) -> AsyncIterator[RequestOutput]:
+        loop = asyncio.get_running_loop()
+        prefill, decode = attempt.prefill, attempt.decode
+        dispatch = PdDispatch(
+            request_id=attempt.request_id, attempt=attempt.number, prompt_token_ids=prompt_ids, sampling=sampling,
+            seed=seed, prefill_instance_id=prefill.instance_id, decode=decode.ref(), gateway_name=self.gateway_name,
+            gateway_instance_id=self.instance_id, stream_address=self._receiver.address,
+            resume_token_ids=list(streamed), deadline_s=max(0.1, deadline - loop.time()))
+        rpc = asyncio.ensure_future(prefill.rpc.request(dispatch, timeout_s=max(0.1, deadline - loop.time())))
+        try:
+            await asyncio.wait([rpc, attempt.lost], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not rpc.done():
+                rpc.cancel()
+        if attempt.lost.done():
+            if attempt.lost.result() is None:
+                return  # aborted
+            raise _AttemptLost(attempt.lost.result(), _lost_engine(attempt.lost.result(), prefill, decode))
+        try:
+            reply = rpc.result()
+        except RemoteError as exc:
+            if exc.code == ErrorCode.HANDLER_FAILED and str(exc).startswith(_INPUT_ERRORS):
+                raise ValueError(str(exc).split(": ", 1)[-1]) from None
+            raise _AttemptLost(f"prefill {prefill.name}: {exc}", _blamed(str(exc), prefill, decode)) from None
+        except TransportError as exc:
+            raise _AttemptLost(f"prefill {prefill.name}: {exc}", prefill.name) from None
+        if reply.status == HandoffStatus.FINISHED:
+            yield decode_output(reply.output)
+            return
+        while True:
+            getter = asyncio.ensure_future(attempt.queue.get())
+            try:
+                await asyncio.wait([getter, attempt.lost], timeout=max(0.0, deadline - loop.time()),
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                if not getter.done():
+                    getter.cancel()
+            if getter.done() and not getter.cancelled():
+                msg = getter.result()
+                if isinstance(msg, PdFailed):
+                    raise _AttemptLost(f"decode {decode.name}: {msg.message}", decode.name)
+                out = decode_output(msg.output)
+                yield out
+                if out.finished:
+                    return
+                continue
+            if attempt.lost.done():
+                if attempt.lost.result() is None:
+                    return
+                raise _AttemptLost(attempt.lost.result(), decode.name)
+            raise EngineLostError(f"request {attempt.request_id}: no output from decode {decode.name} before the "
+                                  f"{self.request_timeout_s:g}s request deadline")
+
+    # ---- plumbing -----------------------------------------------------------------------------
+    async def _pump_streams(self) -> None:
+        async for msg, _ in self._receiver:
+            attempt = self._attempts.get((msg.request_id, msg.attempt))
+            if attempt is None or msg.engine_instance_id != attempt.decode.instance_id:
+                continue  # an abandoned attempt or an old instance: never mixed in
+            attempt.queue.put_nowait(msg)
+
+    def _on_engine_event(self, event) -> None:
+        if not isinstance(event, PeerDown):
+            return
+        for attempt in list(self._attempts.values()):
+            for entry in (attempt.prefill, attempt.decode):
+                if entry.name == event.node_name and attempt.lost is not None and not attempt.lost.done():
+                    attempt.lost.set_result(f"{entry.role.value} engine {entry.name} went down "
+                                            f"({event.reason.name.lower()})")
+
+    async def _send_abort(self, entry: EngineEntry, request_id: str, number: int, reason: str) -> None:
+        if not entry.is_up:
+            return
+        try:
+            await entry.rpc.request(PdAbort(request_id, number, reason), timeout_s=1.0)
+        except Exception as exc:
+            log.debug("abort of %s@%d not delivered to %s: %s", request_id, number, entry.name, exc)
+
+
+def _lost_engine(message: str, prefill: EngineEntry, decode: EngineEntry) -> str:
+    return prefill.name if f"engine {prefill.name} " in message else decode.name
+
+
+def _blamed(message: str, prefill: EngineEntry, decode: EngineEntry) -> str:
+    """Which engine a prefill's error blames: the decode one when the handoff to it failed."""
+    return decode.name if decode.name in message else prefill.name

@@ -1,0 +1,167 @@
+"""The gateway's picture of the disaggregated engines: liveness, instance, load, RPC client.
+
+Fed by the engines' events sockets (heartbeats + ``PdLoadReport``), judged by the pure
+``PeerTable`` (runtime/peer_table.py), and handed to the balancers as load snapshots
+(runtime/balance: ``PrefillLoadView`` / ``DecodeLoadView``). Engines are numbered in config
+order (the balancers want small ints); the number stays with the node name across restarts,
+the *instance id* is what identifies one life.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from deepinfer.runtime.balance import DecodeLoad, DecodeLoadView, PrefillLoad, PrefillLoadView
+from deepinfer.runtime.cluster_config import ClusterConfig, NodeRole
+from deepinfer.runtime.peer_table import PeerEventMsg, PeerTable
+from deepinfer.transport.channels import EventSubscriber, RequestClient
+from deepinfer.transport.protocol import (
+    TOPIC_HEARTBEAT,
+    TOPIC_PD_LOAD,
+    EngineRef,
+    Heartbeat,
+    Leave,
+    PdEngineReply,
+    PdLoadReport,
+    PeerDown,
+    PeerEvent,
+    PeerUp,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineEntry:
+    name: str
+    role: NodeRole
+    engine_id: int
+    engine_address: str
+    data_address: str
+    events_address: str
+    rpc: RequestClient
+    instance_id: int = 0  # 0: not seen yet
+    is_up: bool = False
+    is_draining: bool = False
+
+    def ref(self) -> EngineRef:
+        return EngineRef(self.name, self.instance_id, self.engine_address, self.data_address)
+
+
+class EngineDirectory:
+    def __init__(self, cluster: ClusterConfig, *, ctx=None, name: str = "gateway",
+                 clock: Callable[[], float] = time.monotonic):
+        self.name = name
+        self._clock = clock
+        self.table = PeerTable(cluster.cluster.heartbeat_interval_s, cluster.cluster.missed_beats)
+        self.interval_s = cluster.cluster.heartbeat_interval_s
+        self.prefill_view = PrefillLoadView()
+        self.decode_view = DecodeLoadView()
+        self.engines: dict[str, EngineEntry] = {}
+        self._listeners: list[Callable[[PeerEventMsg], None]] = []
+        self._changed = asyncio.Event()
+        next_id = {NodeRole.PREFILL: 0, NodeRole.DECODE: 0}
+        for spec in cluster.nodes:
+            if spec.role in next_id and spec.engine:
+                rpc = RequestClient(spec.engine, PdEngineReply, ctx=ctx, name=f"{name}-to-{spec.name}")
+                self.engines[spec.name] = EngineEntry(spec.name, spec.role, next_id[spec.role], spec.engine,
+                                                      spec.data, spec.events, rpc)
+                next_id[spec.role] += 1
+        self._subscriber = EventSubscriber(PeerEvent | PdLoadReport, topics=[TOPIC_HEARTBEAT, TOPIC_PD_LOAD],
+                                           ctx=ctx, name=f"{name}-engine-events")
+        self._tasks: list[asyncio.Task] = []
+
+    def add_listener(self, listener: Callable[[PeerEventMsg], None]) -> None:
+        self._listeners.append(listener)
+
+    async def start(self) -> None:
+        await self._subscriber.start()
+        for entry in self.engines.values():
+            await entry.rpc.start()
+            self._subscriber.connect(entry.events_address)
+        self._tasks = [asyncio.create_task(self._listen(), name=f"{self.name}-engine-events"),
+                       asyncio.create_task(self._sweep(), name=f"{self.name}-engine-sweep")]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._subscriber.close()
+        for entry in self.engines.values():
+            await entry.rpc.close()
+
+    def up(self, role: NodeRole) -> list[EngineEntry]:
+        return [e for e in self.engines.values() if e.role == role and e.is_up and not e.is_draining]
+
+    async def wait_changed(self, timeout_s: float) -> None:
+        self._changed.clear()
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout_s)
+        except TimeoutError:
+            pass
+
+    def prefill_loads(self, now: float, exclude: set[str]) -> list[PrefillLoad]:
+        ids = {e.engine_id for e in self.up(NodeRole.PREFILL) if e.name not in exclude}
+        return [load for load in self.prefill_view.loads(now) if load.engine_id in ids]
+
+    def decode_loads(self, exclude: set[str]) -> list[DecodeLoad]:
+        ids = {e.engine_id for e in self.up(NodeRole.DECODE) if e.name not in exclude}
+        return [load for load in self.decode_view.loads() if load.engine_id in ids]
+
+    def by_id(self, role: NodeRole, engine_id: int) -> EngineEntry:
+        return next(e for e in self.engines.values() if e.role == role and e.engine_id == engine_id)
+
+    # ---- events -------------------------------------------------------------------------------
+    async def _listen(self) -> None:
+        async for _, msg in self._subscriber:
+            now = self._clock()
+            if isinstance(msg, Heartbeat):
+                entry = self.engines.get(msg.node_name)
+                if entry is not None:
+                    entry.is_draining = msg.is_draining
+                    self._emit(self.table.observe(msg, now))
+            elif isinstance(msg, Leave):
+                self._emit(self.table.leave(msg, now))
+            elif isinstance(msg, PdLoadReport):
+                self._on_load(msg, now)
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s / 2)
+            self._emit(self.table.sweep(self._clock()))
+
+    def _on_load(self, report: PdLoadReport, now: float) -> None:
+        entry = self.engines.get(report.node_name)
+        if entry is None or not entry.is_up or report.instance_id != entry.instance_id:
+            return  # a load report of an instance the heartbeats have not confirmed (or retired)
+        if entry.role == NodeRole.PREFILL:
+            self.prefill_view.on_report(now, PrefillLoad(entry.engine_id, report.num_requests, report.backlog_s))
+        else:
+            self.decode_view.on_report(now, DecodeLoad(entry.engine_id, report.num_requests, report.num_kv_tokens,
+                                                       max(report.max_requests, 1), max(report.kv_capacity_tokens, 1)))
+        if entry.is_draining != report.is_draining:
+            entry.is_draining = report.is_draining
+        self._changed.set()
+
+    def _emit(self, events: list[PeerEventMsg]) -> None:
+        for event in events:
+            entry = self.engines.get(event.node_name)
+            if entry is None:
+                continue
+            if isinstance(event, PeerUp):
+                entry.instance_id, entry.is_up = event.instance_id, True
+                log.info("%s: %s engine %s up (instance %x)", self.name, entry.role.value, entry.name, event.instance_id)
+            elif isinstance(event, PeerDown) and event.instance_id == entry.instance_id:
+                entry.is_up = False
+                (self.prefill_view if entry.role == NodeRole.PREFILL else self.decode_view).drop_engine(entry.engine_id)
+                log.warning("%s: %s engine %s down (%s)", self.name, entry.role.value, entry.name, event.reason.name)
+            self._changed.set()
+            for listener in self._listeners:
+                try:
+                    listener(event)
+                except Exception:
+                    log.exception("%s: engine listener failed on %s", self.name, event)

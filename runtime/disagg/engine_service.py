@@ -1,0 +1,221 @@
+"""What prefill and decode engines share: the engine RPC server, load reports, status, links.
+
+A disaggregated engine is a node role (``runtime.node.Role``) around one ``EngineLoop``:
+
+- engine RPC (``NodeSpec.engine``, ROUTER): ``PdEngineRequest`` in, ``PdEngineReply`` out; the
+  subclass answers dispatch / ready / abort / lease messages, this class answers status;
+- load reports (``PdLoadReport`` under ``TOPIC_PD_LOAD`` on the node's events socket) every
+  ``load_interval_s`` for the gateways' balancers;
+- links to peer engines (``PeerLinks``): one RPC client and one bulk sender per peer
+  *instance*, closed on that instance's PeerDown so nothing is ever sent to a previous life.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from deepinfer.engine.engine_factory import EngineParts
+from deepinfer.runtime.disagg.engine_loop import EngineLoop
+from deepinfer.runtime.disagg.handoff_metrics import HandoffMetrics
+from deepinfer.transport.channels import Incoming, RequestClient, RequestServer
+from deepinfer.transport.dataplane import BulkSender
+from deepinfer.transport.errors import TransportError, UnexpectedMessage
+from deepinfer.transport.protocol import (
+    TOPIC_PD_LOAD,
+    EngineRef,
+    ErrorCode,
+    PdEngineReply,
+    PdEngineRequest,
+    PdEngineStatus,
+    PdLoadReport,
+    PdStatusRequest,
+    PeerDown,
+    Role as WireRole,
+)
+
+log = logging.getLogger(__name__)
+
+
+class StaleInstance(TransportError):
+    """A message addressed to another instance of this engine (a previous or later life)."""
+
+    def __init__(self, message: str):
+        super().__init__(message, ErrorCode.UNAVAILABLE)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineServiceConfig:
+    engine_address: str  # this engine's RPC ROUTER
+    data_address: str = ""  # decode: the bulk receiver
+    lease_s: float = 5.0  # prefill-held KV without a renewal or ack is freed after this
+    handoff_timeout_s: float = 30.0  # push + import + ack, at most
+    load_interval_s: float = 0.1
+    default_deadline_s: float = 120.0  # a dispatch without a deadline
+
+
+class PeerLinks:
+    """RPC clients and bulk senders to peer engine instances, keyed by (name, instance id)."""
+
+    def __init__(self, ctx, name: str):
+        self._ctx = ctx
+        self._name = name
+        self._rpc: dict[tuple[str, int], RequestClient] = {}
+        self._bulk: dict[tuple[str, int], BulkSender] = {}
+
+    async def rpc(self, ref: EngineRef) -> RequestClient:
+        key = (ref.node_name, ref.instance_id)
+        client = self._rpc.get(key)
+        if client is None:
+            client = RequestClient(ref.engine_address, PdEngineReply, ctx=self._ctx,
+                                   name=f"{self._name}-to-{ref.node_name}")
+            await client.start()
+            self._rpc[key] = client
+        return client
+
+    async def bulk(self, ref: EngineRef) -> BulkSender:
+        key = (ref.node_name, ref.instance_id)
+        sender = self._bulk.get(key)
+        if sender is None:
+            sender = BulkSender(ref.data_address, ctx=self._ctx, name=f"{self._name}-kv-to-{ref.node_name}")
+            await sender.start()
+            self._bulk[key] = sender
+        return sender
+
+    async def drop(self, node_name: str, instance_id: int) -> None:
+        key = (node_name, instance_id)
+        for table in (self._rpc, self._bulk):
+            link = table.pop(key, None)
+            if link is not None:
+                await link.close()
+
+    async def close(self) -> None:
+        for table in (self._rpc, self._bulk):
+            for link in table.values():
+                await link.close()
+            table.clear()
+
+
+class DisaggEngineService:
+    """Base of PrefillService / DecodeService (runtime/disagg/prefill.py, decode.py)."""
+
+    wire_role: WireRole
+
+    def __init__(self, parts: EngineParts, config: EngineServiceConfig):
+        self.parts = parts
+        self.core = parts.core
+        self.config = config
+        self.metrics = HandoffMetrics()
+        self.node = None
+        self.node_name = ""
+        self.instance_id = 0
+        self.loop: EngineLoop | None = None
+        self.server: RequestServer | None = None
+        self.links: PeerLinks | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.is_draining = False
+
+    # ---- Role ---------------------------------------------------------------------------------
+    async def start(self, node) -> None:
+        self.node, self.node_name, self.instance_id = node, node.name, node.instance_id
+        self.metrics = HandoffMetrics(node.metrics)
+        self.loop = EngineLoop(self.core, on_scheduled=self._on_scheduled, name=node.name)
+        self.loop.start()
+        self.links = PeerLinks(node.ctx, node.name)
+        self.server = RequestServer(self.config.engine_address, PdEngineRequest, self._handle, ctx=node.ctx,
+                                    name=f"{node.name}-engine")
+        await self.server.start()
+        node.metrics.track_channel(f"{node.name}-engine", self.server.stats)
+        node.add_peer_listener(self._on_peer_event)
+        await self._start_extra()
+        self._tasks.append(asyncio.create_task(self._report_load(), name=f"{node.name}-load"))
+        log.info("%s engine (%s) serving on %s", node.name, self.wire_role.name.lower(), self.server.address)
+
+    async def drain(self, deadline_s: float) -> None:
+        self.is_draining = True
+        if self.server is not None:
+            await self.server.drain(deadline_s)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        await self._stop_extra()
+        if self.server is not None:
+            await self.server.close()
+        if self.loop is not None:
+            await self.loop.stop()
+        if self.links is not None:
+            await self.links.close()
+
+    @property
+    def num_in_flight(self) -> int:
+        return self.loop.num_requests if self.loop is not None else 0
+
+    # ---- subclass hooks -----------------------------------------------------------------------
+    async def _start_extra(self) -> None: ...
+
+    async def _stop_extra(self) -> None: ...
+
+    def _on_scheduled(self, plan) -> None: ...
+
+    async def _handle_request(self, msg: Any) -> Any:
+        raise UnexpectedMessage(f"{type(msg).__name__} is not served by a {self.wire_role.name.lower()} engine")
+
+    def _on_peer_down(self, event: PeerDown) -> None: ...
+
+    def _num_held(self) -> tuple[int, int, int]:
+        """(held handoffs, held bytes, pending imports)."""
+        return 0, 0, 0
+
+    def _backlog_s(self) -> float:
+        return 0.0
+
+    # ---- shared -------------------------------------------------------------------------------
+    def check_instance(self, instance_id: int, what: str) -> None:
+        if instance_id != self.instance_id:
+            raise StaleInstance(f"{what} is for instance {instance_id:x} of {self.node_name}, "
+                                f"this is instance {self.instance_id:x} (restarted); route it again")
+
+    async def _handle(self, incoming: Incoming) -> Any:
+        msg = incoming.msg
+        if isinstance(msg, PdStatusRequest):
+            return self.status()
+        return await self._handle_request(msg)
+
+    def status(self) -> PdEngineStatus:
+        held, held_bytes, pending = self._num_held()
+        m = self.metrics
+        return PdEngineStatus(
+            node_name=self.node_name, role=self.wire_role, instance_id=self.instance_id,
+            num_requests=self.num_in_flight, num_held_handoffs=held, held_bytes=held_bytes,
+            num_pending_imports=pending, num_handoffs=m.num_handoffs, handoff_bytes=m.num_bytes,
+            handoff_p50_s=m.latency_p50_s, handoff_p99_s=m.latency_p99_s, handoff_GBps=m.GBps,
+            failures=dict(m.failures))
+
+    def _on_peer_event(self, event) -> None:
+        if isinstance(event, PeerDown):
+            self._on_peer_down(event)
+            if self.links is not None:
+                asyncio.ensure_future(self.links.drop(event.node_name, event.instance_id))
+
+    def load_report(self) -> PdLoadReport:
+        sched = self.core.scheduler
+        num_kv = sum(r.num_tokens for r in sched.requests.values())
+        return PdLoadReport(
+            node_name=self.node_name, role=self.wire_role, instance_id=self.instance_id,
+            num_requests=sched.num_unfinished, num_kv_tokens=num_kv, backlog_s=self._backlog_s(),
+            max_requests=sched.config.max_num_seqs,
+            kv_capacity_tokens=self.core.config.num_blocks * sched.config.block_size,
+            is_draining=self.is_draining)
+
+    async def _report_load(self) -> None:
+        while True:
+            try:
+                await self.node.events.publish(TOPIC_PD_LOAD, self.load_report())
+            except Exception as exc:  # the events socket closes during stop
+                log.debug("%s: load report not published: %s", self.node_name, exc)
+            await asyncio.sleep(self.config.load_interval_s)

@@ -1,0 +1,176 @@
+"""``deepinfer serve --disaggregated``: gateway + N prefill + M decode engines on this machine.
+
+    async with LocalPdCluster(model_dir, num_prefill=1, num_decode=2) as cluster:
+        client = cluster.client          # an EngineClient: mount it on the HTTP gateway
+        cluster.supervisor.kill("decode-1")   # failure tests
+
+The engines are separate ``deepinfer node --role prefill|decode`` processes under a
+``Supervisor`` (restarted when they die; a restart is a new instance to everyone); the gateway
+and its ``PdEngineClient`` run in this process. bin/serve.py calls ``launch_disaggregated`` when
+``--disaggregated`` is given (``add_disagg_arguments`` adds the flags).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import sys
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from deepinfer.runtime.disagg.client import PdEngineClient
+from deepinfer.runtime.disagg.local_cluster import write_local_cluster
+from deepinfer.runtime.gateway.engine_client import ModelInfo
+from deepinfer.runtime.supervisor import ChildSpec, Supervisor
+from deepinfer.transport.protocol import FailurePolicy
+
+log = logging.getLogger(__name__)
+
+_NODE_FLAGS = ("max_num_seqs", "num_blocks", "max_model_len", "block_size", "dtype", "num_threads")
+
+
+def add_disagg_arguments(parser) -> None:
+    g = parser.add_argument_group("disaggregated serving")
+    g.add_argument("--disaggregated", action="store_true",
+                   help="run prefill and decode engines as separate supervised processes on loopback")
+    g.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill engines (default 1)")
+    g.add_argument("--decode", type=int, default=1, metavar="M", help="decode engines (default 1)")
+    g.add_argument("--failure-policy", choices=["recompute", "fail"], default="recompute",
+                   help="when an engine dies mid-request: recompute elsewhere (default) or fail it")
+    g.add_argument("--pd-transport", choices=["ipc", "tcp"], default="ipc",
+                   help="engine sockets: ipc (default) or tcp on 127.0.0.1 (the cross-host code path)")
+
+
+def _model_info(model_dir: Path, options: Mapping[str, Any], name: str) -> tuple[ModelInfo, Any]:
+    from deepinfer.engine.model_config import ModelConfig
+    from deepinfer.engine.tokenizer import Tokenizer
+
+    cfg = ModelConfig.from_dir(model_dir)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    max_len = min(options.get("max_model_len") or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    if options.get("num_blocks"):
+        max_len = min(max_len, options["num_blocks"] * options.get("block_size", 128))
+    eos = tuple(tokenizer.eos_token_ids or cfg.eos_token_id or ())
+    return ModelInfo(name, max_len, cfg.vocab_size, eos, int(time.time())), tokenizer
+
+
+class LocalPdCluster:
+    def __init__(self, model_dir: str | Path, *, num_prefill: int = 1, num_decode: int = 1,
+                 engine_options: Mapping[str, Any] | None = None, transport: str = "ipc",
+                 failure_policy: FailurePolicy = FailurePolicy.RECOMPUTE, request_timeout_s: float = 300.0,
+                 lease_s: float = 5.0, heartbeat_interval_s: float = 0.2, served_model_name: str | None = None,
+                 log_dir: str | Path | None = None, env: Mapping[str, str] | None = None):
+        self.model_dir = Path(model_dir)
+        self.num_prefill, self.num_decode = num_prefill, num_decode
+        self.engine_options = {k: v for k, v in dict(engine_options or {}).items() if v is not None}
+        unknown = sorted(set(self.engine_options) - set(_NODE_FLAGS) - {"served_model_name", "show_progress"})
+        if unknown:
+            raise ValueError(f"engine option {unknown[0]!r} is not supported by disaggregated engines; "
+                             f"supported: {', '.join(_NODE_FLAGS)}")
+        self.transport = transport
+        self.failure_policy = failure_policy
+        self.request_timeout_s = request_timeout_s
+        self.lease_s = lease_s
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.served_model_name = served_model_name or self.engine_options.get("served_model_name") or self.model_dir.name
+        self.log_dir = log_dir
+        self.env = dict(env or {})
+        self.root: Path | None = None
+        self.config = None
+        self.supervisor: Supervisor | None = None
+        self.client: PdEngineClient | None = None
+
+    def engine_names(self) -> list[str]:
+        return [f"prefill-{i}" for i in range(self.num_prefill)] + [f"decode-{j}" for j in range(self.num_decode)]
+
+    def _argv(self, cluster_path: Path, name: str) -> list[str]:
+        role = name.split("-")[0]
+        argv = [sys.executable, "-m", "deepinfer.bin", "node", "--role", role, "--cluster", str(cluster_path),
+                "--name", name, "--model", str(self.model_dir), "--lease-s", str(self.lease_s)]
+        for key in _NODE_FLAGS:
+            if key in self.engine_options:
+                argv += [f"--{key.replace('_', '-')}", str(self.engine_options[key])]
+        return argv
+
+    async def start(self, ready_timeout_s: float = 180.0) -> "LocalPdCluster":
+        path, self.config = write_local_cluster(self.num_prefill, self.num_decode, transport=self.transport,
+                                                heartbeat_interval_s=self.heartbeat_interval_s)
+        self.root = path.parent
+        try:
+            self.supervisor = Supervisor([ChildSpec(n, self._argv(path, n), self.env) for n in self.engine_names()],
+                                         log_dir=self.log_dir)
+            await self.supervisor.start()
+            info, tokenizer = _model_info(self.model_dir, self.engine_options, self.served_model_name)
+            self.client = PdEngineClient(self.config, gateway_name="gateway-0", model_info=info, tokenizer=tokenizer,
+                                         failure_policy=self.failure_policy, request_timeout_s=self.request_timeout_s)
+            await self.client.start()
+            await self.client.wait_ready(ready_timeout_s)
+            await self.wait_engines_up(ready_timeout_s)
+        except BaseException:
+            await self.close()
+            raise
+        return self
+
+    async def wait_engines_up(self, timeout_s: float, names: list[str] | None = None) -> None:
+        """Until every named engine (default: all) is up as seen by the gateway."""
+        names = names or self.engine_names()
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout_s
+        while not all(self.client.directory.engines[n].is_up for n in names):
+            if loop.time() > end:
+                down = [n for n in names if not self.client.directory.engines[n].is_up]
+                raise TimeoutError(f"engines {down} did not come up within {timeout_s:g}s")
+            await self.client.directory.wait_changed(0.1)
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+            self.client = None
+        if self.supervisor is not None:
+            await self.supervisor.stop()
+            self.supervisor = None
+        if self.root is not None:
+            shutil.rmtree(self.root, ignore_errors=True)
+            self.root = None
+
+    async def __aenter__(self) -> "LocalPdCluster":
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+async def launch_disaggregated(spec, args, *, print_fn: Callable[[str], None] = print,
+                               stop: asyncio.Event | None = None) -> int:
+    """What ``deepinfer serve --disaggregated`` runs: ``spec`` is the gateway launcher's
+    LaunchSpec (model_dir, host, port, gateway config, engine options)."""
+    from deepinfer.runtime.gateway.embedded import serve, stop_on_signals
+
+    stop = stop or asyncio.Event()
+    policy = FailurePolicy.FAIL if args.failure_policy == "fail" else FailurePolicy.RECOMPUTE
+    cluster = LocalPdCluster(spec.model_dir, num_prefill=args.prefill, num_decode=args.decode,
+                             engine_options=spec.engine_options, transport=args.pd_transport, failure_policy=policy)
+    with stop_on_signals(stop):
+        print_fn(f"Starting {args.prefill} prefill + {args.decode} decode engines on {spec.model_dir} ...")
+        starting = asyncio.ensure_future(cluster.start())
+        waiter = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({starting, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if not starting.done():
+            starting.cancel()
+            await asyncio.gather(starting, return_exceptions=True)
+            await cluster.close()
+            print_fn("Stopped before the engines were up.")
+            return 0
+        starting.result()
+        try:
+            await serve(cluster.client, host=spec.host, port=spec.port, config=spec.gateway, print_fn=print_fn,
+                        stop=stop, handle_signals=False)
+            print_fn("Shutting down ...")
+        finally:
+            await cluster.close()
+    print_fn("Stopped.")
+    return 0

@@ -1,0 +1,57 @@
+"""A cluster config for gateway + N prefill + M decode engines on this machine (loopback).
+
+``ipc`` (default) puts every socket under one short private directory; ``tcp`` uses free
+127.0.0.1 ports (the cross-host code path, on one host). The same engines and gateway run on
+either: only the addresses differ.
+"""
+
+from __future__ import annotations
+
+import socket
+import tempfile
+from pathlib import Path
+
+from deepinfer.runtime.cluster_config import ClusterConfig, parse_cluster_config
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def local_cluster_toml(num_prefill: int, num_decode: int, *, root: str | Path, transport: str = "ipc",
+                       heartbeat_interval_s: float = 0.2, missed_beats: int = 3) -> str:
+    if num_prefill < 1 or num_decode < 1:
+        raise ValueError(f"a disaggregated cluster needs >= 1 prefill and >= 1 decode engine, got {num_prefill}, {num_decode}")
+    if transport not in ("ipc", "tcp"):
+        raise ValueError(f"transport must be ipc or tcp, got {transport!r}")
+
+    def address(node: str, kind: str) -> str:
+        if transport == "tcp":
+            return f"tcp://127.0.0.1:{_free_port()}"
+        return f"ipc://{Path(root) / f'{node}.{kind}'}"
+
+    lines = ["[cluster]", 'name = "local-pd"', f"heartbeat_interval_s = {heartbeat_interval_s}",
+             f"missed_beats = {missed_beats}", "drain_deadline_s = 5", ""]
+    nodes = [("gateway-0", "gateway")] + [(f"prefill-{i}", "prefill") for i in range(num_prefill)] + \
+            [(f"decode-{j}", "decode") for j in range(num_decode)]
+    for name, role in nodes:
+        lines += ["[[nodes]]", f'name = "{name}"', f'role = "{role}"', f'control = "{address(name, "control")}"',
+                  f'events = "{address(name, "events")}"', f'data = "{address(name, "data")}"']
+        if role != "gateway":
+            lines.append(f'engine = "{address(name, "engine")}"')
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_local_cluster(num_prefill: int, num_decode: int, *, transport: str = "ipc", root: str | Path | None = None,
+                        heartbeat_interval_s: float = 0.2, missed_beats: int = 3) -> tuple[Path, ClusterConfig]:
+    """Write ``cluster.toml`` into ``root`` (default: a new short temp dir; ipc paths must stay
+    under ~100 characters) and return its path and parsed config."""
+    root = Path(root or tempfile.mkdtemp(prefix="di-pd-"))
+    text = local_cluster_toml(num_prefill, num_decode, root=root, transport=transport,
+                              heartbeat_interval_s=heartbeat_interval_s, missed_beats=missed_beats)
+    path = root / "cluster.toml"
+    path.write_text(text)
+    return path, parse_cluster_config(text, source=str(path))

@@ -1,0 +1,40 @@
+"""``make_role`` for ``deepinfer node --role prefill|decode`` (registered in runtime/roles.py).
+
+The node's spec must name an engine RPC address (``engine = ...``); a decode node also its
+bulk data address (``data = ...``). The model comes from ``--model`` or DEEPINFER_HF_MODEL_DIR;
+engine knobs from ``engine_options`` (``deepinfer node --max-num-seqs ...``). Prefill and
+decode engines of one cluster must load the same model with the same KV layout (checked on
+every import).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from deepinfer import envs
+from deepinfer.runtime.cluster_config import ClusterConfig, NodeRole
+from deepinfer.runtime.disagg.engine_service import DisaggEngineService, EngineServiceConfig
+
+
+def make_role(*, role: NodeRole, config: ClusterConfig, node_name: str, model: str | None = None,
+              engine_options: Mapping[str, Any] | None = None, lease_s: float = 5.0) -> DisaggEngineService:
+    from deepinfer.engine.engine_factory import EngineOptions, build_engine
+    from deepinfer.runtime.disagg.decode import DecodeService
+    from deepinfer.runtime.disagg.prefill import PrefillService
+
+    spec = config.node(node_name)
+    if role not in (NodeRole.PREFILL, NodeRole.DECODE):
+        raise ValueError(f"node {node_name}: the disaggregated engine serves prefill or decode, not {role.value}")
+    if not spec.engine:
+        raise ValueError(f"nodes.{node_name}.engine: a {role.value} node needs an engine RPC address (tcp://HOST:PORT or ipc://PATH)")
+    if role is NodeRole.DECODE and not spec.data:
+        raise ValueError(f"nodes.{node_name}.data: a decode node needs a data address to receive KV")
+    model_dir = model or envs.get().hf_model_dir
+    if not model_dir:
+        raise ValueError("no model: pass --model DIR or set DEEPINFER_HF_MODEL_DIR")
+    options = EngineOptions.from_kwargs(**dict(engine_options or {}))
+    parts = build_engine(model_dir, options)
+    service_config = EngineServiceConfig(engine_address=spec.engine, data_address=spec.data, lease_s=lease_s)
+    cls = PrefillService if role is NodeRole.PREFILL else DecodeService
+    return cls(parts, service_config)
