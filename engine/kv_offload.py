@@ -134,6 +134,12 @@ class KVOffload:
             return
         self._closed = True
         self._writer.shutdown(wait=True)
+        # reads and writes still running are abandoned (call wait_for_writes first to keep them)
+        with self._store_lock:
+            pending = list(self._store_writes)
+        pending += [load.future for load in self._loads.values() if load.future is not None]
+        for fut in pending:
+            fut.cancel()
         close = getattr(self.tiers.store, "close", None)
         if close is not None:
             try:
