@@ -116,7 +116,11 @@ class KVOffload:
         self._closed = False
         store_start = getattr(tiers.store, "start", None)
         if store_start is not None:  # e.g. ClusterStore: its sockets live on the I/O loop
-            self._run_io(store_start()).result(timeout=30)
+            try:
+                self._run_io(store_start()).result(timeout=30)
+            except BaseException:
+                self.close()
+                raise
 
     @classmethod
     def build(cls, runner, *, host_capacity_bytes: int = 0, store=None,
@@ -288,7 +292,7 @@ class KVOffload:
             io()
 
     def _device_io(self, reads: list[tuple[int, BlockHash]], writes: dict[int, tuple[BlockHash, dict]]) -> None:
-        if reads:  # first: a block registered before may be re-promoted below
+        if reads and not self._closed:  # first: a block registered before may be re-promoted below
             stacked = self.runner.read_blocks([b for b, _ in reads])
             self.stats.num_copied_out += len(reads)
             self._writer.submit(self._write_behind, [h for _, h in reads], stacked)
