@@ -18,8 +18,9 @@ Async scheduling (one step in flight): ``schedule()`` advances ``num_computed_to
 it can run again before the previous step's tokens are known. A request whose in-flight step
 samples a token gets a *placeholder* position in the next step: its SeqStep carries
 ``PLACEHOLDER_TOKEN_ID`` there, and the engine writes the sampled id into ``token_ids`` after
-sampling the previous step and before launching this one (see engine_core.py). The scheduler only
-ever appends to a block table list it handed to a SeqStep; rollback and preemption replace it.
+sampling the previous step and before launching this one (see engine_core.py). A block table list
+handed to a SeqStep never changes afterwards: growing copies it first (the runner may be reading it
+on the device thread), rollback and preemption replace it.
 """
 
 from __future__ import annotations
@@ -240,6 +241,10 @@ class Scheduler:
         if n <= 0:
             return
         end = req.num_computed_tokens + n
+        if _cdiv(end, cfg.block_size) > len(req.block_ids):
+            # Copy on grow: the step in flight holds the current list as its block table and
+            # the runner reads it on the device thread while this one appends.
+            req.block_ids = list(req.block_ids)
         while not self.kv.ensure_blocks(req, end):
             victim = max((r for r in self.running if r.scheduled_in != ctx.step_no), key=_sort_key)
             self._preempt(victim, out, ctx)
