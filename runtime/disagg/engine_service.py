@@ -93,9 +93,10 @@ class PeerLinks:
 
     async def close(self) -> None:
         for table in (self._rpc, self._bulk):
-            for link in table.values():
-                await link.close()
+            links = list(table.values())
             table.clear()
+            for link in links:
+                await link.close()
 
 
 class DisaggEngineService:

@@ -1,0 +1,252 @@
+"""Disaggregated serving with real processes on loopback: a gateway client + 2 prefill + 2 decode
+engines (``deepinfer node`` processes under the supervisor), tiny float32 DeepSeek-V4 on CPU.
+
+Outputs must equal a co-located engine's exactly (greedy and seeded), and losing an engine
+(SIGKILL / SIGSTOP) mid-stream or mid-handoff must end every request within its deadline —
+completed elsewhere with the same tokens (recompute) or with a clear error (fail) — while the
+prefill frees KV held for a dead decode instance at once. A restarted engine is a new instance
+that takes new work without stale-state errors."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+
+import pytest
+
+from deepinfer.engine.engine_factory import EngineOptions, build_engine
+from deepinfer.engine.handoff import add_resumed
+from deepinfer.engine.output_processor import merge_output
+from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.engine.tiny_model import write_tiny_model
+from deepinfer.runtime.disagg.client import EngineLostError
+from deepinfer.runtime.disagg.launch import LocalPdCluster
+from deepinfer.transport.protocol import FailurePolicy, PdEngineStatus, PdStatusRequest
+
+ENGINE = dict(dtype="float32", block_size=128, max_model_len=1024, num_blocks=64, max_num_seqs=16, num_threads=1)
+DEADLINE_S = 120.0
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-pd-cluster")
+    write_tiny_model(path, seed=5, layers="WCHC")
+    return path
+
+
+def _requests(num: int, seed: int, max_tokens: int):
+    rng = random.Random(seed)
+    reqs = []
+    for i in range(num):
+        prompt = [rng.randrange(3, 4000) for _ in range(rng.choice([rng.randint(4, 40), rng.randint(100, 260)]))]
+        if i % 2 == 0:
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        else:
+            params = SamplingParams(temperature=0.8, top_k=50, seed=1000 + i, max_tokens=max_tokens,
+                                    frequency_penalty=0.2 * (i % 3), ignore_eos=True)
+        reqs.append((f"req-{seed}-{i}", prompt, params))
+    return reqs
+
+
+def _colocated(model_dir, reqs):
+    """The reference: one co-located engine core in this process, same options."""
+    core = build_engine(model_dir, EngineOptions(**{k: v for k, v in ENGINE.items() if k != "num_threads"})).core
+    for rid, prompt, params in reqs:
+        add_resumed(core, rid, prompt, params, params.seed if params.seed is not None else 0, [])
+    acc = {}
+    for _ in range(5000):
+        if not core.has_unfinished_requests():
+            break
+        for out in core.step():
+            acc[out.request_id] = merge_output(acc.get(out.request_id), out)
+    return {rid: acc[rid].outputs[0].token_ids for rid, *_ in reqs}
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir):
+    pd = LocalPdCluster(model_dir, num_prefill=2, num_decode=2, engine_options=ENGINE, lease_s=30.0,
+                        request_timeout_s=DEADLINE_S, heartbeat_interval_s=0.2)
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(pd.start(ready_timeout_s=240))
+        yield pd, loop
+    finally:
+        loop.run_until_complete(pd.close())
+        loop.close()
+
+
+async def _generate(client, rid, prompt, params, started: asyncio.Event | None = None):
+    acc = None
+    async for out in client.generate({"prompt_token_ids": prompt}, params, request_id=rid):
+        acc = merge_output(acc, out)
+        if started is not None and len(acc.outputs[0].token_ids) >= 2:
+            started.set()
+    assert acc is not None and acc.finished
+    return acc.outputs[0].token_ids
+
+
+async def _status(pd, name) -> PdEngineStatus:
+    entry = pd.client.directory.engines[name]
+    return await entry.rpc.request(PdStatusRequest(), timeout_s=5.0)
+
+
+async def _statuses(pd, names) -> list[PdEngineStatus]:
+    return list(await asyncio.gather(*(_status(pd, n) for n in names)))
+
+
+async def _run_all(pd, reqs, *, started=None):
+    tasks = [asyncio.ensure_future(asyncio.wait_for(_generate(pd.client, rid, p, sp, started), DEADLINE_S + 10))
+             for rid, p, sp in reqs]
+    return tasks
+
+
+def test_outputs_equal_colocated_for_32_mixed_requests(cluster, model_dir):
+    pd, loop = cluster
+    reqs = _requests(32, seed=1, max_tokens=8)
+    want = _colocated(model_dir, reqs)
+
+    async def go():
+        tasks = await _run_all(pd, reqs)
+        return dict(zip([r[0] for r in reqs], await asyncio.gather(*tasks)))
+
+    got = loop.run_until_complete(go())
+    assert got == want
+    statuses = loop.run_until_complete(_statuses(pd, pd.engine_names()))
+    handoffs = {s.node_name: s.num_handoffs for s in statuses}
+    assert handoffs["prefill-0"] + handoffs["prefill-1"] == 32, handoffs  # max_tokens 8: every one hands off
+    assert handoffs["decode-0"] > 0 and handoffs["decode-1"] > 0, handoffs  # the balancer used both
+    assert all(s.num_held_handoffs == 0 and s.num_pending_imports == 0 for s in statuses)
+    assert all(s.handoff_bytes > 0 for s in statuses)
+
+
+def _kill_during_streams(pd, loop, victim, reqs, *, sig=signal.SIGKILL):
+    """Start the streams, SIGKILL ``victim`` once streaming is under way; results per request."""
+    async def go():
+        started = asyncio.Event()
+        tasks = await _run_all(pd, reqs, started=started)
+        await asyncio.wait_for(started.wait(), 60)
+        t_kill = time.monotonic()
+        await pd.supervisor.kill(victim, sig)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        return results, time.monotonic() - t_kill
+    return loop.run_until_complete(go())
+
+
+def test_sigkill_a_decode_engine_recompute_completes_every_stream_exactly(cluster, model_dir):
+    pd, loop = cluster
+    reqs = _requests(20, seed=2, max_tokens=24)
+    want = _colocated(model_dir, reqs)
+    lost_before = pd.client.num_attempts_lost
+    try:
+        results, elapsed = _kill_during_streams(pd, loop, "decode-1", reqs)
+        assert elapsed < DEADLINE_S
+        for (rid, *_), result in zip(reqs, results):
+            assert not isinstance(result, BaseException), f"{rid}: {result!r}"
+            assert result == want[rid], rid
+        assert pd.client.num_attempts_lost > lost_before  # some requests were on decode-1 and moved
+        for name in ("prefill-0", "prefill-1"):
+            st = loop.run_until_complete(_status(pd, name))
+            assert st.num_held_handoffs == 0 and st.held_bytes == 0, st
+    finally:
+        loop.run_until_complete(pd.supervisor.restart("decode-1"))
+        loop.run_until_complete(pd.wait_engines_up(120, ["decode-1"]))
+
+
+def test_sigkill_a_decode_engine_fail_policy_gives_clear_errors(cluster):
+    pd, loop = cluster
+    reqs = _requests(20, seed=3, max_tokens=24)
+    pd.client.failure_policy = FailurePolicy.FAIL
+    try:
+        results, elapsed = _kill_during_streams(pd, loop, "decode-0", reqs)
+        assert elapsed < DEADLINE_S
+        errors = [r for r in results if isinstance(r, BaseException)]
+        assert errors, "some streams were on decode-0"
+        for err in errors:
+            assert isinstance(err, EngineLostError), repr(err)
+            assert "decode engine decode-0 went down" in str(err) or "decode-0" in str(err), str(err)
+            assert "failure policy is fail" in str(err)
+        assert all(isinstance(r, list) and len(r) == 24 for r in results if not isinstance(r, BaseException))
+    finally:
+        pd.client.failure_policy = FailurePolicy.RECOMPUTE
+        loop.run_until_complete(pd.supervisor.restart("decode-0"))
+        loop.run_until_complete(pd.wait_engines_up(120, ["decode-0"]))
+
+
+def test_prefill_frees_kv_held_for_a_dead_decode_within_5s(cluster, model_dir):
+    """Freeze decode-1 (SIGSTOP: no acks, no heartbeats), let handoffs to it pile up at the
+    prefills, then SIGKILL it: the held KV must be freed within 5 s (the lease is 30 s, so only
+    the PeerDown can do it) and every request must still complete with the same tokens."""
+    pd, loop = cluster
+    reqs = _requests(6, seed=4, max_tokens=6)
+    want = _colocated(model_dir, reqs)
+
+    async def go():
+        pid = pd.supervisor.pid("decode-1")
+        os.kill(pid, signal.SIGSTOP)
+        tasks = await _run_all(pd, reqs)
+        held_at = None
+        for _ in range(100):  # up to ~3 s for a handoff to decode-1 to be stuck at a prefill
+            sts = await asyncio.gather(_status(pd, "prefill-0"), _status(pd, "prefill-1"))
+            if any(s.num_held_handoffs for s in sts):
+                held_at = time.monotonic()
+                break
+            await asyncio.sleep(0.03)
+        await pd.supervisor.kill("decode-1", signal.SIGKILL)
+        t_kill = time.monotonic()
+        freed_after = None
+        while time.monotonic() - t_kill < 10:
+            sts = await asyncio.gather(_status(pd, "prefill-0"), _status(pd, "prefill-1"))
+            if not any(s.num_held_handoffs for s in sts):
+                freed_after = time.monotonic() - t_kill
+                break
+            await asyncio.sleep(0.05)
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        return held_at, freed_after, results, sts
+
+    try:
+        held_at, freed_after, results, sts = loop.run_until_complete(go())
+        assert freed_after is not None and freed_after < 5.0, freed_after
+        if held_at is not None:  # the usual case: some KV was held for the frozen engine
+            assert sum(sum(s.failures.values()) for s in sts) >= 1
+        for (rid, *_), result in zip(reqs, results):
+            assert result == want[rid], (rid, result)
+    finally:
+        loop.run_until_complete(pd.supervisor.restart("decode-1"))
+        loop.run_until_complete(pd.wait_engines_up(120, ["decode-1"]))
+
+
+def test_sigkill_a_prefill_mid_handoff_then_restart_serves_new_work(cluster, model_dir):
+    pd, loop = cluster
+    reqs = _requests(20, seed=5, max_tokens=12)
+    want = _colocated(model_dir, reqs)
+    old_instance = pd.client.directory.engines["prefill-0"].instance_id
+
+    async def go():
+        tasks = await _run_all(pd, reqs)
+        await asyncio.sleep(0.3)  # requests are prefilling / handing off on both prefills
+        await pd.supervisor.kill("prefill-0")
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    results = loop.run_until_complete(go())
+    for (rid, *_), result in zip(reqs, results):
+        assert result == want[rid], (rid, result)
+    loop.run_until_complete(pd.supervisor.restart("prefill-0"))
+    loop.run_until_complete(pd.wait_engines_up(120, ["prefill-0"]))
+    assert pd.client.directory.engines["prefill-0"].instance_id != old_instance
+    more = _requests(8, seed=6, max_tokens=4)
+    want_more = _colocated(model_dir, more)
+
+    async def again():
+        tasks = await _run_all(pd, more)
+        return await asyncio.gather(*tasks)
+
+    got = loop.run_until_complete(again())
+    assert dict(zip([r[0] for r in more], got)) == want_more
+    st = loop.run_until_complete(_status(pd, "prefill-0"))
+    assert st.instance_id != old_instance and st.num_handoffs > 0  # the new instance took new work
+    assert not st.failures, st.failures
