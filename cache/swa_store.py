@@ -8,7 +8,8 @@ exactly at ``B`` can restore it instead of replaying.
 
 Byte layout of one slot (``SlotLayout``; every slot of a model has the same size)::
 
-    | ring 0 | ring 1 | ... |        rings in the model's RingSpec order
+    | ring 0 | ring 1 | ... |        rings in the model's RingSpec order (carry rings and the
+                                     record start on 16-byte boundaries)
     window ring  (capacity rows of head_dim values): MXFP8 rows, D e4m3 + D/32 ue8m0 bytes each
     carry rings  (compressor / indexer carry-over):  raw rows in the runner's dtype
 
@@ -66,20 +67,24 @@ class RingLayout:
 class SlotLayout:
     """Where each ring of a slot lives in its fixed-size byte record."""
 
-    def __init__(self, specs: Sequence[RingSpec], *, carry_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, specs: Sequence[RingSpec], *, carry_dtype: torch.dtype = torch.float32,
+                 is_window_mxfp8: bool = True) -> None:
+        """``is_window_mxfp8=False`` stores window rows raw too (lossless; for checks and tests)."""
         if not specs:
             raise SwaStoreError("a slot layout needs at least one ring spec")
         self.carry_dtype = carry_dtype
         carry_size = torch.empty(0, dtype=carry_dtype).element_size()
         rings, offset = [], 0
         for s in specs:
-            is_mxfp8 = s.name == WINDOW_RING
+            is_mxfp8 = is_window_mxfp8 and s.name == WINDOW_RING
             row = mxfp8.row_bytes(s.width) if is_mxfp8 else s.width * carry_size
+            if not is_mxfp8:
+                offset = _align(offset)  # carry rows are viewed in their dtype: keep them aligned
             rings.append(RingLayout(f"{s.layer}.{s.name}", s.capacity, s.width, is_mxfp8, offset, s.capacity * row))
             offset += s.capacity * row
         self.rings: tuple[RingLayout, ...] = tuple(rings)
-        self.num_bytes = offset
-        self.num_window_bytes = sum(r.num_bytes for r in rings if r.is_mxfp8)
+        self.num_bytes = _align(offset)  # every arena row starts aligned too
+        self.num_window_bytes = sum(r.num_bytes for r in rings if r.key.endswith(f".{WINDOW_RING}"))
         # two processes exchange slots only when they agree on every ring's shape and format
         desc = ";".join(f"{r.key}:{r.capacity}x{r.width}:{'mx' if r.is_mxfp8 else carry_dtype}" for r in rings)
         self.fingerprint = hashlib.blake2b(desc.encode(), digest_size=8).hexdigest()
@@ -112,6 +117,10 @@ class SlotLayout:
             else:
                 out[r.key] = src.view(self.carry_dtype).view(r.capacity, r.width).to(dtype)
         return out
+
+
+def _align(num_bytes: int, to: int = 16) -> int:
+    return -(-num_bytes // to) * to
 
 
 class SlotEventKind(enum.IntEnum):

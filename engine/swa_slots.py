@@ -1,0 +1,209 @@
+"""The engine side of SWA slots: snapshot, save, restore, prefetch (policy in swa_replay.py).
+
+``SwaSlotManager`` is hooked into one EngineCore:
+
+- scheduler hooks (engine thread): ``has_slot`` / ``on_admit`` decide restore vs replay at
+  admission; ``on_release`` (finish or preempt, before blocks are freed) commits the sequence's
+  latest boundary snapshot to the store under that boundary's prefix hash; ``may_cache_blocks``
+  keeps blocks computed over a bounded-replay (approximate) state out of the prefix cache.
+- runner wrapper (device thread, ``SwaSlotRunner``): before a forward it writes restored slots
+  into the sequences' SWA slots; after it, it snapshots every sequence whose forward ended at
+  (or up to ``lookahead`` past) a block boundary into the store's staging row.
+- ``prefetch`` (asyncio, before a request is queued): when the local store lacks the slot at the
+  request's prefix-hit boundary, fetch it from the node the directory names, within a deadline;
+  a miss leaves the request to replay.
+
+Restores are queued per seq id at admission and consumed by the first forward that carries
+that sequence: execution is serial, so the write lands after any in-flight step that used the
+same SWA slot for an earlier (finished) sequence.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from deepinfer.cache.block_hash import BlockHash, extend_block_hashes, root_hash
+from deepinfer.cache.swa_fetch import FetchResult, SwaSlotFetcher
+from deepinfer.cache.swa_store import SlotLayout, SwaSlotStore
+from deepinfer.engine.batch import ForwardBatch
+from deepinfer.engine.request import Request
+from deepinfer.engine.swa_replay import (
+    DEFAULT_REPLAY_TOKENS,
+    SwaReplayMode,
+    exact_replay_tokens,
+    is_approximate,
+    max_replay_tokens,
+    snapshot_boundary,
+)
+
+
+@dataclass(slots=True)
+class SwaSlotStats:
+    num_restored: int = 0  # admissions that restored a slot (no replay)
+    num_replayed_exact: int = 0  # admissions with a hit that replayed exactly
+    num_replayed_bounded: int = 0  # admissions with a hit that replayed approximately
+    num_replayed_tokens: int = 0
+    num_snapshots: int = 0
+    num_saved: int = 0  # snapshots committed as stored slots
+    num_fetched: int = 0
+    num_fetch_misses: int = 0
+
+
+class SwaSlotManager:
+    def __init__(self, store: SwaSlotStore, *, block_size: int, lookahead: int, num_exact_tokens: int,
+                 model_id: str, dtype: torch.dtype, fetcher: SwaSlotFetcher | None = None,
+                 fetch_deadline_s: float = 1.0) -> None:
+        self.store = store
+        self.block_size = block_size
+        self.lookahead = lookahead
+        self.num_exact_tokens = num_exact_tokens
+        self.model_id = model_id
+        self.dtype = dtype
+        self.fetcher = fetcher
+        self.fetch_deadline_s = fetch_deadline_s
+        self.stats = SwaSlotStats()
+        self._restores: dict[int, BlockHash] = {}  # seq id -> key, consumed by its first forward
+        self._live: set[int] = set()  # admitted seq ids whose slot state may be snapshotted
+        self._approximate: set[int] = set()
+        self._lock = threading.Lock()  # staging (device thread) vs commit/discard (engine thread)
+
+    # ---- scheduler hooks (engine thread) ------------------------------------------------------
+    def boundary_key(self, req: Request, boundary: int) -> BlockHash | None:
+        i = boundary // self.block_size - 1
+        return req.block_hashes[i] if 0 <= i < len(req.block_hashes) else None
+
+    def has_slot(self, req: Request, hit_len: int) -> bool:
+        key = self.boundary_key(req, hit_len) if hit_len > 0 else None
+        return key is not None and self.store.boundary_of(key) == hit_len
+
+    def on_admit(self, req: Request, hit_len: int, *, is_restored: bool) -> None:
+        """After the scheduler admitted ``req`` (slot assigned, window_start/write_from set)."""
+        with self._lock:
+            self._live.add(req.seq_id)
+            if is_restored:
+                self._restores[req.seq_id] = self.boundary_key(req, hit_len)
+                self.stats.num_restored += 1
+                return
+            num_replay = hit_len - req.window_start
+            if hit_len:
+                self.stats.num_replayed_tokens += num_replay
+            if is_approximate(req.window_start, hit_len, self.num_exact_tokens):
+                self._approximate.add(req.seq_id)
+                self.stats.num_replayed_bounded += 1
+            elif hit_len:
+                self.stats.num_replayed_exact += 1
+
+    def may_cache_blocks(self, req: Request) -> bool:
+        return req.seq_id not in self._approximate
+
+    def on_release(self, req: Request) -> None:
+        """Finish or preempt, before the blocks are freed: save the latest boundary snapshot when
+        its blocks are in the prefix cache (else nobody could hit it), else drop it."""
+        with self._lock:
+            self._live.discard(req.seq_id)
+            self._approximate.discard(req.seq_id)
+            self._restores.pop(req.seq_id, None)
+            boundary = self.store.staged_boundary(req.seq_id)
+            key = self.boundary_key(req, boundary) if boundary else None
+            if key is not None and boundary // self.block_size <= req.num_registered_blocks:
+                if self.store.commit(req.seq_id, key):
+                    self.stats.num_saved += 1
+            else:
+                self.store.discard(req.seq_id)
+
+    # ---- runner side (device thread) ---------------------------------------------------------
+    def before_forward(self, batch: ForwardBatch, runner) -> None:
+        if not self._restores:
+            return
+        for step in batch.steps:
+            key = self._restores.pop(step.seq_id, None)
+            if key is None:
+                continue
+            got = self.store.read(key, self.dtype, runner.device)
+            if got is None:  # evicted since admission (cannot happen with a pinned LRU touch race only)
+                raise RuntimeError(f"SWA slot of sequence {step.seq_id} was evicted before its restore")
+            runner.swa.write_slot(step.slot, got[1])
+
+    def after_forward(self, batch: ForwardBatch, runner) -> None:
+        for step in batch.steps:
+            if step.seq_id in self._approximate or step.seq_id not in self._live:
+                continue
+            num_known = step.end_pos - max(0, step.num_logits - 1)  # drafts of a verify step are above it
+            boundary = snapshot_boundary(step.end_pos, num_known, self.block_size, self.lookahead)
+            if boundary is None or boundary <= step.start_pos - self.lookahead:
+                continue
+            with self._lock:
+                if step.seq_id not in self._live or self.store.staged_boundary(step.seq_id) == boundary:
+                    continue
+                if self.store.stage(step.seq_id, boundary, runner.swa.read_slot(step.slot)):
+                    self.stats.num_snapshots += 1
+
+    # ---- prefetch (asyncio) ------------------------------------------------------------------
+    def prefix_hashes(self, prompt_token_ids: Sequence[int], cache_salt: str = "") -> list[BlockHash]:
+        hashes: list[BlockHash] = []
+        extend_block_hashes(hashes, prompt_token_ids, self.block_size, root_hash(self.model_id, cache_salt))
+        return hashes
+
+    async def prefetch(self, prompt_token_ids: Sequence[int], hit_blocks: int, cache_salt: str = "") -> FetchResult | None:
+        """Fetch the slot at a ``hit_blocks``-block prefix hit unless the store has it; None when
+        there is nothing to do (no hit, slot already local, no fetcher)."""
+        if self.fetcher is None or hit_blocks <= 0:
+            return None
+        key = self.prefix_hashes(prompt_token_ids[: hit_blocks * self.block_size], cache_salt)[hit_blocks - 1]
+        if self.store.boundary_of(key) == hit_blocks * self.block_size:
+            return None
+        result = await self.fetcher.fetch([key], self.fetch_deadline_s)
+        if result.is_hit:
+            self.stats.num_fetched += 1
+        else:
+            self.stats.num_fetch_misses += 1
+        return result
+
+
+class SwaSlotRunner:
+    """Wraps the runner EngineCore calls: restores before and snapshots after each forward."""
+
+    def __init__(self, runner, manager: SwaSlotManager) -> None:
+        self.runner = runner
+        self.manager = manager
+
+    def __getattr__(self, name: str):
+        return getattr(self.runner, name)
+
+    def execute(self, batch: ForwardBatch) -> torch.Tensor:
+        self.manager.before_forward(batch, self.runner)
+        logits = self.runner.execute(batch)
+        self.manager.after_forward(batch, self.runner)
+        return logits
+
+
+def attach_swa_slots(core, *, mode: SwaReplayMode = "bounded", replay_tokens: int = DEFAULT_REPLAY_TOKENS,
+                     store: SwaSlotStore | None = None, num_store_slots: int = 64,
+                     fetcher: SwaSlotFetcher | None = None, fetch_deadline_s: float = 1.0,
+                     is_window_mxfp8: bool = True) -> SwaSlotManager:
+    """Give an EngineCore ``swa_replay`` = ``mode`` and (with a store) slot save/restore.
+
+    ``store=None`` builds a host store of ``num_store_slots`` slots in the runner's layout;
+    ``num_store_slots=0`` sets only the replay mode and returns a manager without a store."""
+    runner = core.runner
+    cfg = runner.config
+    sched = core.scheduler
+    sched.config = replace(sched.config, max_replay_tokens=max_replay_tokens(
+        mode, sliding_window=cfg.sliding_window, num_layers=cfg.num_hidden_layers, replay_tokens=replay_tokens))
+    if store is None:
+        layout = SlotLayout(runner.swa.specs, carry_dtype=runner.dtype, is_window_mxfp8=is_window_mxfp8)
+        store = SwaSlotStore(layout, max(num_store_slots, 1))
+    manager = SwaSlotManager(store, block_size=sched.config.block_size, lookahead=runner.geometry.lookahead,
+                             num_exact_tokens=exact_replay_tokens(cfg.sliding_window, cfg.num_hidden_layers),
+                             model_id=sched.config.model_id, dtype=runner.dtype, fetcher=fetcher,
+                             fetch_deadline_s=fetch_deadline_s)
+    sched.swa_slots = manager
+    sched.kv.may_cache_blocks = manager.may_cache_blocks
+    sched.kv.on_release = manager.on_release
+    if num_store_slots:
+        core.runner = SwaSlotRunner(runner, manager)
+    return manager
