@@ -66,7 +66,10 @@ class SwaSlotManager:
         self.fetcher = fetcher
         self.fetch_deadline_s = fetch_deadline_s
         self.stats = SwaSlotStats()
-        self._restores: dict[int, BlockHash] = {}  # seq id -> key, consumed by its first forward
+        # seq id -> decoded slot, read when the scheduler asks (so a later LRU eviction cannot
+        # take it away), moved to _restores at admission, consumed by the sequence's first forward
+        self._pending: dict[int, tuple[BlockHash, dict[str, torch.Tensor]]] = {}
+        self._restores: dict[int, dict[str, torch.Tensor]] = {}
         self._live: set[int] = set()  # admitted seq ids whose slot state may be snapshotted
         self._approximate: set[int] = set()
         self._lock = threading.Lock()  # staging (device thread) vs commit/discard (engine thread)
@@ -78,14 +81,27 @@ class SwaSlotManager:
 
     def has_slot(self, req: Request, hit_len: int) -> bool:
         key = self.boundary_key(req, hit_len) if hit_len > 0 else None
-        return key is not None and self.store.boundary_of(key) == hit_len
+        if key is None:
+            return False
+        pending = self._pending.get(req.seq_id)
+        if pending is not None and pending[0] == key:
+            return True
+        if self.store.boundary_of(key) != hit_len:
+            return False
+        got = self.store.read(key, self.dtype)
+        if got is None or got[0] != hit_len:
+            return False
+        self._pending[req.seq_id] = (key, got[1])
+        return True
 
     def on_admit(self, req: Request, hit_len: int, *, is_restored: bool) -> None:
         """After the scheduler admitted ``req`` (slot assigned, window_start/write_from set)."""
         with self._lock:
             self._live.add(req.seq_id)
+            pending = self._pending.pop(req.seq_id, None)
             if is_restored:
-                self._restores[req.seq_id] = self.boundary_key(req, hit_len)
+                assert pending is not None, f"sequence {req.seq_id} admitted for a restore that has_slot never found"
+                self._restores[req.seq_id] = pending[1]
                 self.stats.num_restored += 1
                 return
             num_replay = hit_len - req.window_start
@@ -107,6 +123,7 @@ class SwaSlotManager:
             self._live.discard(req.seq_id)
             self._approximate.discard(req.seq_id)
             self._restores.pop(req.seq_id, None)
+            self._pending.pop(req.seq_id, None)
             boundary = self.store.staged_boundary(req.seq_id)
             key = self.boundary_key(req, boundary) if boundary else None
             if key is not None and boundary // self.block_size <= req.num_registered_blocks:
@@ -120,13 +137,9 @@ class SwaSlotManager:
         if not self._restores:
             return
         for step in batch.steps:
-            key = self._restores.pop(step.seq_id, None)
-            if key is None:
-                continue
-            got = self.store.read(key, self.dtype, runner.device)
-            if got is None:  # evicted since admission (cannot happen with a pinned LRU touch race only)
-                raise RuntimeError(f"SWA slot of sequence {step.seq_id} was evicted before its restore")
-            runner.swa.write_slot(step.slot, got[1])
+            rings = self._restores.pop(step.seq_id, None)
+            if rings is not None:
+                runner.swa.write_slot(step.slot, rings)  # copies host -> device
 
     def after_forward(self, batch: ForwardBatch, runner) -> None:
         for step in batch.steps:
