@@ -51,6 +51,9 @@ def add_parser(subparsers, name):
                    help="model name(s) requests may use (default: the model directory's name)")
     p.add_argument("--max-concurrent-requests", type=int, default=None,
                    help="generation requests served at once before HTTP 429 (default: no gateway limit)")
+    p.add_argument("--shutdown-grace", type=float, default=5.0, metavar="S",
+                   help="on SIGINT/SIGTERM, seconds requests in flight may take to finish before they are "
+                        "aborted (default 5)")
     e = p.add_argument_group("engine")
     e.add_argument("--dtype", default=None, choices=DTYPES, help="compute dtype (default auto: float32 on CPU)")
     e.add_argument("--device", default=None, help="cpu, cuda, cuda:N or auto (default auto)")
@@ -79,6 +82,8 @@ def _check_args(args) -> None:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise CliError(f"--{flag.replace('_', '-')} must be >= 1, got {value}", code=2)
+    if not 0 <= args.shutdown_grace <= 3600:
+        raise CliError(f"--shutdown-grace must be between 0 and 3600 seconds, got {args.shutdown_grace}", code=2)
     if args.api_key is not None and not args.api_key.strip():
         raise CliError("--api-key must not be blank; leave it out to disable authentication", code=2)
     if args.served_model_name is not None and not all(n.strip() for n in args.served_model_name):
@@ -122,7 +127,8 @@ def run(args) -> int:
     try:
         EngineOptions.from_kwargs(**options)  # bad values fail here, before anything loads
         gateway = GatewayConfig(served_model_names=names, api_key=args.api_key,
-                                max_concurrent_requests=args.max_concurrent_requests)
+                                max_concurrent_requests=args.max_concurrent_requests,
+                                shutdown_grace_s=args.shutdown_grace)
     except (EngineOptionsError, ValueError) as exc:
         raise CliError(str(exc), code=2) from None
     logging.basicConfig(level=envs.get().log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

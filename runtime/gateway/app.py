@@ -43,6 +43,8 @@ def _http_error(exc: web.HTTPException, max_body_bytes: int) -> GatewayError:
 async def errors_middleware(request: web.Request, handler):
     """Every failure leaves as OpenAI-format JSON; unexpected ones are logged as 500s."""
     state = request.app[STATE_KEY]
+    task = asyncio.current_task()
+    state.handler_tasks.add(task)
     try:
         response = await handler(request)
     except GatewayError as err:
@@ -57,6 +59,8 @@ async def errors_middleware(request: web.Request, handler):
         log.exception("unhandled error serving %s %s", request.method, request.path)
         response = error_response(GatewayError("internal server error; see the server log", status=500,
                                                code="internal_error"))
+    finally:
+        state.handler_tasks.discard(task)
     state.metrics.http_responses.labels(str(response.status)).inc()
     return response
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
@@ -48,6 +49,8 @@ class GatewayState:
     metrics: GatewayMetrics
     model_names: tuple[str, ...]
     num_in_flight: int = 0  # generation requests being served now
+    # tasks running a handler now; shutdown cancels those still running after the grace period
+    handler_tasks: set[asyncio.Task] = field(default_factory=set)
 
 
 STATE_KEY = web.AppKey("deepinfer_gateway_state", GatewayState)

@@ -14,16 +14,20 @@ import json
 import logging
 import shlex
 import signal
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from aiohttp import web
 
 from deepinfer.runtime.gateway.app import build_app
-from deepinfer.runtime.gateway.config import GatewayConfig
+from deepinfer.runtime.gateway.config import STATE_KEY, GatewayConfig
 from deepinfer.runtime.gateway.engine_client import EngineClient
 
 log = logging.getLogger(__name__)
+
+CLOSE_POLL_S = 0.02
+CANCEL_WAIT_S = 5.0  # cancelled handlers only abort their engine requests: quick
 
 
 @dataclass(slots=True)
@@ -42,6 +46,21 @@ class RunningGateway:
         return self.runner.app
 
     async def close(self) -> None:
+        """Stop listening, give requests in flight ``shutdown_grace_s`` to finish, cancel the
+        rest (their engine requests are aborted), then close every connection. Bounded: it never
+        waits for a long stream to end on its own."""
+        state = self.app[STATE_KEY]
+        for site in list(self.runner.sites):
+            await site.stop()
+        deadline = time.monotonic() + state.config.shutdown_grace_s
+        while state.handler_tasks and time.monotonic() < deadline:
+            await asyncio.sleep(CLOSE_POLL_S)
+        left = [t for t in state.handler_tasks if not t.done()]
+        for task in left:
+            task.cancel()
+        if left:
+            log.info("cancelled %d request(s) still in flight at shutdown", len(left))
+            await asyncio.wait(left, timeout=CANCEL_WAIT_S)
         await self.runner.cleanup()
 
 
@@ -55,7 +74,7 @@ async def start_gateway(
     """Bind ``host:port`` (port 0: any free port) and serve ``engine``; returns once listening."""
     config = config or GatewayConfig()
     runner = web.AppRunner(build_app(engine, config), handler_cancellation=True, access_log=None,
-                           shutdown_timeout=config.shutdown_grace_s)
+                           shutdown_timeout=CANCEL_WAIT_S)  # close() drains first: nothing is left to wait for
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)

@@ -38,6 +38,9 @@ def _parser():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--api-key", default=None)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--duration", type=float, default=None, metavar="S",
+                   help="closed loop for S seconds: --concurrency clients send request after request "
+                        "(cycling through --num-prompts prompts); in-flight requests finish")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -63,7 +66,7 @@ def main(argv=None) -> int:
                             request_rate=args.request_rate, input_len=args.input_len, output_len=args.output_len,
                             prefix_share=args.prefix_share, use_chat=args.chat, token_id_vocab=args.token_ids,
                             seed=args.seed, api_key=args.api_key, timeout_s=args.timeout,
-                            show_progress=not args.no_progress)
+                            show_progress=not args.no_progress, duration_s=args.duration)
     except ValueError as exc:
         print(f"bench serve: {exc}", file=sys.stderr)
         return 2
@@ -72,7 +75,8 @@ def main(argv=None) -> int:
     results, duration = asyncio.run(run_load(config, prompts))
     figures = summarize(config, results, duration)
 
-    report = Report(f"bench serve: {config.num_prompts} requests to {url} ({model}, "
+    what = f"{config.duration_s:g} s closed loop" if config.duration_s else f"{config.num_prompts} requests"
+    report = Report(f"bench serve: {what} to {url} ({model}, "
                     f"{'chat' if config.use_chat else 'completions'}, concurrency {config.concurrency})")
     for metric in ("ttft", "itl", "e2e"):
         report.row(metric=f"{metric} (ms)", mean=figures[f"{metric}_mean_ms"], p50=figures[f"{metric}_p50_ms"],

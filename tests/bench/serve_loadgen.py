@@ -38,6 +38,9 @@ class LoadConfig:
     api_key: str | None = None
     timeout_s: float = 600.0
     show_progress: bool = True
+    # closed loop for this long: ``concurrency`` clients each send a request, read it to the end,
+    # send the next (cycling through the prompts); None = send each prompt once
+    duration_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_prompts < 1 or self.concurrency < 1 or self.input_len < 1 or self.output_len < 1:
@@ -46,6 +49,8 @@ class LoadConfig:
             raise ValueError(f"prefix_share must be in [0, 1], got {self.prefix_share}")
         if not self.request_rate > 0:
             raise ValueError(f"request_rate must be > 0 (inf for no pacing), got {self.request_rate}")
+        if self.duration_s is not None and (not self.duration_s > 0 or math.isfinite(self.request_rate)):
+            raise ValueError("duration_s must be > 0 and runs a closed loop (no request_rate)")
         if self.token_id_vocab is not None and (self.use_chat or self.token_id_vocab <= 10):
             raise ValueError("token-id prompts need the completions API and a vocabulary larger than 10")
 
@@ -149,7 +154,8 @@ async def _one(session: aiohttp.ClientSession, config: LoadConfig, prompt: str |
 
 
 async def run_load(config: LoadConfig, prompts: list[str | list[int]]) -> tuple[list[RequestResult], float]:
-    """Send every prompt; returns the per-request results and the wall time of the whole run."""
+    """Send every prompt (or, with ``duration_s``, keep ``concurrency`` clients busy that long);
+    returns the per-request results and the wall time of the whole run."""
     from tqdm.asyncio import tqdm
 
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
@@ -157,7 +163,13 @@ async def run_load(config: LoadConfig, prompts: list[str | list[int]]) -> tuple[
     timeout = aiohttp.ClientTimeout(total=config.timeout_s)
     gate = asyncio.Semaphore(config.concurrency)
     rng = random.Random(config.seed + 1)
-    bar = tqdm(total=len(prompts), disable=not config.show_progress, desc="requests", unit="req")
+    bar = tqdm(total=None if config.duration_s else len(prompts), disable=not config.show_progress,
+               desc="requests", unit="req")
+    if config.duration_s is not None:
+        async with aiohttp.ClientSession(config.url, connector=connector, timeout=timeout, headers=headers) as session:
+            results, duration = await _closed_loop(session, config, prompts, bar)
+        bar.close()
+        return results, duration
 
     async def limited(prompt):
         async with gate:
@@ -176,6 +188,26 @@ async def run_load(config: LoadConfig, prompts: list[str | list[int]]) -> tuple[
         duration = time.perf_counter() - start
     bar.close()
     return list(results), duration
+
+
+async def _closed_loop(session: aiohttp.ClientSession, config: LoadConfig, prompts: list[str | list[int]],
+                       bar) -> tuple[list[RequestResult], float]:
+    """``concurrency`` clients, each one request at a time, starting new ones until the deadline
+    (requests in flight then run to their end and count)."""
+    start = time.perf_counter()
+    deadline = start + config.duration_s
+
+    async def client(k: int) -> list[RequestResult]:
+        done = []
+        i = k
+        while time.perf_counter() < deadline:
+            done.append(await _one(session, config, prompts[i % len(prompts)]))
+            i += config.concurrency
+            bar.update(1)
+        return done
+
+    per_client = await asyncio.gather(*(client(k) for k in range(config.concurrency)))
+    return [r for rs in per_client for r in rs], time.perf_counter() - start
 
 
 def _stats_ms(name: str, values: list[float]) -> dict[str, float | None]:

@@ -72,6 +72,19 @@ def test_bench_serve_paced_token_id_prompts(server, tmp_path):
     assert fig["errors"] == 0 and fig["input_tokens"] == 10 * 32 and fig["request_rate"] == 200
 
 
+def test_bench_serve_closed_loop_for_a_duration(server, tmp_path):
+    out = tmp_path / "closed.json"
+    argv = ["--url", server.url, "--num-prompts", "3", "--concurrency", "4", "--duration", "1.0", "--input-len", "8",
+            "--output-len", "3", "--json", str(out), "--no-progress"]
+    assert bench.main(argv) == 0
+    fig = json.loads(out.read_text())
+    assert fig["errors"] == 0
+    assert fig["completed"] == fig["num_prompts"] > 4  # each client sent several requests (prompts cycle)
+    assert fig["output_tokens"] == fig["completed"] * 3
+    assert 1.0 <= fig["duration_s"] < 10.0
+    assert server.call(lambda: server.engine.num_live) == 0
+
+
 def test_bench_serve_counts_errors(server, tmp_path, capsys):
     out = tmp_path / "bad.json"
     argv = ["--url", server.url, "--model", "no-such-model", "--num-prompts", "5", "--concurrency", "2",
@@ -87,18 +100,24 @@ def test_bench_serve_without_a_server_says_so(capsys):
     assert "is the server up" in capsys.readouterr().err
 
 
+# (requests, prompt words, tokens each): the real engine on 2 CPU cores prefills ~500 and
+# decodes ~100-200 tokens/s, so its share is smaller
+LOAD_BY_ENGINE = {"fake": (400, 24, 12), "tiny": (200, 8, 6)}
+
+
 @pytest.mark.parametrize("engine_kind", sorted(harness.ENGINE_FACTORIES))
 async def test_200_concurrent_streaming_clients_no_errors_no_leaks(engine_kind):
+    num_prompts, input_len, output_len = LOAD_BY_ENGINE.get(engine_kind, (200, 8, 6))
     async with harness.ENGINE_FACTORIES[engine_kind]() as engine:
         async with harness.running_gateway(engine) as gateway:
-            config = loadgen.LoadConfig(url=gateway.url, model=engine.model_info.name, num_prompts=400,
-                                        concurrency=200, input_len=24, output_len=12, prefix_share=0.3,
+            config = loadgen.LoadConfig(url=gateway.url, model=engine.model_info.name, num_prompts=num_prompts,
+                                        concurrency=200, input_len=input_len, output_len=output_len, prefix_share=0.3,
                                         show_progress=False)
             prompts = loadgen.synthetic_prompts(config.num_prompts, config.input_len, config.prefix_share, 0)
             results, duration = await loadgen.run_load(config, prompts)
             figures = loadgen.summarize(config, results, duration)
             assert figures["errors"] == 0, loadgen.first_errors(results)
-            assert figures["output_tokens"] == 400 * 12
+            assert figures["output_tokens"] == num_prompts * output_len
             stats = engine.stats()
             assert (stats.num_running, stats.num_waiting) == (0, 0)
             state = gateway.app[STATE_KEY]
