@@ -94,6 +94,7 @@ def summary(out, offload: KVOffload | None) -> dict:
         "token_ids": list(out.outputs[0].token_ids),
         "num_cached_tokens": out.num_cached_tokens,
         "cached_tokens_by_tier": dict(out.metrics.cached_tokens_by_tier),
+        "ttft_s": out.metrics.first_token_time - out.metrics.arrival_time,
         "stats": dataclasses.asdict(offload.stats) if offload is not None else {},
     }
 
