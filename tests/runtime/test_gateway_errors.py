@@ -10,6 +10,7 @@ import aiohttp
 import pytest
 
 from deepinfer.runtime.gateway import EngineOverloadedError, EngineStats, GatewayConfig
+from deepinfer.runtime.gateway.config import STATE_KEY
 
 
 def _helper(name):
@@ -274,7 +275,10 @@ async def test_client_disconnect_aborts_the_engine_request(stream):
                     r.close()  # drop the connection mid-stream
             else:
                 task = asyncio.create_task(_post(session, CHAT, body))
-                await _wait_for(lambda: engine.num_live == 2)
+                # both choices produced tokens (a cancel before that is a request never started,
+                # which is aborted but not counted as a finished one)
+                metrics = gateway.app[STATE_KEY].metrics
+                await _wait_for(lambda: b"deepinfer_time_to_first_token_seconds_count 2.0" in metrics.render())
                 task.cancel()
                 with pytest.raises(asyncio.CancelledError):
                     await task
