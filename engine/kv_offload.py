@@ -291,6 +291,21 @@ class KVOffload:
         if io is not None:
             io()
 
+    def submit_idle_device_io(self, device_executor) -> None:
+        """The pipeline went idle after a commit: queue the device work (the last commit's
+        copy-outs) on the device thread now instead of waiting for the next plan, so a finished
+        request's blocks reach the host tier / store while the engine has nothing to run."""
+        io = self.take_device_io()
+        if io is not None:
+            device_executor.submit(self._run_logged, io)
+
+    @staticmethod
+    def _run_logged(io: Callable[[], None]) -> None:
+        try:
+            io()
+        except Exception:  # nobody awaits this job: say what went wrong
+            log.exception("kv tiers: idle device I/O failed")
+
     def _device_io(self, reads: list[tuple[int, BlockHash]], writes: dict[int, tuple[BlockHash, dict]]) -> None:
         if reads and not self._closed:  # first: a block registered before may be re-promoted below
             stacked = self.runner.read_blocks([b for b, _ in reads])

@@ -58,6 +58,8 @@ class StepPipeline:
                 nxt_prep.set_exception(e)  # never leave the worker waiting
             self._inflight = None
             raise
+        if nxt.is_empty and core.kv_offload is not None:  # [kv-tiers hook] idle: write behind now
+            core.kv_offload.submit_idle_device_io(self.executor)
         return outputs
 
     def drain(self) -> list[RequestOutput]:
@@ -106,6 +108,8 @@ class AsyncStepPipeline:
                 nxt_prep.set_exception(e)
             self._inflight = None
             raise
+        if nxt.is_empty and core.kv_offload is not None:  # [kv-tiers hook] idle: write behind now
+            core.kv_offload.submit_idle_device_io(self.executor)
         return outputs
 
     async def drain(self) -> list[RequestOutput]:

@@ -67,7 +67,8 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 def generate(core: EngineCore, requests: list[tuple[str, list[int], SamplingParams]], max_steps: int = 10_000) -> dict:
     """Run requests to completion through the pipelined loop (device work on its own thread);
-    request id -> merged RequestOutput. Queued write-behind copies run once the loop is idle."""
+    request id -> merged RequestOutput (the pipeline queues the last write-behind copies on the
+    device thread when it goes idle)."""
     for rid, ids, params in requests:
         core.add_request(rid, ids, params)
     done: dict = {}
@@ -84,8 +85,6 @@ def generate(core: EngineCore, requests: list[tuple[str, list[int], SamplingPara
             core.check_integrity()
         else:
             raise AssertionError(f"requests not finished after {max_steps} steps")
-    if core.kv_offload is not None:
-        core.kv_offload.run_pending_device_io()  # idle: nothing in flight
     return done
 
 
