@@ -104,13 +104,17 @@ async def running_gateway(engine: EngineClient, config: GatewayConfig | None = N
 
 
 class ThreadedGateway:
-    """A gateway + engine on their own event loop in a thread, for synchronous clients."""
+    """A gateway + engine on their own event loop in a thread, for synchronous clients.
+    ``engine_factory`` builds the engine on that loop: a plain callable returning an engine, or
+    an ``EngineContext`` (an async context manager factory, e.g. ``ENGINE_FACTORIES["tiny"]``)
+    whose exit shuts the engine down."""
 
-    def __init__(self, engine_factory: Callable[[], EngineClient], config: GatewayConfig | None = None):
+    def __init__(self, engine_factory: Callable[[], object], config: GatewayConfig | None = None):
         self._factory = engine_factory
         self._config = config
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="gateway-test-loop", daemon=True)
+        self._context: contextlib.AbstractAsyncContextManager | None = None
         self.engine: EngineClient | None = None
         self.gateway: RunningGateway | None = None
 
@@ -118,10 +122,18 @@ class ThreadedGateway:
         self._thread.start()
 
         async def start():
-            self.engine = self._factory()
+            made = self._factory()
+            if isinstance(made, contextlib.AbstractAsyncContextManager):
+                self._context = made
+                made = await made.__aenter__()
+            self.engine = made
             self.gateway = await start_gateway(self.engine, self._config, host="127.0.0.1", port=0)
 
-        asyncio.run_coroutine_threadsafe(start(), self._loop).result(timeout=30)
+        try:
+            asyncio.run_coroutine_threadsafe(start(), self._loop).result(timeout=120)
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     @property
@@ -141,9 +153,16 @@ class ThreadedGateway:
         return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout=30)
 
     def __exit__(self, *exc) -> None:
+        async def stop():
+            try:
+                if self.gateway is not None:
+                    await self.gateway.close()
+            finally:
+                if self._context is not None:
+                    await self._context.__aexit__(None, None, None)
+
         try:
-            if self.gateway is not None:
-                asyncio.run_coroutine_threadsafe(self.gateway.close(), self._loop).result(timeout=30)
+            asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout=60)
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=30)

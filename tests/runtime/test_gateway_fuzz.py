@@ -57,11 +57,19 @@ def deep(depth: int, kind: str) -> str:
     return ("[" * depth + "]" * depth) if kind == "list" else ('{"a":' * depth + "1" + "}" * depth)
 
 
-@pytest.fixture(scope="module")
-def server():
-    config = GatewayConfig(max_body_bytes=BODY_LIMIT)
-    factory = lambda: harness.fake_engine(max_model_len=256, step_delay_s=0.0, prefill_delay_s=0.0)  # noqa: E731
-    with harness.ThreadedGateway(factory, config) as gw:
+# the same >= 500 requests against each engine: the FakeEngine (fast, every code path of the
+# gateway) and the real AsyncEngine on the tiny model (the engine's own validation and aborts)
+SERVER_FACTORIES = {
+    "fake": lambda: harness.fake_engine(max_model_len=256, step_delay_s=0.0, prefill_delay_s=0.0),
+    "tiny": lambda: harness.tiny_engine_context(max_model_len=256, max_num_seqs=16),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SERVER_FACTORIES))
+def server(request):
+    SENT.clear()
+    SENT["count"] = 0
+    with harness.ThreadedGateway(SERVER_FACTORIES[request.param], GatewayConfig(max_body_bytes=BODY_LIMIT)) as gw:
         yield gw
 
 
@@ -190,7 +198,7 @@ def test_server_survived_the_fuzzing(server, client):
     assert SENT["count"] >= 500
     status, _, data = client.request("GET", "/health", None, None)
     assert status == 200 and json.loads(data) == {"status": "ok"}
-    assert server.call(lambda: server.engine.num_live) == 0
-    status, _, data = client.request("POST", "/v1/completions", b'{"prompt": "still here", "max_tokens": 3}',
+    assert server.call(lambda: harness.num_live_requests(server.engine)) == 0
+    status, _, data = client.request("POST", "/v1/completions", b'{"prompt": "still here", "max_tokens": 3, "ignore_eos": true}',
                                      "application/json")
     assert status == 200 and json.loads(data)["usage"]["completion_tokens"] == 3
