@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import sys
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -146,6 +147,8 @@ class AsyncEngine:
             eos_token_ids=self.core.config.eos_token_ids,
             created=parts.created,
         )
+        if options.switch_interval_s is not None:
+            sys.setswitchinterval(options.switch_interval_s)
         self._task = self._loop.create_task(self._step_loop(), name="deepinfer-step-loop")
 
     @classmethod

@@ -52,6 +52,12 @@ class EngineOptions:
     max_num_waiting: int | None = None  # queue capacity; beyond it generate raises EngineOverloadedError
     step_time_target_s: float | None = None  # chunk sizing by the cost model (None: token budget only)
     num_threads: int | None = None  # torch intra-op threads (CPU)
+    # JSON schemas allow any whitespace between tokens (xgrammar's default); False: compact JSON,
+    # which keeps small or weak models from wandering off into whitespace
+    json_any_whitespace: bool = True
+    # CPython GIL switch interval set at start (process-wide): the device thread holds the GIL
+    # between torch ops; a short interval lets the loop thread in promptly. None: leave it.
+    switch_interval_s: float | None = 0.0005
     check_integrity_every_step: bool = False  # debug: EngineCore.check_integrity() after each step
 
     def __post_init__(self) -> None:
@@ -127,7 +133,8 @@ def build_engine(model_dir: str | Path, options: EngineOptions) -> EngineParts:
     eos_ids = tuple(eos or ())
     backend = None
     if tokenizer is not None:
-        backend = StructuredOutputBackend.from_hf_tokenizer(tokenizer.hf_tokenizer, eos_ids, vocab_size=cfg.vocab_size)
+        backend = StructuredOutputBackend.from_hf_tokenizer(tokenizer.hf_tokenizer, eos_ids, vocab_size=cfg.vocab_size,
+                                                            any_whitespace=options.json_any_whitespace)
     name = options.served_model_name or Path(model_dir).name
     sched = SchedulerConfig(
         block_size=bs,
