@@ -11,11 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import CollectorRegistry
 
 from deepinfer.cache.kv_block_codec import BlockCodec, BlockCodecError
 from deepinfer.cache.kv_tiers import TIER_DEVICE, TIER_HOST, TIER_STORE
 from deepinfer.cache.store.fs_backend import FsStore
 from deepinfer.engine.kv_offload import KVOffload, KVOffloadConfig
+from deepinfer.engine.kv_tier_metrics import KVTierCollector
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -79,6 +81,12 @@ def test_host_tier_hit_after_the_device_pool_evicted_the_prefix(reference):
         assert list(again.outputs[0].token_ids) == reference["p1"]
         pool.check_integrity()
         offload.tiers.host.check_integrity()
+        # the same figures on the engine's /metrics
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(KVTierCollector(offload, "e0"))
+        loaded = registry.get_sample_value("deepinfer_kv_loaded_host_blocks_total", {"engine": "e0"})
+        assert loaded == offload.stats.num_loaded_host
+        assert registry.get_sample_value("deepinfer_kv_host_blocks", {"engine": "e0"}) == 8
     finally:
         offload.close()
 
