@@ -1,8 +1,10 @@
 """Start-up profiling for the chunk-size cost model: time real steps of synthetic requests.
 
-Prefill shapes come from prompts of several lengths chunked by the token budget (chunk ``n`` at
-prefixes ``p = 0, B, 2B, ...``); decode shapes from batches of short requests generating a few
-tokens. Every forward goes through the engine's own runner, so the fit sees the true cost of
+Prefill shapes come from prompts of several lengths, each run whole (``p = 0``) and again in
+``num_chunks`` chunks (the token budget lowered for the run, so chunk ``n`` lands on prefixes
+``p = 0, n, 2n, ...``): without chunks at non-zero prefixes the ``n * p`` attention term is not
+identifiable and the fit may put any value there. Decode shapes come from batches of short
+requests generating a few tokens. Every forward goes through the engine's own runner, so the fit sees the true cost of
 this model on this device. The measurements are kept for good (``CostModel.add_profile``);
 online steps refine the fit afterwards.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from dataclasses import replace
 
 from deepinfer.engine.cost_model import CostModel
 from deepinfer.engine.engine_core import EngineCore
@@ -26,6 +29,7 @@ def profile_cost_model(
     decode_batches: Sequence[int] = (1, 8, 32),
     decode_context: int = 256,
     decode_tokens: int = 8,
+    num_chunks: int = 4,
     seed: int = 0,
 ) -> CostModel:
     """Profile ``core`` (idle, with a cost model) and refit its cost model; returns it."""
@@ -39,12 +43,20 @@ def profile_cost_model(
     vocab = core.config.vocab_size
     max_len = sc.max_model_len - 1
 
-    def run(prompts: list[int], max_tokens: int) -> None:
+    def run(prompts: list[int], max_tokens: int, budget: int | None = None) -> None:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
         for i, n in enumerate(prompts):
             tokens = [rng.randrange(vocab) for _ in range(min(n, max_len - max_tokens))]
             core.add_request(f"{PROFILE_SALT}{run.calls}-{i}", tokens, params, cache_salt=PROFILE_SALT)
         run.calls += 1
+        if budget is not None:
+            core.scheduler.config = replace(sc, max_num_batched_tokens=budget)
+        try:
+            _drain()
+        finally:
+            core.scheduler.config = sc
+
+    def _drain() -> None:
         while core.has_unfinished_requests():
             plan = core.schedule_step()
             if plan.is_empty:
@@ -57,6 +69,9 @@ def profile_cost_model(
     run.calls = 0
     for n in prompt_lens:
         run([n], 1)
+        chunk = -(-n // num_chunks)
+        if num_chunks > 1 and chunk < min(n, sc.max_num_batched_tokens):
+            run([n], 1, budget=chunk)
     for b in decode_batches:
         run([decode_context] * min(b, sc.max_num_seqs), decode_tokens)
     core.scheduler.pool.evict_all_unreferenced()  # profile prompts are not worth caching
