@@ -318,6 +318,15 @@ class AsyncEngine:
             stream.put(out)
 
     async def _step_loop(self) -> None:
+        try:
+            await self._run_steps()
+        except BaseException as e:  # a crashed loop must fail the streams, never strand them
+            self._die(f"the engine's step loop stopped ({type(e).__name__}: {_one_line(e)})")
+            if not isinstance(e, Exception):
+                raise
+            log.exception("engine step loop crashed")
+
+    async def _run_steps(self) -> None:
         pipe, core = self._pipe, self.core
         check = self.options.check_integrity_every_step
         while True:
@@ -369,11 +378,19 @@ class AsyncEngine:
             self._fail_stream(rid, EngineStepError(message))
         sched.pool.evict_all_unreferenced()
         if self._num_failures_in_row >= self._max_failures:
-            self._dead_reason = f"the engine stopped after {self._num_failures_in_row} failed steps in a row: {message}"
-            self._is_closed = True
+            self._die(f"the engine stopped after {self._num_failures_in_row} failed steps in a row: {message}")
+
+    def _die(self, reason: str) -> None:
+        """No more requests: fail every open stream with ``reason``; check_health raises it."""
+        if self._dead_reason is None:
+            self._dead_reason = reason
+        self._is_closed = True
+        try:
             self.core.abort(list(self._streams))
-            for rid in list(self._streams):
-                self._fail_stream(rid, EngineDeadError(self._dead_reason))
+        except Exception:  # noqa: BLE001 - the core may be what broke; the streams still end
+            log.exception("abort after an engine failure")
+        for rid in list(self._streams):
+            self._fail_stream(rid, EngineDeadError(self._dead_reason))
 
     def _fail_stream(self, rid: str, error: BaseException) -> None:
         stream = self._streams.get(rid)

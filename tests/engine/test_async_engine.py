@@ -228,3 +228,14 @@ def test_runs_under_uvloop(model_dir):
 
     out, _ = uvloop.run(main())
     assert len(out.outputs[0].token_ids) == 8
+
+
+async def test_a_crash_outside_the_model_step_fails_streams_and_marks_the_engine_dead(engine):
+    def broken_invariant():
+        raise AssertionError("free + cached + used != total")
+
+    engine.core.check_integrity = broken_invariant  # the engine runs it after every step
+    with pytest.raises(EngineDeadError, match="free \\+ cached"):
+        await collect(engine, {"prompt_token_ids": PROMPT}, GREEDY, "c")
+    with pytest.raises(EngineDeadError, match="step loop stopped"):
+        await engine.check_health()
