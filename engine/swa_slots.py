@@ -205,6 +205,8 @@ def attach_swa_slots(core, *, mode: SwaReplayMode = "bounded", replay_tokens: in
     runner = core.runner
     cfg = runner.config
     sched = core.scheduler
+    if getattr(sched, "swa_slots", None) is not None:
+        raise ValueError("this engine already has SWA slots attached; attach once, with the store and fetcher")
     sched.config = replace(sched.config, max_replay_tokens=max_replay_tokens(
         mode, sliding_window=cfg.sliding_window, num_layers=cfg.num_hidden_layers, replay_tokens=replay_tokens))
     if store is None:
