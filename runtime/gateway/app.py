@@ -25,7 +25,6 @@ from deepinfer.runtime.gateway.serving_completion import create_completion
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version"})  # never need the API key
 
 
 def _http_error(exc: web.HTTPException, max_body_bytes: int) -> GatewayError:
@@ -68,7 +67,8 @@ async def errors_middleware(request: web.Request, handler):
 @web.middleware
 async def auth_middleware(request: web.Request, handler):
     api_key = request.app[STATE_KEY].config.api_key
-    if api_key is None or request.path in OPEN_PATHS:
+    # matched by handler, not path, so it also holds when the app is mounted under a prefix
+    if api_key is None or request.match_info.handler in OPEN_HANDLERS:
         return await handler(request)
     header = request.headers.get("Authorization", "")
     scheme, _, token = header.partition(" ")
@@ -111,6 +111,9 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def version(request: web.Request) -> web.Response:
     return web.json_response({"version": deepinfer.__version__})
+
+
+OPEN_HANDLERS = frozenset({health, metrics, version})  # never need the API key
 
 
 def build_app(engine: EngineClient, config: GatewayConfig | None = None) -> web.Application:
