@@ -3,8 +3,10 @@
 At decode sizes every torch op costs its dispatch overhead, not its arithmetic. mHC's block
 weights (two sigmoids, a softmax and 20 Sinkhorn rounds on an N x N matrix per token, then the
 weighted collapse of the N streams) cost ~130 torch/numpy calls per block in the reference,
-RMSNorm ~15 internal ops, RoPE ~8, the clamped SwiGLU ~7; here each is one C call. The C source below is compiled with the system C compiler
-on first use into the cache directory (keyed by a hash of the source) and loaded with ctypes.
+RMSNorm ~15 internal ops, RoPE ~8, the clamped SwiGLU ~7, attention over a gathered key set
+and the mHC stream update ~10 each; here each is one C call, and the MoE dispatch plan is built
+in C too. The C source (kernels/cpu_native_src.py) is compiled with the system C compiler on
+first use into the cache directory (keyed by a hash of the source) and loaded with ctypes.
 Without a compiler, or for tensors that are not contiguous CPU float32, callers get the torch
 reference instead (``hc_pre`` here falls back by itself).
 
@@ -26,190 +28,11 @@ from pathlib import Path
 import torch
 
 from deepinfer.kernels import torch_ref
+from deepinfer.kernels.cpu_native_src import C_SOURCE
 
 log = logging.getLogger(__name__)
 
 MAX_HC = 16
-
-C_SOURCE = r"""
-#include <math.h>
-#include <stdint.h>
-
-/* mixes [rows, (2+n)*n]: pre | post | comb logits (before scale and bias); streams [rows, n, d].
-   Outputs: post [rows, n], comb [rows, n, n], collapsed [rows, d]. */
-void hc_pre(const float* mixes, const float* streams, const float* pp_scale, const float* pp_base,
-            float comb_scale, const float* comb_base, int64_t rows, int64_t n, int64_t d,
-            int64_t iters, float hc_eps, float* post, float* comb, float* collapsed) {
-    for (int64_t r = 0; r < rows; ++r) {
-        const float* m = mixes + r * (2 + n) * n;
-        float pre[16];
-        for (int64_t j = 0; j < 2 * n; ++j) {
-            float z = m[j] * pp_scale[j];
-            z = z + pp_base[j];
-            float s = (float)(1.0 / (1.0 + exp(-(double)z)));
-            if (j < n) pre[j] = s + hc_eps;
-            else post[r * n + (j - n)] = s * 2.0f;
-        }
-        float* c = comb + r * n * n;
-        for (int64_t i = 0; i < n; ++i) {
-            float mx = -INFINITY;
-            for (int64_t j = 0; j < n; ++j) {
-                float z = m[2 * n + i * n + j] * comb_scale;
-                z = z + comb_base[i * n + j];
-                c[i * n + j] = z;
-                if (z > mx) mx = z;
-            }
-            float sum = 0.0f;
-            for (int64_t j = 0; j < n; ++j) {
-                float e = (float)exp((double)(c[i * n + j] - mx));
-                c[i * n + j] = e;
-                sum = sum + e;
-            }
-            for (int64_t j = 0; j < n; ++j) c[i * n + j] = c[i * n + j] / sum + hc_eps;
-        }
-        for (int64_t it = 0; it < iters; ++it) {
-            if (it > 0) {
-                for (int64_t i = 0; i < n; ++i) {
-                    float s = c[i * n];
-                    for (int64_t j = 1; j < n; ++j) s = s + c[i * n + j];
-                    s = s + hc_eps;
-                    for (int64_t j = 0; j < n; ++j) c[i * n + j] = c[i * n + j] / s;
-                }
-            }
-            for (int64_t j = 0; j < n; ++j) {
-                float s = c[j];
-                for (int64_t i = 1; i < n; ++i) s = s + c[i * n + j];
-                s = s + hc_eps;
-                for (int64_t i = 0; i < n; ++i) c[i * n + j] = c[i * n + j] / s;
-            }
-        }
-        const float* x = streams + r * n * d;
-        float* out = collapsed + r * d;
-        for (int64_t k = 0; k < d; ++k) {
-            float acc = pre[0] * x[k];
-            for (int64_t j = 1; j < n; ++j) acc = acc + pre[j] * x[j * d + k];
-            out[k] = acc;
-        }
-    }
-}
-
-/* RMSNorm of rows x[o * so + i * si + 0..d) (o < outer, i < inner) into contiguous out;
-   weight may be NULL. */
-void rms_norm(const float* x, int64_t outer, int64_t inner, int64_t so, int64_t si, int64_t d,
-              const float* weight, float eps, float* out) {
-    for (int64_t o = 0; o < outer; ++o) {
-        for (int64_t i = 0; i < inner; ++i) {
-            const float* row = x + o * so + i * si;
-            float* dst = out + (o * inner + i) * d;
-            float ss = 0.0f;
-            for (int64_t k = 0; k < d; ++k) ss = ss + row[k] * row[k];
-            float r = 1.0f / sqrtf(ss / (float)d + eps);
-            if (weight) for (int64_t k = 0; k < d; ++k) dst[k] = weight[k] * (row[k] * r);
-            else for (int64_t k = 0; k < d; ++k) dst[k] = row[k] * r;
-        }
-    }
-}
-
-/* In-place interleaved RoPE of the last rd channels of rows x[o * so + i * si + 0..d);
-   cos/sin [outer, rd] full-width tables (sin signed: -s on even, +s on odd channels). */
-void rope(float* x, int64_t outer, int64_t inner, int64_t so, int64_t si, int64_t d, int64_t rd,
-          const float* cos_t, const float* sin_t) {
-    for (int64_t o = 0; o < outer; ++o) {
-        const float* c = cos_t + o * rd;
-        const float* s = sin_t + o * rd;
-        for (int64_t i = 0; i < inner; ++i) {
-            float* p = x + o * so + i * si + (d - rd);
-            for (int64_t k = 0; k < rd; k += 2) {
-                float e = p[k], od = p[k + 1];
-                float a = e * c[k], b = od * s[k];
-                float a2 = od * c[k + 1], b2 = e * s[k + 1];
-                p[k] = a + b;
-                p[k + 1] = a2 + b2;
-            }
-        }
-    }
-}
-
-/* Router: logits [rows, e] -> ids [rows, k] ascending (int64), weights [rows, k].
-   scoring 0 = sqrt(softplus), 1 = sigmoid, 2 = softmax; hash_ids [rows, k] or NULL (then top-k
-   of score + bias, lowest id first on ties); weights = chosen scores / (sum + 1e-20) * scale. */
-void moe_route(const float* logits, int64_t rows, int64_t e, const float* bias, const int64_t* hash_ids,
-               int64_t k, int64_t scoring, float scale, int64_t* ids, float* weights) {
-    float scores[1024];
-    for (int64_t r = 0; r < rows; ++r) {
-        const float* x = logits + r * e;
-        if (scoring == 2) {
-            float mx = x[0];
-            for (int64_t j = 1; j < e; ++j) if (x[j] > mx) mx = x[j];
-            float sum = 0.0f;
-            for (int64_t j = 0; j < e; ++j) { scores[j] = expf(x[j] - mx); sum = sum + scores[j]; }
-            for (int64_t j = 0; j < e; ++j) scores[j] = scores[j] / sum;
-        } else {
-            for (int64_t j = 0; j < e; ++j) {
-                double v = (double)x[j];
-                if (scoring == 0) scores[j] = sqrtf((float)(v > 20.0 ? v : log1p(exp(v))));
-                else scores[j] = (float)(1.0 / (1.0 + exp(-v)));
-            }
-        }
-        int64_t* id = ids + r * k;
-        if (hash_ids) {
-            for (int64_t i = 0; i < k; ++i) id[i] = hash_ids[r * k + i];
-        } else {
-            for (int64_t i = 0; i < k; ++i) {
-                int64_t best = -1;
-                float best_v = 0.0f;
-                for (int64_t j = 0; j < e; ++j) {
-                    int taken = 0;
-                    for (int64_t q = 0; q < i; ++q) if (id[q] == j) { taken = 1; break; }
-                    if (taken) continue;
-                    float v = scores[j] + (bias ? bias[j] : 0.0f);
-                    if (best < 0 || v > best_v) { best = j; best_v = v; }
-                }
-                id[i] = best;
-            }
-        }
-        for (int64_t i = 1; i < k; ++i) {  /* ascending ids: a fixed summation order */
-            int64_t v = id[i], q = i - 1;
-            while (q >= 0 && id[q] > v) { id[q + 1] = id[q]; --q; }
-            id[q + 1] = v;
-        }
-        float* w = weights + r * k;
-        float sum = 0.0f;
-        for (int64_t i = 0; i < k; ++i) { w[i] = scores[id[i]]; sum = sum + w[i]; }
-        sum = sum + 1e-20f;
-        for (int64_t i = 0; i < k; ++i) w[i] = (w[i] / sum) * scale;
-    }
-}
-
-/* out[t, :] += sum_j w[t, j] * rows[row_of_pair[t * k + j], :], j in order. */
-void moe_combine(float* out, const float* rows, const int64_t* row_of_pair, const float* w,
-                 int64_t t_count, int64_t k, int64_t d) {
-    for (int64_t t = 0; t < t_count; ++t) {
-        float* o = out + t * d;
-        for (int64_t c = 0; c < d; ++c) {
-            float acc = w[t * k] * rows[row_of_pair[t * k] * d + c];
-            for (int64_t j = 1; j < k; ++j) acc = acc + w[t * k + j] * rows[row_of_pair[t * k + j] * d + c];
-            o[c] = o[c] + acc;
-        }
-    }
-}
-
-/* out[r, j] = silu(min(g, limit)) * clamp(u, -limit, limit), gate_up rows = [g (m) | u (m)]. */
-void swiglu(const float* gate_up, int64_t rows, int64_t m, float limit, float* out) {
-    for (int64_t r = 0; r < rows; ++r) {
-        const float* g = gate_up + r * 2 * m;
-        const float* u = g + m;
-        float* dst = out + r * m;
-        for (int64_t j = 0; j < m; ++j) {
-            float gv = g[j] < limit ? g[j] : limit;
-            if (g[j] != g[j]) gv = g[j];
-            float uv = u[j] < -limit ? -limit : (u[j] > limit ? limit : u[j]);
-            float act = gv / (1.0f + expf(-gv));
-            dst[j] = act * uv;
-        }
-    }
-}
-"""
 
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -250,6 +73,13 @@ def _build() -> ctypes.CDLL | None:
     lib.moe_route.restype = None
     lib.moe_combine.argtypes = [f32p, f32p, f32p, f32p, i64, i64, i64]
     lib.moe_combine.restype = None
+    lib.gathered_attention.argtypes = [f32p, f32p, f32p, f32p, i64, f32p, f32p, f32p, i64, f32p, i64, i64, i64,
+                                       ctypes.c_float, f32p, f32p]  # fmt: skip
+    lib.gathered_attention.restype = None
+    lib.hc_post.argtypes = [f32p, f32p, f32p, f32p, i64, i64, i64, f32p]
+    lib.hc_post.restype = None
+    lib.moe_dispatch.argtypes = [f32p, i64, i64, i64, i64, i64, f32p, f32p, f32p, f32p, f32p, f32p]
+    lib.moe_dispatch.restype = None
     return lib
 
 
@@ -315,9 +145,10 @@ def hc_pre(
 
 
 def _native_f32(*tensors: torch.Tensor) -> ctypes.CDLL | None:
-    if all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
-        return library()
-    return None
+    for t in tensors:  # a plain loop: this runs ~300 times per decode step
+        if t.dtype is not torch.float32 or not t.is_cpu:
+            return None
+    return library()
 
 
 def _rows(x: torch.Tensor) -> tuple[int, int, int, int] | None:
@@ -390,3 +221,67 @@ def moe_combine_(out: torch.Tensor, rows: torch.Tensor, row_of_pair: torch.Tenso
     row_of_pair, weights = row_of_pair.contiguous(), weights.contiguous()
     lib.moe_combine(out.data_ptr(), rows.data_ptr(), row_of_pair.data_ptr(), weights.data_ptr(), t, k, out.shape[-1])
     return out
+
+
+def gathered_attention(q, pool, pool_rows, pool_bias, extra, extra_rows, extra_bias, sinks, scale, batch_invariant=False):
+    """``torch_ref.gathered_attention`` in one native call: key rows are read in place, never gathered."""
+    tensors = (q, pool, pool_bias, sinks) + (() if extra is None else (extra, extra_bias))
+    is_long = pool_rows.dtype == torch.long and (extra is None or extra_rows.dtype == torch.long)
+    lib = _native_f32(*tensors) if pool_rows.device.type == "cpu" and is_long else None
+    if lib is None or q.shape[-1] % 8 or q.dim() != 3:
+        return torch_ref.gathered_attention(q, pool, pool_rows, pool_bias, extra, extra_rows, extra_bias, sinks,
+                                            scale, batch_invariant)  # fmt: skip
+    g, h, d = q.shape
+    q, pool, sinks = q.contiguous(), pool.contiguous(), sinks.contiguous()
+    pool_rows, pool_bias = pool_rows.contiguous(), pool_bias.contiguous()
+    np_, ne = pool_rows.shape[1], 0 if extra is None else extra_rows.shape[1]
+    extra_ptr = rows_ptr = bias_ptr = 0
+    if extra is not None:
+        extra, extra_rows, extra_bias = extra.contiguous(), extra_rows.contiguous(), extra_bias.contiguous()
+        extra_ptr, rows_ptr, bias_ptr = extra.data_ptr(), extra_rows.data_ptr(), extra_bias.data_ptr()
+    out = torch.empty(g, h, d, dtype=torch.float32)
+    scratch = torch.empty(h * (np_ + ne), dtype=torch.float32)
+    lib.gathered_attention(q.data_ptr(), pool.data_ptr(), pool_rows.data_ptr(), pool_bias.data_ptr(), np_,
+                           extra_ptr, rows_ptr, bias_ptr, ne, sinks.data_ptr(), g, h, d, scale,
+                           scratch.data_ptr(), out.data_ptr())  # fmt: skip
+    return out
+
+
+def hc_post(block_out, streams, post, comb, batch_invariant: bool = False) -> torch.Tensor:
+    """``torch_ref.hc_post`` in one native call (per row, fixed order)."""
+    lib = _native_f32(block_out, streams, post, comb)
+    if lib is None or streams.dim() != 3:
+        return torch_ref.hc_post(block_out, streams, post, comb, batch_invariant)
+    rows, n, d = streams.shape
+    block_out, streams = block_out.contiguous(), streams.contiguous()
+    post, comb = post.contiguous(), comb.contiguous()
+    result = torch.empty(rows, n, d, dtype=torch.float32)
+    lib.hc_post(block_out.data_ptr(), streams.data_ptr(), post.data_ptr(), comb.data_ptr(), rows, n, d, result.data_ptr())
+    return result
+
+
+def moe_dispatch(expert_ids: torch.Tensor, num_experts: int, batch_invariant: bool, dense_cost: int):
+    """The MoE dispatch plan in one native call: (token_of_row, row_of_pair, segments,
+    rows_per_expert) with the layout of ``MoE.dispatch``; None when the kernels are unavailable."""
+    lib = library() if expert_ids.is_cpu and expert_ids.dtype is torch.long else None
+    if lib is None:
+        return None
+    ids = expert_ids.contiguous()
+    t, k = ids.shape
+    pairs = t * k
+    max_rows = max(pairs + 3 * num_experts, num_experts * torch_ref.gemm_rows(t))
+    buf = torch.empty(2 * num_experts + max_rows + pairs + 3 * num_experts + 3, dtype=torch.long)
+    ptr, size = buf.data_ptr(), buf.element_size()
+    offsets, at = [], 0
+    for n in (num_experts, num_experts, max_rows, pairs, 3 * num_experts, 3):
+        offsets.append(ptr + at * size)
+        at += n
+    lib.moe_dispatch(ids.data_ptr(), pairs, k, num_experts, int(batch_invariant), dense_cost, *offsets)
+    num_rows, num_segments, rows_per_expert = buf[-3:].tolist()
+    first_row = 2 * num_experts
+    token_of_row = buf[first_row : first_row + num_rows]
+    row_of_pair = buf[first_row + max_rows : first_row + max_rows + pairs]
+    seg_at = first_row + max_rows + pairs
+    flat = buf[seg_at : seg_at + 3 * num_segments].tolist()
+    segments = [tuple(flat[i : i + 3]) for i in range(0, len(flat), 3)]
+    return token_of_row, row_of_pair, segments, rows_per_expert

@@ -25,6 +25,7 @@ OP_NAMES = (
     "rope_tables",
     "apply_rope_",
     "attention_with_sink",
+    "gathered_attention",
     "sinkhorn",
     "hc_pre",
     "hc_post",
@@ -39,7 +40,9 @@ _default: dict[str, Callable] = {
     **_reference,
     **{
         name: getattr(cpu_native, name)
-        for name in ("hc_pre", "rms_norm", "apply_rope_", "swiglu_clamped", "moe_route", "moe_combine_")
+        for name in (
+            "hc_pre", "rms_norm", "apply_rope_", "swiglu_clamped", "moe_route", "moe_combine_", "gathered_attention", "hc_post",
+        )  # fmt: skip
     },
 }
 _active: dict[str, Callable] = {}
@@ -80,6 +83,7 @@ rms_norm = torch_ref.rms_norm
 rope_tables = torch_ref.rope_tables
 apply_rope_ = torch_ref.apply_rope_
 attention_with_sink = torch_ref.attention_with_sink
+gathered_attention = torch_ref.gathered_attention
 sinkhorn = torch_ref.sinkhorn
 hc_pre = cpu_native.hc_pre
 hc_post = torch_ref.hc_post

@@ -57,11 +57,19 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, batch_invariant: bool 
 
 def bmm(a: torch.Tensor, b: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
     """``a [B, M, K] @ b [B, K, N]``; a batch of one is padded so it takes the batched kernel."""
-    if batch_invariant:
-        a, b = a.contiguous(), b.contiguous()  # padding must not change the operands' layout
-        if a.shape[0] == 1:
-            return torch.bmm(torch.cat([a, a]), torch.cat([b, b]))[:1]
+    if batch_invariant and a.shape[0] == 1:
+        return torch.bmm(_twice(a), _twice(b))[:1]
     return torch.bmm(a, b)
+
+
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    """``x [1, ...]`` repeated to a batch of 2 with the same layout of the other dims (a
+    transposed operand stays transposed, so it takes the same kernel as any larger batch)."""
+    rest = sorted(range(1, x.dim()), key=lambda d: -x.stride(d))
+    perm = [0, *rest]
+    y = x.permute(perm).contiguous()
+    y = torch.cat([y, y])
+    return y.permute([perm.index(d) for d in range(x.dim())])
 
 
 def sigmoid(x: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
@@ -140,6 +148,32 @@ def attention_with_sink(
     logits[:, :, sink_slot] = sinks
     probs = torch.softmax(logits, dim=-1)
     return bmm(probs if probs.dtype == keys.dtype else probs.to(keys.dtype), keys, batch_invariant)
+
+
+def gathered_attention(
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    pool_rows: torch.Tensor,
+    pool_bias: torch.Tensor,
+    extra: torch.Tensor | None,
+    extra_rows: torch.Tensor | None,
+    extra_bias: torch.Tensor | None,
+    sinks: torch.Tensor,
+    scale: float,
+    batch_invariant: bool = False,
+) -> torch.Tensor:
+    """``attention_with_sink`` over key sets gathered by row ids: token g attends rows
+    ``pool[pool_rows[g]]`` (``[G, L + 1]``, the last one the pool's zero row standing for the
+    sink) and then, if given, ``extra[extra_rows[g]]`` (``[G, K]``); biases ``[G, 1, L + 1]`` and
+    ``[G, 1, K]`` (0 / -inf). Backends may skip materialising the key sets."""
+    num, width = pool_rows.shape
+    keys = pool.index_select(0, pool_rows.reshape(-1)).view(num, width, -1)
+    bias = pool_bias
+    if extra is not None:
+        more = extra.index_select(0, extra_rows.reshape(-1)).view(num, extra_rows.shape[1], -1)
+        keys = torch.cat([keys, more], dim=1)
+        bias = torch.cat([bias, extra_bias], dim=-1)
+    return attention_with_sink(q, keys, bias, sinks, width - 1, scale, batch_invariant)
 
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:

@@ -112,8 +112,7 @@ class Attention(nn.Module):
             pick = (lambda x: x[:t]) if sel is None else (lambda x: x.index_select(0, sel))
             qg = pick(q)
             num = qg.shape[0]
-            keys = pool.index_select(0, g.win_index).view(num, g.window_len + 1, hd)
-            bias = g.win_bias
+            compressed = cand_rows = cand_bias = None
             if g.num_candidates:
                 if self.indexer is not None:
                     cand_keys = blocks.flat(layer, "indexer_keys").index_select(0, g.cand_rows.reshape(-1))
@@ -121,10 +120,11 @@ class Attention(nn.Module):
                     cand_rows, cand_bias = self.indexer.select(pick(index_q), pick(index_w), cand_keys, g, bi)
                 else:
                     cand_rows, cand_bias = g.cand_rows, g.cand_bias
-                compressed = blocks.flat(layer, "compressed").index_select(0, cand_rows.reshape(-1))
-                keys = torch.cat([keys, compressed.view(num, -1, hd)], dim=1)
-                bias = torch.cat([bias, cand_bias], dim=-1)
-            part = ops.attention_with_sink(qg, keys, bias, self.sinks, g.window_len, hd**-0.5, bi)
+                compressed = blocks.flat(layer, "compressed")
+            win_rows = g.win_index.view(num, g.window_len + 1)
+            part = ops.gathered_attention(
+                qg, pool, win_rows, g.win_bias, compressed, cand_rows, cand_bias, self.sinks, hd**-0.5, bi
+            )
             if out is None:
                 out = part
             elif sel is None:

@@ -39,11 +39,11 @@ class DecoderLayer(nn.Module):
     def forward(self, streams: torch.Tensor, ctx: ForwardContext, blocks: BlockCache, swa: SwaArena) -> torch.Tensor:
         bi = ctx.batch_invariant
         post, comb, x = self.attn_hc.pre(streams, bi)
-        out = self.self_attn(ops.rms_norm(x, self.input_layernorm.weight, self.eps), ctx, blocks, swa)
+        out = self.self_attn.forward(ops.rms_norm(x, self.input_layernorm.weight, self.eps), ctx, blocks, swa)
         streams = HyperConnection.post(out, streams, post, comb, bi)
         post, comb, x = self.ffn_hc.pre(streams, bi)
         x = ops.rms_norm(x, self.post_attention_layernorm.weight, self.eps)
-        out = self.mlp(x, ctx.token_ids, ctx.num_tokens, bi)
+        out = self.mlp.forward(x, ctx.token_ids, ctx.num_tokens, bi)
         return HyperConnection.post(out, streams, post, comb, bi)
 
 
@@ -125,9 +125,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         x = F.embedding(ctx.token_ids, self.embed_tokens.weight)
         streams = x[:, None, :].expand(-1, self.config.hc_mult, -1).contiguous()
         for layer in self.layers:
-            streams = layer(streams, ctx, blocks, swa)
+            streams = layer.forward(streams, ctx, blocks, swa)  # no hooks: skip Module.__call__
         streams = streams.index_select(0, ctx.logit_index)
-        hidden = self.hc_head(streams, ctx.batch_invariant)
+        hidden = self.hc_head.forward(streams, ctx.batch_invariant)
         return ops.rms_norm(hidden, self.norm.weight, self.config.rms_norm_eps)
 
     def compute_logits(self, hidden: torch.Tensor, batch_invariant: bool) -> torch.Tensor:

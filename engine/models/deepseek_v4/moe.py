@@ -30,7 +30,7 @@ from torch import nn
 
 from deepinfer.engine.model_config import ModelConfig
 from deepinfer.engine.models.deepseek_v4.layers import fuse_linears, linear_holder
-from deepinfer.kernels import ops
+from deepinfer.kernels import cpu_native, ops
 from deepinfer.kernels.torch_ref import gemm_rows
 
 DENSE_ROWS_PER_CALL = 2  # measured on CPU: one per-expert GEMM call ~ two extra GEMM rows
@@ -136,12 +136,15 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor, num_tokens: int, batch_invariant: bool) -> torch.Tensor:
         """``x [R, H]``; rows >= ``num_tokens`` are padding: routed nowhere, shared expert only."""
-        plan = self.gate(x, token_ids, num_tokens, batch_invariant)
+        plan = self.gate.forward(x, token_ids, num_tokens, batch_invariant)
         dispatch = self.dispatch(plan, batch_invariant)
         rows = self.compute(x, dispatch, batch_invariant)
-        return self.combine(self.shared_experts(x, batch_invariant), rows, dispatch, plan)
+        return self.combine(self.shared_experts.forward(x, batch_invariant), rows, dispatch, plan)
 
     def dispatch(self, plan: RoutePlan, batch_invariant: bool) -> DispatchPlan:
+        native = cpu_native.moe_dispatch(plan.expert_ids, self.experts.num_experts, batch_invariant, DENSE_ROWS_PER_CALL)
+        if native is not None:
+            return DispatchPlan(*native)
         if plan.expert_ids.numel() <= SMALL_DISPATCH_PAIRS:
             return self._dispatch_small(plan, batch_invariant)
         k, num_experts = self.top_k, self.experts.num_experts
