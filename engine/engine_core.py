@@ -264,13 +264,12 @@ class EngineCore:
 
     def fill_placeholders(self, plan: StepPlan, prev: SampledStep) -> None:
         """Write the tokens ``prev`` sampled into ``plan``'s placeholder positions."""
+        last_tokens = prev.last_tokens
         for s in plan.sched.scheduled:
             if s.has_placeholder:
-                toks = prev.accepted.get(s.request_id)
-                # A request that vanished in between gets any valid id: its result is dropped.
-                tok = toks[-1] if toks else 0
                 ids = s.step.token_ids
-                ids[ids.index(PLACEHOLDER_TOKEN_ID)] = tok
+                # A request that vanished in between gets any valid id: its result is dropped.
+                ids[ids.index(PLACEHOLDER_TOKEN_ID)] = last_tokens.get(s.request_id, 0)
 
     def sample_step(self, plan: StepPlan, logits: torch.Tensor) -> SampledStep:
         return self.run_sampling(self.prepare_sampling(plan), logits)

@@ -44,11 +44,24 @@ class SamplingPrep:
 
 @dataclass(slots=True)
 class SampledStep:
-    accepted: dict[str, list[int]] = field(default_factory=dict)
+    """One step's sampled tokens. ``last_tokens`` (what the next step's placeholders need) is
+    built on the device thread; on a plain step (one token per request) the per-request
+    ``accepted`` lists are derived from it only when the caller's thread asks (commit), as the
+    device thread's time between forwards cannot be hidden."""
+
+    last_tokens: dict[str, int] = field(default_factory=dict)  # request id -> last accepted token
     sampler_output: SamplerOutput | None = None
     request_rows: dict[str, range] = field(default_factory=dict)  # rows of sampler_output per request
     prompt_logprobs: LogprobsTensors | None = None
     prompt_rows: dict[str, range] = field(default_factory=dict)
+    _accepted: dict[str, list[int]] | None = None  # None on a plain step until asked for
+
+    @property
+    def accepted(self) -> dict[str, list[int]]:
+        """request id -> accepted tokens (1 + accepted drafts)."""
+        if self._accepted is None:
+            self._accepted = {rid: [tok] for rid, tok in self.last_tokens.items()}
+        return self._accepted
 
 
 class SamplingPreparer:
@@ -165,10 +178,11 @@ class SamplingPreparer:
             out.sampler_output = self.sampler(sel, prep.meta)
             sampled = out.sampler_output.token_ids.tolist()
             if prep.plain_ids is not None:
-                out.accepted = {rid: [tok] for rid, tok in zip(prep.plain_ids, sampled)}
+                out.last_tokens = dict(zip(prep.plain_ids, sampled))
             else:
-                for rid, r in prep.request_rows.items():
-                    out.accepted[rid] = verify_drafts(sampled[r.start : r.stop], prep.drafts[rid])
+                out._accepted = {rid: verify_drafts(sampled[r.start : r.stop], prep.drafts[rid])
+                                 for rid, r in prep.request_rows.items()}
+                out.last_tokens = {rid: toks[-1] for rid, toks in out._accepted.items()}
         if prep.prompt_index is not None:
             lp = logits.index_select(0, prep.prompt_index).float().log_softmax(dim=-1)
             out.prompt_logprobs = gather_logprobs(lp, prep.prompt_targets, prep.max_prompt_top)
