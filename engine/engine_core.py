@@ -55,7 +55,7 @@ from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.request import RequestStatus
 from deepinfer.engine.sampling_prep import SampledStep, SamplingPrep, SamplingPreparer
 from deepinfer.engine.sampling_params import SamplingParams
-from deepinfer.engine.scheduler import PLACEHOLDER_TOKEN_ID, Scheduler, SchedulerConfig, SchedulerOutput
+from deepinfer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from deepinfer.engine.structured_output import GrammarState, StructuredOutputBackend
 
 if TYPE_CHECKING:
@@ -258,18 +258,16 @@ class EngineCore:
         t0 = self._step_timer()
         logits = self.runner.execute(plan.batch)
         plan.exec_seconds = self._step_timer() - t0
-        if logits.shape[0] != plan.batch.num_logits:
-            raise RuntimeError(f"runner returned {logits.shape[0]} logit rows for {plan.batch.num_logits} requested")
+        if logits.shape[0] != plan.sched.num_logits:  # (counted while scheduling: no pass over the batch here)
+            raise RuntimeError(f"runner returned {logits.shape[0]} logit rows for {plan.sched.num_logits} requested")
         return logits
 
     def fill_placeholders(self, plan: StepPlan, prev: SampledStep) -> None:
         """Write the tokens ``prev`` sampled into ``plan``'s placeholder positions."""
         last_tokens = prev.last_tokens
-        for s in plan.sched.scheduled:
-            if s.has_placeholder:
-                ids = s.step.token_ids
-                # A request that vanished in between gets any valid id: its result is dropped.
-                ids[ids.index(PLACEHOLDER_TOKEN_ID)] = last_tokens.get(s.request_id, 0)
+        for rid, ids, pos in plan.sched.placeholders:  # listed by the scheduler
+            # A request that vanished in between gets any valid id: its result is dropped.
+            ids[pos] = last_tokens.get(rid, 0)
 
     def sample_step(self, plan: StepPlan, logits: torch.Tensor) -> SampledStep:
         return self.run_sampling(self.prepare_sampling(plan), logits)

@@ -65,6 +65,10 @@ class SchedulerOutput:
     finished_ids: list[str] = field(default_factory=list)  # finished since the previous schedule()
     features: StepFeatures = field(default_factory=StepFeatures)
     predicted_time_s: float | None = None
+    # (request id, its SeqStep's token_ids, index of the placeholder there) for every scheduled
+    # placeholder, so the device thread fills them without scanning the whole step
+    placeholders: list[tuple[str, list[int], int]] = field(default_factory=list)
+    num_logits: int = 0  # sum of the SeqSteps' num_logits
 
     @property
     def batch(self) -> ForwardBatch:

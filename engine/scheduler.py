@@ -187,7 +187,7 @@ class Scheduler:
         ``_schedule_running``: at batch 256 this loop is most of ``schedule()``."""
         bs = self.config.block_size
         step_no = ctx.step_no
-        scheduled = out.scheduled
+        scheduled, placeholders = out.scheduled, out.placeholders
         f = out.features
         running = RequestStatus.RUNNING
         for req in decodes:
@@ -210,13 +210,18 @@ class Scheduler:
                 self._schedule_running(req, out, ctx)
                 continue
             has_placeholder = start == num_known
-            token_ids = [PLACEHOLDER_TOKEN_ID] if has_placeholder else [all_ids[start]]
+            if has_placeholder:
+                token_ids = [PLACEHOLDER_TOKEN_ID]
+                placeholders.append((req.request_id, token_ids, 0))
+            else:
+                token_ids = [all_ids[start]]
             step = SeqStep(req.seq_id, req.slot, req.block_ids, start, token_ids, 1, req.window_start, req.write_from)
             scheduled.append(ScheduledSeq(req.request_id, step, 0, 0, 1, start, 0, has_placeholder, req.num_preemptions))
             req.num_computed_tokens = start + 1
             req.num_output_placeholders = num_placeholders + 1
             req.scheduled_in = step_no
             ctx.budget -= 1
+            out.num_logits += 1
             f.num_seqs += 1
             f.sum_n += 1
             f.sum_np += start
@@ -328,8 +333,11 @@ class Scheduler:
         start = req.num_computed_tokens
         has_placeholder = start == len(req.all_token_ids)
         token_ids = [PLACEHOLDER_TOKEN_ID] if has_placeholder else [req.all_token_ids[start]]
+        if has_placeholder:
+            out.placeholders.append((req.request_id, token_ids, 0))
         step = SeqStep(req.seq_id, req.slot, req.block_ids, start, token_ids, 1, req.window_start, req.write_from)
         out.scheduled.append(ScheduledSeq(req.request_id, step, 0, 0, 1, start, 0, has_placeholder, req.num_preemptions))
+        out.num_logits += 1
         req.num_computed_tokens = start + 1
         req.num_output_placeholders += 1
         req.scheduled_in = ctx.step_no
@@ -349,6 +357,7 @@ class Scheduler:
         assert num_placeholders <= req.num_output_placeholders, "placeholder beyond the tokens in flight"
         token_ids = req.all_token_ids[start:known_end]
         if num_placeholders:
+            out.placeholders.append((req.request_id, token_ids, len(token_ids)))  # the first one
             token_ids += [PLACEHOLDER_TOKEN_ID] * num_placeholders
         token_ids += drafts
         reaches_end = start + n_known == req.num_tokens_with_placeholders
@@ -380,6 +389,7 @@ class Scheduler:
                 preemption_epoch=req.num_preemptions,
             )
         )
+        out.num_logits += step.num_logits
         req.num_computed_tokens = start + n
         if num_sample_rows:
             req.num_output_placeholders += 1
