@@ -185,3 +185,39 @@ def test_top_k_candidate_path_equals_full_vocabulary_path():
     full = apply_top_k_top_p(logits / 0.7, m.top_k, m.top_p)
     want = (full + GumbelNoise().gumbel(m.keys, V)).argmax(-1)
     assert torch.equal(got, want)
+
+
+def test_fast_paths_match_the_reference_forms():
+    """numpy argmax, vectorised keys, uint32 hashing and RowSpec metadata: same bits as the
+    torch/per-row forms they replace."""
+    from deepinfer.engine.counter_rng import M32, row_keys, seed_key
+    from deepinfer.engine.sampler import argmax_rows
+    from deepinfer.engine.sampling_metadata import RowSpec
+
+    x = torch.randn(7, V, generator=torch.Generator().manual_seed(3))
+    x[1, 5] = x[1, 9] = x[1].max() + 1  # tie: the first index wins, as in torch
+    x[2, 4] = float("nan")
+    assert argmax_rows(x).tolist() == x.argmax(dim=-1).tolist()
+    seeds, positions = [0, 5, 2**64 - 1, 2**40 + 3], [0, 7, 2**32 - 1, 2**33 + 11]
+    assert row_keys([seed_key(s) for s in seeds], positions).tolist() == [row_key(s, p) for s, p in zip(seeds, positions)]
+    keys = torch.tensor([row_key(s, p) for s, p in zip(seeds, positions)])
+    th = GumbelNoise().token_hash(V, keys.device)
+    h = mix32_tensor(keys.unsqueeze(1) ^ th.unsqueeze(0))
+    want = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))  # the int64 torch form
+    assert torch.equal(GumbelNoise().uniform(keys, None, V), want) and bool((h <= M32).all())
+
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=5, seed=1),
+              SamplingParams(temperature=1.1, top_p=0.8, min_p=0.05)]
+    for subset in (params[:1], params):
+        rows = [SampleRow(p, seed=11 + i, position=3 + i) for i, p in enumerate(subset)]
+        specs = [RowSpec.of(r.params, r.seed, V) for r in rows]
+        fast = SamplingMetadata.from_plain(specs, [r.position for r in rows])
+        ref = SamplingMetadata.build(rows, V)
+        assert fast.all_greedy == ref.all_greedy and fast.is_plain_greedy == ref.is_plain_greedy
+        logits = torch.randn(len(rows), V, generator=torch.Generator().manual_seed(4))
+        assert torch.equal(Sampler()(logits, fast).token_ids, Sampler()(logits, ref).token_ids)
+        if not ref.all_greedy:
+            for name in ("is_greedy", "temperature", "keys", "top_k", "top_p", "min_p"):
+                assert torch.equal(getattr(fast, name), getattr(ref, name)), name
+    assert RowSpec.of(SamplingParams(logprobs=1), 0, V) is None
+    assert RowSpec.of(SamplingParams(presence_penalty=0.5), 0, V) is None
