@@ -105,6 +105,10 @@ def test_missing_or_broken_model_dir_is_one_line_exit_2(tmp_path, capsys):
     assert "no such directory" in capsys.readouterr().err
     assert cli.main(["serve", "--model", str(tmp_path)]) == 2
     assert "no config.json" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{}")
+    assert cli.main(["serve", "--model", str(tmp_path), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"deepinfer serve: cannot load {tmp_path}: "), err
 
 
 def test_port_in_use_is_one_line_error(tmp_path, capsys):
