@@ -10,8 +10,17 @@ C_SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 
+/* an AVX2 clone next to the baseline one, picked at load time; fixed-lane loops give the same
+   numbers in both (no FMA contraction) */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define MULTIVERSION __attribute__((target_clones("avx2", "default")))
+#else
+#define MULTIVERSION
+#endif
+
 /* mixes [rows, (2+n)*n]: pre | post | comb logits (before scale and bias); streams [rows, n, d].
    Outputs: post [rows, n], comb [rows, n, n], collapsed [rows, d]. */
+MULTIVERSION
 void hc_pre(const float* mixes, const float* streams, const float* pp_scale, const float* pp_base,
             float comb_scale, const float* comb_base, int64_t rows, int64_t n, int64_t d,
             int64_t iters, float hc_eps, float* post, float* comb, float* collapsed) {
@@ -60,24 +69,31 @@ void hc_pre(const float* mixes, const float* streams, const float* pp_scale, con
         }
         const float* x = streams + r * n * d;
         float* out = collapsed + r * d;
-        for (int64_t k = 0; k < d; ++k) {
-            float acc = pre[0] * x[k];
-            for (int64_t j = 1; j < n; ++j) acc = acc + pre[j] * x[j * d + k];
-            out[k] = acc;
-        }
+        for (int64_t k = 0; k < d; ++k) out[k] = pre[0] * x[k];
+        for (int64_t j = 1; j < n; ++j)  /* stream by stream: vectorises, same order per element */
+            for (int64_t k = 0; k < d; ++k) out[k] = out[k] + pre[j] * x[j * d + k];
     }
 }
 
 /* RMSNorm of rows x[o * so + i * si + 0..d) (o < outer, i < inner) into contiguous out;
    weight may be NULL. */
+MULTIVERSION
 void rms_norm(const float* x, int64_t outer, int64_t inner, int64_t so, int64_t si, int64_t d,
               const float* weight, float eps, float* out) {
     for (int64_t o = 0; o < outer; ++o) {
         for (int64_t i = 0; i < inner; ++i) {
             const float* row = x + o * so + i * si;
             float* dst = out + (o * inner + i) * d;
-            float ss = 0.0f;
-            for (int64_t k = 0; k < d; ++k) ss = ss + row[k] * row[k];
+            float ss;
+            if (d % 8 == 0) {  /* 8 fixed lanes (vectorisable), then a fixed tree */
+                float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+                for (int64_t k = 0; k < d; k += 8)
+                    for (int j = 0; j < 8; ++j) acc[j] = acc[j] + row[k + j] * row[k + j];
+                ss = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+            } else {
+                ss = 0.0f;
+                for (int64_t k = 0; k < d; ++k) ss = ss + row[k] * row[k];
+            }
             float r = 1.0f / sqrtf(ss / (float)d + eps);
             if (weight) for (int64_t k = 0; k < d; ++k) dst[k] = weight[k] * (row[k] * r);
             else for (int64_t k = 0; k < d; ++k) dst[k] = row[k] * r;
@@ -175,11 +191,6 @@ void moe_combine(float* out, const float* rows, const int64_t* row_of_pair, cons
    -inf keys are skipped); out [g, h, d]. d % 8 == 0. Dot products and sums run in 8 fixed lanes
    (vectorisable, same order on every ISA), keys in ascending order: per token, batch-invariant.
    scratch: h * (np + ne) floats. */
-#if defined(__x86_64__) && defined(__GNUC__)
-#define MULTIVERSION __attribute__((target_clones("avx2", "default")))
-#else
-#define MULTIVERSION
-#endif
 
 static inline float dot8(const float* a, const float* b, int64_t d) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -247,11 +258,14 @@ void hc_post(const float* out, const float* streams, const float* post, const fl
         for (int64_t k = 0; k < n; ++k) {
             float* dst = result + (r * n + k) * d;
             float p = post[r * n + k];
-            for (int64_t e = 0; e < d; ++e) {
-                float acc = c[k] * x[e];
-                for (int64_t j = 1; j < n; ++j) acc = acc + c[j * n + k] * x[j * d + e];
-                dst[e] = p * o[e] + acc;
+            /* stream by stream so the loops over e vectorise; per element the same order */
+            for (int64_t e = 0; e < d; ++e) dst[e] = c[k] * x[e];
+            for (int64_t j = 1; j < n; ++j) {
+                float w = c[j * n + k];
+                const float* xj = x + j * d;
+                for (int64_t e = 0; e < d; ++e) dst[e] = dst[e] + w * xj[e];
             }
+            for (int64_t e = 0; e < d; ++e) dst[e] = p * o[e] + dst[e];
         }
     }
 }
@@ -295,6 +309,7 @@ void moe_dispatch(const int64_t* ids, int64_t pairs, int64_t k, int64_t e, int64
 }
 
 /* out[r, j] = silu(min(g, limit)) * clamp(u, -limit, limit), gate_up rows = [g (m) | u (m)]. */
+MULTIVERSION
 void swiglu(const float* gate_up, int64_t rows, int64_t m, float limit, float* out) {
     for (int64_t r = 0; r < rows; ++r) {
         const float* g = gate_up + r * 2 * m;
