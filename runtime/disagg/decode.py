@@ -104,6 +104,8 @@ class DecodeService(DisaggEngineService):
         self._arrival_events: dict[int, asyncio.Event] = {}
         self._streams: dict[str, _GatewayStream] = {}
         self._erids: set[str] = set()
+        # (request id, attempt or -1) -> until when a late transfer of an aborted attempt is dropped
+        self._aborted: dict[tuple[str, int], float] = {}
 
     async def _start_extra(self) -> None:
         self.receiver = BulkReceiver(self.config.data_address, ctx=self.node.ctx, name=f"{self.node_name}-kv")
@@ -139,6 +141,10 @@ class DecodeService(DisaggEngineService):
                 log.warning("%s: dropped a KV transfer with a bad header: %s", self.node_name, exc)
                 transfer.release()
                 continue
+            if self._is_aborted(push):
+                log.info("%s: dropped KV of aborted %s@%d", self.node_name, push.request_id, push.attempt)
+                transfer.release()
+                continue
             if push.decode_instance_id != self.instance_id:
                 log.warning("%s: dropped KV of %s meant for instance %x (we are %x)", self.node_name,
                             push.request_id, push.decode_instance_id, self.instance_id)
@@ -153,6 +159,7 @@ class DecodeService(DisaggEngineService):
         while True:
             await asyncio.sleep(0.5)
             now = time.monotonic()
+            self._aborted = {key: until for key, until in self._aborted.items() if until > now}
             for hid, arrival in list(self._arrived.items()):
                 if now - arrival.arrived_at > self.config.handoff_timeout_s:
                     log.warning("%s: KV of %s never claimed (its prefill is gone?): dropped", self.node_name,
@@ -248,7 +255,12 @@ class DecodeService(DisaggEngineService):
             self._streams[address] = stream
         return stream
 
+    def _is_aborted(self, push: PdKvPush) -> bool:
+        return (push.request_id, push.attempt) in self._aborted or (push.request_id, -1) in self._aborted
+
     def _abort(self, msg: PdAbort) -> int:
+        # the abort can overtake the transfer it is about: remember it for a while
+        self._aborted[(msg.request_id, msg.attempt)] = time.monotonic() + self.config.handoff_timeout_s
         num = 0
         for erid in list(self._erids):
             rid, _, attempt = erid.rpartition("@")
