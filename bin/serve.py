@@ -7,6 +7,7 @@ With no ``--model`` it serves the built-in tiny model, written once into the use
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -110,7 +111,28 @@ def _model_dir(args) -> tuple[Path, bool]:
     return path, True
 
 
+class _StopRequested(Exception):
+    """SIGTERM before the event loop took over signal handling (imports, model creation)."""
+
+
+def _raise_stop(signum, frame):
+    raise _StopRequested()
+
+
 def run(args) -> int:
+    # the loop handles SIGINT/SIGTERM once it runs (launch); before that, the heavy imports and a
+    # first-run model creation can take seconds, and a stop request then must not kill us mid-write
+    previous = signal.signal(signal.SIGTERM, _raise_stop)
+    try:
+        return _run(args)
+    except (_StopRequested, KeyboardInterrupt):
+        print("Stopped before the server started.", flush=True)
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args) -> int:
     from deepinfer.engine.engine_factory import EngineOptions, EngineOptionsError
     from deepinfer.runtime import loop
     from deepinfer.runtime.gateway.config import GatewayConfig

@@ -4,6 +4,7 @@ the official openai client, then SIGTERM / SIGINT -> exit status 0 within second
 import importlib.util
 import signal
 import sys
+import time
 from pathlib import Path
 
 import openai
@@ -123,3 +124,20 @@ def test_port_in_use_is_one_line_error(tmp_path, capsys):
     assert code == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"deepinfer serve: cannot serve on 127.0.0.1:{busy}"), err
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_while_loading_stops_cleanly(port):
+    served = Served(["--max-model-len", "512"], proc.serve_env(harness.TEST_CACHE_DIR), port)
+    try:
+        deadline = time.monotonic() + proc.START_TIMEOUT_S
+        while "Loading" not in served.output()[0]:
+            assert served.proc.poll() is None and time.monotonic() < deadline, served.output()
+            time.sleep(0.02)
+        code, out, err, seconds = served.stop(signal.SIGTERM)
+    finally:
+        served.__exit__()
+    assert code == 0, err
+    assert "Traceback" not in err
+    # usually the load is still running; on a fast machine it may have finished just before
+    assert "Stopped before the model was loaded." in out or out.rstrip().endswith("Stopped."), out
