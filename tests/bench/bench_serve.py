@@ -2,6 +2,7 @@
 
     deepinfer bench serve --url http://127.0.0.1:8000 --num-prompts 200 --concurrency 32 \\
         --input-len 128 --output-len 64 --prefix-share 0.5 --json serve.json
+    deepinfer bench serve --duration 30 --concurrency 200 --num-prompts 400 ...   # closed loop, soak
 
 Streams /v1/completions (``--chat``: /v1/chat/completions) with ``ignore_eos`` so each request
 generates exactly ``--output-len`` tokens, and reports TTFT / ITL / e2e percentiles, request
