@@ -61,12 +61,17 @@ def add_parser(subparsers, name):
     e.add_argument("--max-num-seqs", type=int, default=None, help="sequences decoded together (default 8)")
     e.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
     e.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens (default: the model's)")
-    e.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks (default: max-num-seqs full contexts)")
+    e.add_argument("--num-blocks", type=int, default=None,
+                   help="KV-cache blocks (default: max-num-seqs full contexts)")
     e.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 128)")
-    e.add_argument("--max-num-waiting", type=int, default=None, help="queued requests before HTTP 429 (default: no limit)")
+    e.add_argument("--max-num-waiting", type=int, default=None,
+                   help="queued requests before HTTP 429 (default: no limit)")
     e.add_argument("--seed", type=int, default=None, help="seed source for requests that give none")
     e.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     e.add_argument("--no-progress", action="store_true", help="no progress bars")
+    from deepinfer.runtime.disagg.cli_args import add_disagg_arguments  # pd-disagg hook: --disaggregated ...
+
+    add_disagg_arguments(p)
     return p
 
 
@@ -156,6 +161,10 @@ def _run(args) -> int:
     logging.basicConfig(level=envs.get().log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec = LaunchSpec(model_dir, args.host, args.port, gateway, options)
     try:
+        if args.disaggregated:  # pd-disagg hook: gateway here, engines as supervised processes
+            from deepinfer.runtime.disagg.launch import launch_disaggregated
+
+            return loop.run(launch_disaggregated(spec, args, print_fn=lambda line: print(line, flush=True)))
         return loop.run(launch(spec, print_fn=lambda line: print(line, flush=True)))
     except OSError as exc:  # e.g. the port is taken
         raise CliError(f"cannot serve on {args.host}:{args.port}: {exc.strerror or exc}") from None

@@ -199,6 +199,6 @@ def test_server_survived_the_fuzzing(server, client):
     status, _, data = client.request("GET", "/health", None, None)
     assert status == 200 and json.loads(data) == {"status": "ok"}
     assert server.call(lambda: harness.num_live_requests(server.engine)) == 0
-    status, _, data = client.request("POST", "/v1/completions", b'{"prompt": "still here", "max_tokens": 3, "ignore_eos": true}',
-                                     "application/json")
+    body = b'{"prompt": "still here", "max_tokens": 3, "ignore_eos": true}'
+    status, _, data = client.request("POST", "/v1/completions", body, "application/json")
     assert status == 200 and json.loads(data)["usage"]["completion_tokens"] == 3
