@@ -13,41 +13,14 @@ import torch
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.engine.models.deepseek_v4.testing import (
     CSA,
-    HCA,
-    SLIDING,
+    PARITY_CONFIGS,
+    PARITY_PROMPT_LENGTHS,
     SeqDriver,
     hf_prompt_logprobs,
     hf_reference,
 )
 
-CONFIGS = {
-    "mixed_hc2": dict(layer_types=[SLIDING, CSA, HCA, CSA], hc_mult=2),
-    "hc4_yarn_2hash": dict(
-        layer_types=[CSA, HCA, CSA, HCA, SLIDING],
-        mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe", "moe"],
-        hc_mult=4,
-        index_topk=8,
-        rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
-    ),
-    "hc1_hca8_window8": dict(
-        layer_types=[SLIDING, HCA, SLIDING, HCA],
-        compress_rates={CSA: 4, HCA: 8},
-        sliding_window=8,
-        hc_mult=1,
-    ),
-    "hc3_csa2_wide": dict(
-        layer_types=[CSA, SLIDING, CSA],
-        compress_rates={CSA: 2, HCA: 16},
-        sliding_window=12,
-        hc_mult=3,
-        num_attention_heads=8,
-        o_groups=4,
-        n_routed_experts=16,
-        num_experts_per_tok=4,
-        index_topk=6,
-    ),
-}
-PROMPT_LENGTHS = {"mixed_hc2": 300, "hc4_yarn_2hash": 260, "hc1_hca8_window8": 400, "hc3_csa2_wide": 220}
+CONFIGS, PROMPT_LENGTHS = PARITY_CONFIGS, PARITY_PROMPT_LENGTHS
 BLOCK_SIZE = 16
 
 

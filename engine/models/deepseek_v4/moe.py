@@ -35,6 +35,7 @@ from deepinfer.kernels.torch_ref import gemm_rows
 
 DENSE_ROWS_PER_CALL = 2  # measured on CPU: one per-expert GEMM call ~ two extra GEMM rows
 SMALL_DISPATCH_PAIRS = 256  # below this many (token, expert) pairs plain Python beats numpy
+DEVICE_DENSE_TOKENS = 64  # off the CPU, batches up to this many tokens plan on the device (no sync)
 
 
 @dataclass(slots=True)
@@ -145,6 +146,8 @@ class MoE(nn.Module):
         native = cpu_native.moe_dispatch(plan.expert_ids, self.experts.num_experts, batch_invariant, DENSE_ROWS_PER_CALL)
         if native is not None:
             return DispatchPlan(*native)
+        if not plan.expert_ids.is_cpu and plan.expert_ids.shape[0] <= DEVICE_DENSE_TOKENS:
+            return self._dispatch_on_device(plan, batch_invariant)
         if plan.expert_ids.numel() <= SMALL_DISPATCH_PAIRS:
             return self._dispatch_small(plan, batch_invariant)
         k, num_experts = self.top_k, self.experts.num_experts
@@ -177,6 +180,22 @@ class MoE(nn.Module):
             segments=segments,
             rows_per_expert=pad(most) if dense else 0,
         )
+
+    def _dispatch_on_device(self, plan: RoutePlan, batch_invariant: bool) -> DispatchPlan:
+        """Dense layout planned with device ops, no host round trip (GPU decode): every expert
+        gets room for every token (an expert is picked at most once per token)."""
+        num_tokens, k = plan.expert_ids.shape
+        num_experts = self.experts.num_experts
+        per = gemm_rows(num_tokens) if batch_invariant else num_tokens
+        expert_of_pair = plan.expert_ids.reshape(-1)
+        one_hot = torch.nn.functional.one_hot(expert_of_pair, num_experts)
+        rank = (one_hot.cumsum(0) - 1).gather(1, expert_of_pair[:, None])[:, 0]  # earlier pairs of its expert
+        row_of_pair = expert_of_pair * per + rank
+        token_of_row = torch.zeros(num_experts * per, dtype=torch.long, device=expert_of_pair.device)
+        pair_token = torch.arange(num_tokens * k, device=expert_of_pair.device) // k
+        token_of_row.index_copy_(0, row_of_pair, pair_token)
+        segments = [(e, e * per, (e + 1) * per) for e in range(num_experts)]
+        return DispatchPlan(token_of_row=token_of_row, row_of_pair=row_of_pair, segments=segments, rows_per_expert=per)
 
     def _dispatch_small(self, plan: RoutePlan, batch_invariant: bool) -> DispatchPlan:
         """``dispatch`` in plain Python: the same layout, cheaper than numpy for decode batches."""
