@@ -102,9 +102,10 @@ def measure_cost_model(ref, *, quick: bool, step_clock: str, num_eval: int, seed
     rng = random.Random(seed)
     vocab = ref.config.vocab_size
     lens = (20, 150, 600) if quick else (20, 100, 300, 700, 1500)
-    for i in range(12 if quick else 24):
+    for i in range(12 if quick else 32):
         prompt = [rng.randrange(vocab) for _ in range(rng.choice(lens))]
-        core.add_request(f"c{i}", prompt, SamplingParams(temperature=0.0, max_tokens=rng.randint(2, 24), ignore_eos=True))
+        max_tokens = rng.randint(2, 24 if quick else 48)
+        core.add_request(f"c{i}", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     errs, errs_wall, seconds = [], [], []
     while core.has_unfinished_requests() and len(errs) < num_eval:
         plan = core.schedule_step()
