@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from deepinfer.runtime.disagg.cli_args import add_disagg_arguments  # noqa: F401 (re-exported)
 from deepinfer.runtime.disagg.client import PdEngineClient
 from deepinfer.runtime.disagg.local_cluster import write_local_cluster
 from deepinfer.runtime.gateway.engine_client import ModelInfo
@@ -30,18 +31,6 @@ from deepinfer.transport.protocol import FailurePolicy
 log = logging.getLogger(__name__)
 
 _NODE_FLAGS = ("max_num_seqs", "num_blocks", "max_model_len", "block_size", "dtype", "num_threads")
-
-
-def add_disagg_arguments(parser) -> None:
-    g = parser.add_argument_group("disaggregated serving")
-    g.add_argument("--disaggregated", action="store_true",
-                   help="run prefill and decode engines as separate supervised processes on loopback")
-    g.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill engines (default 1)")
-    g.add_argument("--decode", type=int, default=1, metavar="M", help="decode engines (default 1)")
-    g.add_argument("--failure-policy", choices=["recompute", "fail"], default="recompute",
-                   help="when an engine dies mid-request: recompute elsewhere (default) or fail it")
-    g.add_argument("--pd-transport", choices=["ipc", "tcp"], default="ipc",
-                   help="engine sockets: ipc (default) or tcp on 127.0.0.1 (the cross-host code path)")
 
 
 def _model_info(model_dir: Path, options: Mapping[str, Any], name: str) -> tuple[ModelInfo, Any]:

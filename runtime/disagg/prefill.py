@@ -41,7 +41,7 @@ from deepinfer.engine.output_processor import merge_output
 from deepinfer.runtime.disagg.engine_service import DisaggEngineService
 from deepinfer.runtime.disagg.handoff_metrics import FailureKind
 from deepinfer.runtime.disagg.leases import LeaseTable
-from deepinfer.transport.errors import DeadlineExceeded, RemoteError, TransportError
+from deepinfer.transport.errors import DeadlineExceeded, RemoteError, TransferFailed, TransportError
 from deepinfer.transport.protocol import (
     EngineRef,
     ErrorCode,
@@ -203,7 +203,15 @@ class PrefillService(DisaggEngineService):
     async def _push(self, decode: EngineRef, push: PdKvPush, payload) -> float:
         try:
             sender = await self.links.bulk(decode)
-            result = await sender.send(payload.tensors, meta=_encode(push), timeout_s=self.config.handoff_timeout_s)
+            meta = _encode(push)
+            try:
+                result = await sender.send(payload.tensors, meta=meta, timeout_s=self.config.handoff_timeout_s)
+            except TransferFailed as exc:
+                # One retry on a fresh link: a same-host side channel can drop while the decode
+                # instance is still up (seen under heavy CPU load); a dead peer fails again at once.
+                log.warning("%s: KV push of %s to %s failed (%s); retrying once", self.node_name,
+                            push.request_id, decode.node_name, exc)
+                result = await sender.send(payload.tensors, meta=meta, timeout_s=self.config.handoff_timeout_s)
             client = await self.links.rpc(decode)
             ack = await client.request(PdKvReady(push.handoff_id, push.request_id, push.attempt, self.instance_id,
                                                  decode.instance_id), timeout_s=self.config.handoff_timeout_s)
