@@ -113,7 +113,7 @@ def hc_pre(
     fn: torch.Tensor,
     pre_post_scale: torch.Tensor,
     pre_post_base: torch.Tensor,
-    comb_scale: torch.Tensor,
+    comb_scale: torch.Tensor | float,
     comb_base: torch.Tensor,
     *,
     norm_eps: float,
@@ -132,14 +132,17 @@ def hc_pre(
     streams = streams.contiguous()
     flat = rms_norm(streams.view(t, n * d), None, norm_eps)
     mixes = torch_ref.linear(flat, fn, batch_invariant).contiguous()
-    post = streams.new_empty(t, n)
-    comb = streams.new_empty(t, n, n)
-    collapsed = streams.new_empty(t, d)
-    pp_scale, pp_base = pre_post_scale.float().contiguous(), pre_post_base.float().contiguous()
-    comb_base = comb_base.float().contiguous()
+    out = torch.empty(t * (n + n * n + d), dtype=torch.float32)  # one allocation for the three results
+    post, comb, collapsed = out[: t * n].view(t, n), out[t * n : t * (n + n * n)].view(t, n, n), out[t * (n + n * n) :].view(t, d)
+    if pre_post_scale.dtype is not torch.float32 or not pre_post_scale.is_contiguous():
+        pre_post_scale = pre_post_scale.float().contiguous()
+    if pre_post_base.dtype is not torch.float32 or not pre_post_base.is_contiguous():
+        pre_post_base = pre_post_base.float().contiguous()
+    if comb_base.dtype is not torch.float32 or not comb_base.is_contiguous():
+        comb_base = comb_base.float().contiguous()
     lib.hc_pre(
-        _ptr(mixes), _ptr(streams), _ptr(pp_scale), _ptr(pp_base), float(comb_scale), _ptr(comb_base),
-        t, n, d, sinkhorn_iters, hc_eps, _ptr(post), _ptr(comb), _ptr(collapsed),
+        mixes.data_ptr(), streams.data_ptr(), pre_post_scale.data_ptr(), pre_post_base.data_ptr(), float(comb_scale),
+        comb_base.data_ptr(), t, n, d, sinkhorn_iters, hc_eps, post.data_ptr(), comb.data_ptr(), collapsed.data_ptr(),
     )  # fmt: skip
     return post, comb, collapsed
 

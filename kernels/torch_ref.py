@@ -203,7 +203,7 @@ def hc_pre(
     fn: torch.Tensor,
     pre_post_scale: torch.Tensor,
     pre_post_base: torch.Tensor,
-    comb_scale: torch.Tensor,
+    comb_scale: torch.Tensor | float,
     comb_base: torch.Tensor,
     *,
     norm_eps: float,

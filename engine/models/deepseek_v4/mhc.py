@@ -28,7 +28,7 @@ class HyperConnection(nn.Module):
         n = self.hc_mult
         self.pre_post_scale = torch.cat([self.scale[0:1].expand(n), self.scale[1:2].expand(n)])
         self.pre_post_base = self.base[: 2 * n].clone()
-        self.comb_scale = self.scale[2].clone()
+        self.comb_scale = float(self.scale[2])  # a Python float: no device read per call
         self.comb_base = self.base[2 * n :].view(n, n).clone()
 
     def pre(self, streams: torch.Tensor, batch_invariant: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
