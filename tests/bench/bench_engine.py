@@ -178,6 +178,7 @@ def main(argv=None) -> int:
     p.add_argument("--tiny-batches", default="1,8", help="batch sizes of the transformers comparison")
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--tiny-repeats", type=int, default=2, help="rounds of the transformers comparison; best counts")
     p.add_argument("--step-clock", choices=tuple(engine_tiny.STEP_CLOCKS), default="thread",
                    help="forward timer the real-model cost model is fitted to and judged on (thread: CPU time "
                         "of the forward's thread, blind to other processes on a shared machine; wall: perf_counter)")
@@ -223,7 +224,7 @@ def _tiny_parts(args, rep: Report) -> None:
     prompt_len, new_tokens = (32, 8) if args.quick else (args.prompt_len, args.new_tokens)
     batches = [int(x) for x in args.tiny_batches.split(",")]
     best = None
-    for r in engine_tiny.measure_vs_hf(ref, batches, prompt_len, new_tokens):
+    for r in engine_tiny.measure_vs_hf(ref, batches, prompt_len, new_tokens, repeats=1 if args.quick else args.tiny_repeats):
         b = r["batch"]
         speedup = r["engine_tok_s"] / r["hf_tok_s"]
         rep.row(part="tiny", batch=b, hf_tok_s=r["hf_tok_s"], engine_tok_s=r["engine_tok_s"],
