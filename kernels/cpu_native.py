@@ -133,7 +133,8 @@ def hc_pre(
     flat = rms_norm(streams.view(t, n * d), None, norm_eps)
     mixes = torch_ref.linear(flat, fn, batch_invariant).contiguous()
     out = torch.empty(t * (n + n * n + d), dtype=torch.float32)  # one allocation for the three results
-    post, comb, collapsed = out[: t * n].view(t, n), out[t * n : t * (n + n * n)].view(t, n, n), out[t * (n + n * n) :].view(t, d)
+    post, comb, collapsed = out.split([t * n, t * n * n, t * d])
+    post, comb, collapsed = post.view(t, n), comb.view(t, n, n), collapsed.view(t, d)
     if pre_post_scale.dtype is not torch.float32 or not pre_post_scale.is_contiguous():
         pre_post_scale = pre_post_scale.float().contiguous()
     if pre_post_base.dtype is not torch.float32 or not pre_post_base.is_contiguous():
