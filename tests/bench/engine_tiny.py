@@ -44,13 +44,14 @@ def build_reference(seed: int = 0, quick: bool = False):
 
 
 def make_engine(ref, *, max_num_seqs: int, max_model_len: int, cost_model: CostModel | None = None,
-                step_clock: str = "wall") -> EngineCore:
+                step_clock: str = "wall", prefix_caching: bool = True) -> EngineCore:
     cfg = ref.config
     blocks_per_seq = -(-max_model_len // BLOCK_SIZE)
     num_blocks = max_num_seqs * blocks_per_seq + 8
     runner = ModelRunner(cfg, ref.state_dict, num_blocks=num_blocks, num_slots=max_num_seqs, block_size=BLOCK_SIZE)
     sched = SchedulerConfig(block_size=BLOCK_SIZE, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                            max_replay_tokens=cfg.sliding_window * cfg.num_hidden_layers, model_id="bench-tiny")
+                            max_replay_tokens=cfg.sliding_window * cfg.num_hidden_layers, model_id="bench-tiny",
+                            enable_prefix_caching=prefix_caching)
     return EngineCore(runner, EngineCoreConfig(sched, num_blocks=num_blocks, vocab_size=cfg.vocab_size),
                       cost_model=cost_model, seed_rng=random.Random(0), step_timer=STEP_CLOCKS[step_clock])
 
@@ -81,7 +82,9 @@ def measure_vs_hf(ref, batches: list[int], prompt_len: int, new_tokens: int, rep
     rows = []
     for b in batches:
         prompts = [torch.randint(0, vocab, (prompt_len,), generator=g).tolist() for _ in range(b)]
-        core = make_engine(ref, max_num_seqs=b, max_model_len=prompt_len + new_tokens + 8)
+        # No prefix cache: rounds repeat the prompts (transformers reuses nothing either), and the
+        # bare loop writes the same runner's KV blocks, which cached blocks would point into.
+        core = make_engine(ref, max_num_seqs=b, max_model_len=prompt_len + new_tokens + 8, prefix_caching=False)
         engine_generate(core, prompts[:1], 2)  # warm-up (first-call allocations)
         hf_s = ours_s = bare_s = float("inf")
         for _ in range(repeats):
