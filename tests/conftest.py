@@ -16,3 +16,15 @@ def free_port() -> int:
 @pytest.fixture
 def port() -> int:
     return free_port()
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Run a test with one torch thread: tiny GEMMs gain nothing from a second thread and stall
+    badly on a busy 2-core machine. Use with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

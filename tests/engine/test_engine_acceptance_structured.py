@@ -98,12 +98,7 @@ def is_valid(kind, spec, oracle, text: str) -> bool:
     return re.fullmatch(oracle, text) is not None
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -17,12 +17,7 @@ LENGTHS = [5, 17, 40, 64, 101, 150, 203, 290]
 NUM_DECODE = 16
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module", params=["mixed_hc2", "hc4_all_kinds"])

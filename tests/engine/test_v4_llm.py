@@ -12,12 +12,7 @@ from deepinfer.engine.tiny_model import write_tiny_model
 PROMPT_IDS = [5, 6, 7, 8, 9, 40, 41, 300, 301, 302, 17]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

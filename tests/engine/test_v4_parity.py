@@ -24,13 +24,7 @@ CONFIGS, PROMPT_LENGTHS = PARITY_CONFIGS, PARITY_PROMPT_LENGTHS
 BLOCK_SIZE = 16
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # tiny GEMMs gain nothing from a second thread and stall badly on a busy 2-core machine
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))

@@ -14,12 +14,7 @@ BS = 16  # block size; CSA ratio 4, HCA ratio 16, window 16
 LOOKAHEAD = 6
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
