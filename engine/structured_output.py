@@ -132,7 +132,8 @@ class StructuredOutputBackend:
     def _compile_uncached(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         try:
             if spec.kind == "json":
-                return self._compiler.compile_json_schema(spec.text, any_whitespace=self.any_whitespace)
+                grammar = xgr.Grammar.from_json_schema(spec.text, any_whitespace=self.any_whitespace)
+                return self._compiler.compile_grammar(json_string_chars_fixed(grammar))
             if spec.kind == "regex":
                 return self._compiler.compile_regex(spec.text)
             if spec.kind == "grammar":
@@ -200,6 +201,19 @@ class GrammarState:
                 break
             num_advanced += 1
         self.rollback(num_advanced)
+
+
+# xgrammar 0.2.9 writes a JSON string with minLength / maxLength as ``X_characters{m, n}`` with
+# ``X_characters ::= [^"\\\r\n]``: raw control characters (invalid JSON: the output would not parse)
+# and no escapes. Each such rule becomes JSON's string character (one escape = one character).
+_LENGTH_LIMITED_CHARS = re.compile(r'^(\w+_characters) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.M)
+_JSON_STRING_CHAR = (r'\1 ::= (([^\\0-\\x1f\\"\\\\]) | ("\\\\" ([\\"\\\\/bfnrt] | "u" [A-Fa-f0-9] [A-Fa-f0-9] '
+                     r'[A-Fa-f0-9] [A-Fa-f0-9])))')
+
+
+def json_string_chars_fixed(grammar: xgr.Grammar) -> str:
+    """``grammar``'s EBNF with every length-limited JSON string character rule made JSON-valid."""
+    return _LENGTH_LIMITED_CHARS.sub(_JSON_STRING_CHAR, str(grammar))
 
 
 _KIND_NAMES = {"json": "JSON schema", "regex": "regex", "grammar": "EBNF grammar", "json_object": "JSON grammar"}

@@ -124,3 +124,24 @@ def test_backend_from_a_tokenizers_tokenizer():
     assert st.accept(ids) == len(ids)
     assert st.accept(tok.encode(" 1").ids) == 0  # a digit cannot follow
     assert st.accept([eos]) == 1 and st.is_terminated
+
+
+def test_length_limited_json_strings_are_json_strings():
+    """A string with maxLength admits escapes and no raw control characters (xgrammar 0.2.9's own
+    rule admits \\x01 and no escapes, so the output would not parse as JSON)."""
+    import json
+
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from deepinfer.engine.structured_output import json_string_chars_fixed
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 3}},
+              "required": ["name"]}
+    fixed = xgr.Grammar.from_ebnf(json_string_chars_fixed(xgr.Grammar.from_json_schema(json.dumps(schema))))
+    for text, ok in [('{"name": "ab"}', True), ('{"name": "a\x01"}', False), ('{"name": "a\\n"}', True),
+                     ('{"name": "\\u00e9x"}', True), ('{"name": "a\\"b"}', True), ('{"name": "abcd"}', False),
+                     ('{"name": ""}', False), ('{"name": "\\q"}', False)]:
+        assert accepts(fixed, text) == ok, text
+        if ok:
+            assert 1 <= len(json.loads(text)["name"]) <= 3
