@@ -21,6 +21,10 @@ import torch
 import xgrammar as xgr
 
 KINDS = ("json", "regex", "grammar", "json_object")
+# Longest run of whitespace a JSON schema grammar allows between tokens (any_whitespace mode):
+# room for pretty-printed JSON nested 7 deep at indent 4, while a weak model can no longer fill
+# its whole token budget with blanks.
+MAX_JSON_WHITESPACE = 32
 _VOCAB_TYPES = {"raw": xgr.VocabType.RAW, "byte_level": xgr.VocabType.BYTE_LEVEL, "byte_fallback": xgr.VocabType.BYTE_FALLBACK}
 
 
@@ -132,7 +136,8 @@ class StructuredOutputBackend:
     def _compile_uncached(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         try:
             if spec.kind == "json":
-                grammar = xgr.Grammar.from_json_schema(spec.text, any_whitespace=self.any_whitespace)
+                grammar = xgr.Grammar.from_json_schema(spec.text, any_whitespace=self.any_whitespace,
+                                                       max_whitespace_cnt=MAX_JSON_WHITESPACE if self.any_whitespace else None)
                 return self._compiler.compile_grammar(json_string_chars_fixed(grammar))
             if spec.kind == "regex":
                 return self._compiler.compile_regex(spec.text)

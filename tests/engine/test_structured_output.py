@@ -1,12 +1,18 @@
 from __future__ import annotations
 
+import json
 import string
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from deepinfer.engine.structured_output import GrammarSpec, StructuredOutputBackend, StructuredOutputError
+from deepinfer.engine.structured_output import (
+    MAX_JSON_WHITESPACE,
+    GrammarSpec,
+    StructuredOutputBackend,
+    StructuredOutputError,
+)
 
 VOCAB = ["<eos>"] + list(string.printable[:95]) + ['{"', '"}', '":', ", ", "true", "false", "null", "12", "ab"]
 EOS = 0
@@ -126,22 +132,38 @@ def test_backend_from_a_tokenizers_tokenizer():
     assert st.accept([eos]) == 1 and st.is_terminated
 
 
+
+WS_VOCAB = VOCAB + ["\n", "\x0b"]
+
+
+def ws_tok(text: str) -> list[int]:
+    return [WS_VOCAB.index(c) for c in text]
+
+
 def test_length_limited_json_strings_are_json_strings():
     """A string with maxLength admits escapes and no raw control characters (xgrammar 0.2.9's own
-    rule admits \\x01 and no escapes, so the output would not parse as JSON)."""
-    import json
-
-    import xgrammar as xgr
-    from xgrammar.testing import _is_grammar_accept_string as accepts
-
-    from deepinfer.engine.structured_output import json_string_chars_fixed
-
+    rule admits them and no escapes, so the output would not parse as JSON)."""
     schema = {"type": "object", "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 3}},
               "required": ["name"]}
-    fixed = xgr.Grammar.from_ebnf(json_string_chars_fixed(xgr.Grammar.from_json_schema(json.dumps(schema))))
-    for text, ok in [('{"name": "ab"}', True), ('{"name": "a\x01"}', False), ('{"name": "a\\n"}', True),
-                     ('{"name": "\\u00e9x"}', True), ('{"name": "a\\"b"}', True), ('{"name": "abcd"}', False),
-                     ('{"name": ""}', False), ('{"name": "\\q"}', False)]:
-        assert accepts(fixed, text) == ok, text
+    cases = [('{"name": "ab"}', True), ('{"name": "a\x0b"}', False), ('{"name": "a\\n"}', True),
+             ('{"name": "\\u00e9x"}', True), ('{"name": "a\\"b"}', True), ('{"name": "abcd"}', False),
+             ('{"name": ""}', False), ('{"name": "\\q"}', False)]
+    backend = StructuredOutputBackend(WS_VOCAB, [EOS], vocab_size=len(WS_VOCAB), any_whitespace=False)
+    for text, ok in cases:
+        st = backend.new_state({"json": schema})
+        ids = ws_tok(text)
+        num = st.accept(ids)
+        assert (num == len(ids) and st.accept([EOS]) == 1) == ok, text
         if ok:
             assert 1 <= len(json.loads(text)["name"]) <= 3
+
+
+def test_json_schema_whitespace_runs_are_bounded():
+    backend = StructuredOutputBackend(WS_VOCAB, [EOS], vocab_size=len(WS_VOCAB), any_whitespace=True)
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    pretty = ws_tok('{\n    "a": 1\n}')
+    st = backend.new_state({"json": schema})
+    assert st.accept(pretty) == len(pretty) and st.accept([EOS]) == 1
+    for blanks, ok in ((MAX_JSON_WHITESPACE, True), (MAX_JSON_WHITESPACE + 1, False)):
+        st = backend.new_state({"json": schema})
+        assert (st.accept(ws_tok("{" + " " * blanks)) == blanks + 1) == ok, blanks
