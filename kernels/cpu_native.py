@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from deepinfer.kernels import torch_ref
+from deepinfer.kernels.cpu_gemm_src import GEMM_SOURCE
 from deepinfer.kernels.cpu_native_src import C_SOURCE
 
 log = logging.getLogger(__name__)
@@ -46,13 +47,14 @@ def _cache_dir() -> Path:
 
 
 def _build() -> ctypes.CDLL | None:
-    digest = hashlib.sha256(C_SOURCE.encode()).hexdigest()[:16]
+    source = C_SOURCE + GEMM_SOURCE
+    digest = hashlib.sha256(source.encode()).hexdigest()[:16]
     out = _cache_dir() / f"cpu_native_{digest}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory() as tmp:
             src = Path(tmp) / "cpu_native.c"
-            src.write_text(C_SOURCE)
+            src.write_text(source)
             built = Path(tmp) / "cpu_native.so"
             cmd = ["cc", "-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math", str(src), "-o", str(built), "-lm"]
             subprocess.run(cmd, check=True, capture_output=True, timeout=120)
@@ -80,6 +82,9 @@ def _build() -> ctypes.CDLL | None:
     lib.hc_post.restype = None
     lib.moe_dispatch.argtypes = [f32p, i64, i64, i64, i64, i64, f32p, f32p, f32p, f32p, f32p, f32p]
     lib.moe_dispatch.restype = None
+    from deepinfer.kernels import cpu_gemm
+
+    cpu_gemm.declare(lib)
     return lib
 
 
@@ -131,7 +136,9 @@ def hc_pre(
         )  # fmt: skip
     streams = streams.contiguous()
     flat = rms_norm(streams.view(t, n * d), None, norm_eps)
-    mixes = torch_ref.linear(flat, fn, batch_invariant).contiguous()
+    from deepinfer.kernels import cpu_gemm
+
+    mixes = cpu_gemm.linear(flat, fn, batch_invariant).contiguous()
     out = torch.empty(t * (n + n * n + d), dtype=torch.float32)  # one allocation for the three results
     post, comb, collapsed = out.split([t * n, t * n * n, t * d])
     post, comb, collapsed = post.view(t, n), comb.view(t, n, n), collapsed.view(t, d)

@@ -3,7 +3,7 @@ backend directly.
 
 Every op has a torch reference (kernels/torch_ref.py) that runs on CPU and CUDA alike and is the
 oracle for every other backend. The default routing adds the native CPU kernels
-(kernels/cpu_native.py), which fall back to the reference for anything they do not handle.
+(kernels/cpu_native.py, and the fixed-order GEMMs of kernels/cpu_gemm.py), which fall back to the reference for anything they do not handle.
 A faster backend (Triton/CuPy on NVIDIA) registers replacements for the ops it implements with
 ``register``; ``reset`` restores the default routing and ``use_reference`` the pure reference.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from deepinfer.kernels import cpu_native, torch_ref
+from deepinfer.kernels import cpu_gemm, cpu_native, torch_ref
 
 OP_NAMES = (
     "linear",
@@ -44,6 +44,8 @@ _default: dict[str, Callable] = {
             "hc_pre", "rms_norm", "apply_rope_", "swiglu_clamped", "moe_route", "moe_combine_", "gathered_attention", "hc_post",
         )  # fmt: skip
     },
+    "linear": cpu_gemm.linear,
+    "grouped_linear": cpu_gemm.grouped_linear,
 }
 _active: dict[str, Callable] = {}
 

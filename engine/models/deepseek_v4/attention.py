@@ -60,6 +60,7 @@ class Attention(nn.Module):
         self.w_in: torch.Tensor | None = None
         self.in_sizes: list[int] = []
         self.w_qb: torch.Tensor | None = None
+        self.w_o_a: torch.Tensor | None = None
 
     @property
     def indexer(self) -> Indexer | None:
@@ -75,6 +76,8 @@ class Attention(nn.Module):
         self.w_in, self.in_sizes = fuse_linears(inputs)
         q_bs = [self.q_b_proj] + ([self.indexer.q_b_proj] if self.indexer is not None else [])
         self.w_qb, _ = fuse_linears(q_bs)
+        # one stable view: the native GEMM caches its packed weights on the tensor object
+        self.w_o_a = self.o_a_proj.weight.view(self.o_groups, self.o_lora_rank, -1)
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext, blocks: BlockCache, swa: SwaArena) -> torch.Tensor:
         """``h [R, hidden]`` (R = ctx.num_rows) -> ``[R, hidden]``; only rows < T attend."""
@@ -133,8 +136,7 @@ class Attention(nn.Module):
                 out.index_copy_(0, sel, part)
 
         ops.apply_rope_(out, rope.cos, rope.neg_sin)  # undo the rotation V carried on its rope channels
-        o_a = self.o_a_proj.weight.view(self.o_groups, self.o_lora_rank, -1)
-        mixed = ops.grouped_linear(out.view(rows, self.o_groups, -1), o_a, bi).reshape(rows, -1)
+        mixed = ops.grouped_linear(out.view(rows, self.o_groups, -1), self.w_o_a, bi).reshape(rows, -1)
         return ops.linear(mixed, self.o_b_proj.weight, bi)
 
     def _compress(self, comp: Compressor, kv, gate, plan, blocks: BlockCache, swa: SwaArena, ring: str, paged: str):

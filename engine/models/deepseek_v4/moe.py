@@ -30,12 +30,13 @@ from torch import nn
 
 from deepinfer.engine.model_config import ModelConfig
 from deepinfer.engine.models.deepseek_v4.layers import fuse_linears, linear_holder
-from deepinfer.kernels import cpu_native, ops
+from deepinfer.kernels import cpu_gemm, cpu_native, ops
 from deepinfer.kernels.torch_ref import gemm_rows
 
 DENSE_ROWS_PER_CALL = 2  # measured on CPU: one per-expert GEMM call ~ two extra GEMM rows
 SMALL_DISPATCH_PAIRS = 256  # below this many (token, expert) pairs plain Python beats numpy
 DEVICE_DENSE_TOKENS = 64  # off the CPU, batches up to this many tokens plan on the device (no sync)
+NEVER_DENSE = -(1 << 40)  # dense-layout cost that never wins: one segment per busy expert
 
 
 @dataclass(slots=True)
@@ -138,6 +139,15 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor, num_tokens: int, batch_invariant: bool) -> torch.Tensor:
         """``x [R, H]``; rows >= ``num_tokens`` are padding: routed nowhere, shared expert only."""
         plan = self.gate.forward(x, token_ids, num_tokens, batch_invariant)
+        ex = self.experts
+        if cpu_gemm.usable(x, ex.gate_up_proj, ex.down_proj) and plan.expert_ids.is_cpu:
+            # fixed-order native GEMMs: invariant without padded segments, one call per layer
+            native = cpu_native.moe_dispatch(plan.expert_ids, ex.num_experts, False, NEVER_DENSE)
+            if native is not None:
+                dispatch = DispatchPlan(*native)
+                rows = cpu_gemm.moe_experts(x, dispatch.token_of_row, dispatch.segments, ex.gate_up_proj,
+                                            ex.down_proj, ex.limit)  # fmt: skip
+                return self.combine(self.shared_experts.forward(x, batch_invariant), rows, dispatch, plan)
         dispatch = self.dispatch(plan, batch_invariant)
         rows = self.compute(x, dispatch, batch_invariant)
         return self.combine(self.shared_experts.forward(x, batch_invariant), rows, dispatch, plan)

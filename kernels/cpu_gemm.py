@@ -1,0 +1,145 @@
+"""Fixed-order CPU GEMMs for float32 weights: ``linear``, ``grouped_linear`` and the routed experts.
+
+Each weight is packed once into 16-column panels (kernels/cpu_gemm_src.py) on first use and the
+packed copy is kept on the weight tensor itself (``_cpu_gemm_pack``), tagged with the tensor's
+version counter so an in-place update (``load_weights``) repacks it. Every output element is a
+single FMA chain in k order, so a row's numbers never depend on the other rows of the call:
+these paths are batch-invariant by construction and need no row padding. Callers get ``None``
+(or the torch reference) for anything else: other devices or dtypes, no compiler, no AVX2.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from deepinfer.kernels import cpu_native, torch_ref
+
+_PANEL = 16
+_fast: bool | None = None
+
+
+def declare(lib: ctypes.CDLL) -> None:
+    """ctypes signatures of the GEMM entry points (called by cpu_native when it loads the library)."""
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.gemm_pack.argtypes = [p, i64, i64, i64, p]
+    lib.gemm.argtypes = [p, i64, i64, i64, p, i64, p, i64]
+    lib.gemm_grouped.argtypes = [p, i64, i64, i64, i64, p, i64, i64, p, i64, i64, i64]
+    lib.moe_experts.argtypes = [p, i64, p, p, i64, p, i64, p, i64, i64, ctypes.c_float, p, p]
+    lib.gemm_has_avx2.restype = i64
+    lib.gemm_use_avx2.argtypes = [i64]
+    lib.gemm_use_avx2.restype = None
+    for name in ("gemm_pack", "gemm", "gemm_grouped", "moe_experts"):
+        getattr(lib, name).restype = None
+
+
+def _library() -> ctypes.CDLL | None:
+    """The native library when the fast (AVX2 + FMA) GEMM runs here; the scalar path is exact too
+    but slower than MKL, so without AVX2 callers keep torch."""
+    global _fast
+    lib = cpu_native.library()
+    if lib is None:
+        return None
+    if _fast is None:
+        _fast = bool(lib.gemm_has_avx2())
+    return lib if _fast else None
+
+
+def packed_size(n: int, k: int) -> int:
+    return -(-n // _PANEL) * k * _PANEL
+
+
+def packed(weight: torch.Tensor, lib: ctypes.CDLL) -> torch.Tensor:
+    """Panels of ``weight [..., N, K]`` (leading dims = independent matrices), cached on the tensor."""
+    try:
+        version = weight._version
+    except RuntimeError:  # an inference tensor has no version counter: pack it every time
+        version = None
+    cached = getattr(weight, "_cpu_gemm_pack", None)
+    if cached is not None and version is not None and cached[0] == version:
+        return cached[1]
+    *lead, n, k = weight.shape
+    mats = weight.detach().reshape(-1, n, k)
+    if mats.stride(-1) != 1:
+        mats = mats.contiguous()
+    size = packed_size(n, k)
+    out = torch.empty(mats.shape[0] * size, dtype=torch.float32)
+    for g in range(mats.shape[0]):
+        mat = mats[g]
+        lib.gemm_pack(mat.data_ptr(), n, k, mat.stride(0), out.data_ptr() + g * size * 4)
+    if version is not None:
+        weight._cpu_gemm_pack = (version, out)
+    return out
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether the native GEMMs serve these tensors (CPU float32, library with AVX2 + FMA)."""
+    return _usable(*tensors) is not None
+
+
+def _usable(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    for t in tensors:
+        if t.dtype is not torch.float32 or not t.is_cpu:
+            return None
+    return _library()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+    """``x [M, K] @ weight[N, K].T`` (``torch_ref.linear``'s contract)."""
+    lib = _usable(x, weight) if x.dim() == 2 and weight.dim() == 2 else None
+    if lib is None or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return torch_ref.linear(x, weight, batch_invariant)
+    if x.stride(-1) != 1 or x.stride(0) < x.shape[1]:
+        x = x.contiguous()
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    if m:
+        lib.gemm(x.data_ptr(), m, k, x.stride(0), packed(weight, lib).data_ptr(), n, y.data_ptr(), n)
+    return y
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
+    """Block-diagonal linear ``x [M, G, K]``, ``weight [G, N, K]`` -> ``[M, G, N]`` in one call."""
+    lib = _usable(x, weight) if x.dim() == 3 and weight.dim() == 3 else None
+    if lib is None:
+        return torch_ref.grouped_linear(x, weight, batch_invariant)
+    x = x.contiguous()
+    m, g, k = x.shape
+    n = weight.shape[1]
+    y = torch.empty(m, g, n, dtype=torch.float32)
+    if m:
+        lib.gemm_grouped(x.data_ptr(), m, k, g * k, k, packed(weight, lib).data_ptr(), packed_size(n, k),
+                         n, y.data_ptr(), g * n, n, g)  # fmt: skip
+    return y
+
+
+def moe_experts(
+    x: torch.Tensor,
+    token_of_row: torch.Tensor,
+    segments: list[tuple[int, int, int]],
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    limit: float,
+) -> torch.Tensor | None:
+    """Routed expert rows ``[num_rows, H]`` in dispatch order (``MoE.compute``'s result) in one
+    native call: per segment gather, gate_up GEMM, clamped SwiGLU, down GEMM. ``gate_up
+    [E, 2I, H]``, ``down [E, H, I]``. None when the native path does not apply."""
+    lib = _usable(x, gate_up, down) if token_of_row.is_cpu else None
+    if lib is None or x.dim() != 2:
+        return None
+    x = x.contiguous()
+    h, inter = x.shape[1], down.shape[2]
+    num_rows = token_of_row.shape[0]
+    out = torch.empty(num_rows, h, dtype=torch.float32)
+    if not segments:
+        return out
+    seg = torch.tensor(segments, dtype=torch.long)
+    longest = max(end - first for _, first, end in segments)
+    scratch = torch.empty(longest * (h + 3 * inter), dtype=torch.float32)
+    token_of_row = token_of_row.contiguous()
+    lib.moe_experts(x.data_ptr(), h, token_of_row.data_ptr(), seg.data_ptr(), len(segments),
+                    packed(gate_up, lib).data_ptr(), packed_size(2 * inter, h), packed(down, lib).data_ptr(),
+                    packed_size(h, inter), inter, limit, scratch.data_ptr(), out.data_ptr())  # fmt: skip
+    return out

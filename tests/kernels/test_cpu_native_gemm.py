@@ -1,0 +1,67 @@
+"""Fixed-order native GEMMs (kernels/cpu_gemm.py): exact enough, and every row stands alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.kernels import cpu_gemm, torch_ref
+
+pytestmark = pytest.mark.skipif(not cpu_gemm.usable(torch.ones(1)), reason="no native AVX2 GEMM here")
+
+
+def _randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("n,k", [(256, 256), (24, 1024), (37, 19), (16, 1)])
+def test_linear_is_close_to_float64_and_rows_stand_alone(n, k):
+    x, w = _randn(41, k), _randn(n, k, seed=1)
+    got = cpu_gemm.linear(x, w)
+    want = (x.double() @ w.double().t()).float()
+    assert torch.allclose(got, want, atol=1e-5 * k**0.5, rtol=1e-5)
+    for lo, hi in [(0, 1), (3, 6), (5, 17), (40, 41), (0, 41)]:
+        assert torch.equal(cpu_gemm.linear(x[lo:hi], w), got[lo:hi])
+    wide = torch.cat([x, _randn(41, 7, seed=2)], dim=1)[:, :k]  # strided rows take the same path
+    assert torch.equal(cpu_gemm.linear(wide, w), got)
+
+
+def test_portable_path_gives_the_avx2_numbers():
+    lib = cpu_gemm._library()
+    x, w = _randn(23, 70), _randn(45, 70, seed=1)
+    fast = cpu_gemm.linear(x, w)
+    try:
+        lib.gemm_use_avx2(0)
+        portable = cpu_gemm.linear(x, w)
+    finally:
+        lib.gemm_use_avx2(1)
+    assert torch.equal(portable, fast)
+
+
+def test_packed_weights_follow_in_place_updates():
+    x, w = _randn(5, 32), _randn(20, 32, seed=1)
+    first = cpu_gemm.linear(x, w)
+    w.mul_(2)
+    assert torch.equal(cpu_gemm.linear(x, w), first * 2)
+
+
+def test_grouped_linear_matches_the_reference_per_row():
+    x, w = _randn(19, 2, 128), _randn(2, 64, 128, seed=1)
+    got = cpu_gemm.grouped_linear(x, w)
+    assert torch.allclose(got, torch_ref.grouped_linear(x, w), atol=1e-4)
+    assert torch.equal(cpu_gemm.grouped_linear(x[4:7], w), got[4:7])
+
+
+def test_moe_experts_match_per_expert_torch_gemms():
+    num_experts, h, inter, limit = 4, 32, 24, 7.0
+    gate_up, down = _randn(num_experts, 2 * inter, h, seed=1), _randn(num_experts, h, inter, seed=2)
+    x = _randn(9, h)
+    token_of_row = torch.tensor([0, 3, 8, 1, 1, 2, 5, 6, 7, 0, 4])
+    segments = [(0, 0, 3), (2, 3, 4), (3, 4, 11)]
+    got = cpu_gemm.moe_experts(x, token_of_row, segments, gate_up, down, limit)
+    for e, first, end in segments:
+        rows = x[token_of_row[first:end]]
+        act = torch_ref.swiglu_clamped(rows @ gate_up[e].t(), limit)
+        assert torch.allclose(got[first:end], act @ down[e].t(), atol=1e-4)
+    alone = cpu_gemm.moe_experts(x, token_of_row[5:6], [(3, 0, 1)], gate_up, down, limit)
+    assert torch.equal(alone[0], got[5])
