@@ -32,6 +32,10 @@ class Envs:
     max_control_frame_bytes: int = 16 * 1024 * 1024
     # Largest bulk transfer accepted by a data-plane receiver, in bytes.
     max_bulk_bytes: int = 8 * 1024 * 1024 * 1024
+    # Host-memory KV tier of each engine, in bytes (0: none), unless --kv-host-tier-bytes is given.
+    kv_host_tier_bytes: int = 0
+    # Seconds a prefix-block read from the KV store may take before the rest is recomputed.
+    kv_load_deadline_s: float = 0.25
 
 
 _ENV_NAMES = {
@@ -42,6 +46,8 @@ _ENV_NAMES = {
     "use_uvloop": "DEEPINFER_USE_UVLOOP",
     "max_control_frame_bytes": "DEEPINFER_MAX_CONTROL_FRAME_BYTES",
     "max_bulk_bytes": "DEEPINFER_MAX_BULK_BYTES",
+    "kv_host_tier_bytes": "DEEPINFER_KV_HOST_TIER_BYTES",
+    "kv_load_deadline_s": "DEEPINFER_KV_LOAD_DEADLINE_S",
 }
 
 
@@ -58,6 +64,11 @@ def _parse(name: str, raw: str, default):
             return int(raw)
         except ValueError:
             raise ValueError(f"{name}={raw!r} is not an integer") from None
+    if isinstance(default, float):
+        try:
+            return float(raw)
+        except ValueError:
+            raise ValueError(f"{name}={raw!r} is not a number") from None
     return raw
 
 

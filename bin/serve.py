@@ -20,7 +20,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 # CLI flag dest -> EngineOptions field; only flags the user gave are passed (the engine's defaults apply)
 ENGINE_FLAGS = ("dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks",
-                "block_size", "max_num_waiting", "seed", "num_threads")
+                "block_size", "max_num_waiting", "seed", "num_threads", "swa_replay", "swa_replay_tokens",
+                "swa_store_slots", "swa_fetch_deadline_s", "swa_directory", "swa_node_name", "swa_peer_host",
+                "kv_host_tier_bytes", "kv_store_dir", "kv_load_deadline_s")
 
 
 def add_parser(subparsers, name):
@@ -69,10 +71,47 @@ def add_parser(subparsers, name):
     e.add_argument("--seed", type=int, default=None, help="seed source for requests that give none")
     e.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     e.add_argument("--no-progress", action="store_true", help="no progress bars")
+    add_swa_arguments(p)
     from deepinfer.runtime.disagg.cli_args import add_disagg_arguments  # pd-disagg hook: --disaggregated ...
 
     add_disagg_arguments(p)
     return p
+
+
+def add_swa_arguments(p) -> None:
+    """SWA slot and KV tier flags (their EngineOptions fields keep the defaults when not given)."""
+    env = envs.names()
+    s = p.add_argument_group("SWA slots (sliding-window state of prefix hits)")
+    s.add_argument("--swa-replay", default=None, choices=("exact", "bounded"),
+                   help="rebuild of a prefix hit's window state when no slot holds it: exact (default) replays "
+                        "window x layers tokens and equals a full prefill; bounded replays only the last "
+                        "--swa-replay-tokens (constant cost, approximate, kept out of the prefix cache)")
+    s.add_argument("--swa-replay-tokens", type=int, default=None, metavar="N",
+                   help="tokens a bounded replay recomputes (default 128)")
+    s.add_argument("--swa-store-slots", type=int, default=None, metavar="N",
+                   help="host slots saving finished/preempted sequences' window state, so a continued "
+                        "conversation restores it without replay (default 4 x --max-num-seqs; 0: none). One "
+                        "slot is layers x (window + lookahead) rows x (head_dim x 33/32) bytes (MXFP8) plus "
+                        "compressor carry rows: ~1.4 MB for V4-Flash's 20 persisted layers")
+    s.add_argument("--swa-fetch-deadline", dest="swa_fetch_deadline_s", type=float, default=None, metavar="S",
+                   help="seconds a slot fetch from another engine may take before the request replays (default 0.1)")
+    s.add_argument("--swa-directory", default=None, metavar="ADDR",
+                   help="SWA slot directory (tcp://HOST:PORT): share slots with the other engines using it")
+    s.add_argument("--swa-directory-bind", default=None, metavar="ADDR",
+                   help="host the SWA slot directory in this process at ADDR (tcp://HOST:PORT; PORT * picks one) "
+                        "and use it; other engines join with --swa-directory")
+    s.add_argument("--swa-node-name", default=None, metavar="NAME",
+                   help="this engine's name in the SWA directory (default: HOST-PID)")
+    s.add_argument("--swa-peer-host", default=None, metavar="HOST",
+                   help="interface other engines fetch this engine's slots on (default 127.0.0.1)")
+    k = p.add_argument_group("KV tiers (prefix blocks beyond the device pool)")
+    k.add_argument("--kv-host-tier-bytes", type=int, default=None, metavar="BYTES",
+                   help=f"host-memory KV tier size (default ${env['kv_host_tier_bytes']}, else 0: none)")
+    k.add_argument("--kv-store-dir", default=None, metavar="DIR",
+                   help="filesystem KV store shared by the engines of this host (default: none)")
+    k.add_argument("--kv-load-deadline", dest="kv_load_deadline_s", type=float, default=None, metavar="S",
+                   help=f"seconds a prefix-block read from the KV store may take before recomputing "
+                        f"(default ${env['kv_load_deadline_s']}, else 0.25)")
 
 
 def _one_line_usage_error(name: str, message: str):
@@ -84,14 +123,29 @@ def _check_args(args) -> None:
     if not 0 <= args.port <= 65535:
         raise CliError(f"--port must be between 0 and 65535, got {args.port}", code=2)
     for flag in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks", "block_size",
-                 "max_num_waiting", "num_threads", "max_concurrent_requests"):
+                 "max_num_waiting", "num_threads", "max_concurrent_requests", "swa_replay_tokens"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise CliError(f"--{flag.replace('_', '-')} must be >= 1, got {value}", code=2)
+    for flag in ("swa_store_slots", "kv_host_tier_bytes"):
+        value = getattr(args, flag)
+        if value is not None and value < 0:
+            raise CliError(f"--{flag.replace('_', '-')} must be >= 0, got {value}", code=2)
+    for flag, name in (("swa_fetch_deadline_s", "--swa-fetch-deadline"), ("kv_load_deadline_s", "--kv-load-deadline")):
+        value = getattr(args, flag)
+        if value is not None and not 0 < value < 3600:
+            raise CliError(f"{name} must be between 0 and 3600 seconds (exclusive), got {value}", code=2)
     if not 0 <= args.shutdown_grace <= 3600:
         raise CliError(f"--shutdown-grace must be between 0 and 3600 seconds, got {args.shutdown_grace}", code=2)
     if args.api_key is not None and not args.api_key.strip():
         raise CliError("--api-key must not be blank; leave it out to disable authentication", code=2)
+    if args.swa_directory_bind is not None:
+        if not args.swa_directory_bind.startswith(("tcp://", "ipc://")):
+            raise CliError("--swa-directory-bind must be tcp://HOST:PORT or ipc://PATH, "
+                           f"got {args.swa_directory_bind!r}", code=2)
+        if args.swa_directory is not None:
+            raise CliError("give --swa-directory-bind (host the directory here) or --swa-directory (join one), "
+                           "not both", code=2)
     if args.served_model_name is not None and not all(n.strip() for n in args.served_model_name):
         raise CliError("--served-model-name must not be blank", code=2)
 
@@ -114,6 +168,11 @@ def _model_dir(args) -> tuple[Path, bool]:
         raise CliError(f"cannot create the built-in tiny model: {exc}") from None
     print(("Created" if created else "Using") + f" the built-in tiny model at {path}")
     return path, True
+
+
+def engine_options(args) -> dict:
+    """EngineOptions fields of the engine flags the user gave (the engine's defaults apply to the rest)."""
+    return {flag: getattr(args, flag) for flag in ENGINE_FLAGS if getattr(args, flag, None) is not None}
 
 
 class _StopRequested(Exception):
@@ -144,7 +203,7 @@ def _run(args) -> int:
     from deepinfer.runtime.gateway.launcher import LaunchSpec, launch
 
     _check_args(args)
-    options = {flag: getattr(args, flag) for flag in ENGINE_FLAGS if getattr(args, flag) is not None}
+    options = engine_options(args)
     model_dir, is_builtin = _model_dir(args)
     names = tuple(args.served_model_name or ((BUILTIN_MODEL_NAME,) if is_builtin else ()))
     if names:
@@ -152,14 +211,16 @@ def _run(args) -> int:
     if "show_progress" in {f.name for f in fields(EngineOptions)}:  # the weight-loading progress bar
         options["show_progress"] = not args.no_progress
     try:
-        EngineOptions.from_kwargs(**options)  # bad values fail here, before anything loads
+        # bad values fail here, before anything loads (a directory hosted here is joined like any)
+        EngineOptions.from_kwargs(**options, **({"swa_directory": args.swa_directory_bind}
+                                                if args.swa_directory_bind else {}))
         gateway = GatewayConfig(served_model_names=names, api_key=args.api_key,
                                 max_concurrent_requests=args.max_concurrent_requests,
                                 shutdown_grace_s=args.shutdown_grace)
     except (EngineOptionsError, ValueError) as exc:
         raise CliError(str(exc), code=2) from None
     logging.basicConfig(level=envs.get().log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    spec = LaunchSpec(model_dir, args.host, args.port, gateway, options)
+    spec = LaunchSpec(model_dir, args.host, args.port, gateway, options, swa_directory_bind=args.swa_directory_bind)
     try:
         if args.disaggregated:  # pd-disagg hook: gateway here, engines as supervised processes
             from deepinfer.runtime.disagg.launch import launch_disaggregated

@@ -2,10 +2,12 @@
 
 Slots never leave the machine that produced them (SPEC section 3); this directory is how another
 prefill engine finds one. Owners publish ``SwaSlotEvents`` (saved / evicted keys, and now and
-then their full set) on their event socket under ``TOPIC_SWA``; the directory subscribes to every
-owner, answers ``SwaLocate`` queries, and drops all entries of a node instance on ``PeerDown``
-(its host memory is gone with it). Events of an instance already declared down are ignored, so
-a late message cannot resurrect a dead node's slots.
+then their full set) on their event socket under ``TOPIC_SWA`` (the directory subscribes to
+every owner) or send them as requests to the directory (owners whose event socket it does not
+know: standalone engines given only the directory's address); it answers ``SwaLocate`` queries,
+and drops all entries of a node instance on ``PeerDown`` (its host memory is gone with it), or,
+without heartbeats, once the node has been silent past a TTL. Events of an instance already
+declared down are ignored, so a late message cannot resurrect a dead node's slots.
 
     key2nodes:  prefix hash -> {node name: boundary position}      (several nodes may hold one)
     node2keys:  node name   -> {prefix hash}                        (for PeerDown and full sets)
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +32,7 @@ from deepinfer.transport.protocol import (
     PeerUp,
     SwaDirectoryRequest,
     SwaEvent,
+    SwaEventsAck,
     SwaLocate,
     SwaLocation,
     SwaLocations,
@@ -45,6 +49,7 @@ class _Node:
     instance_id: int
     fetch_address: str
     keys: set[BlockHash]
+    last_seen: float = 0.0  # monotonic time of its last message
 
 
 class SwaDirectory:
@@ -62,7 +67,7 @@ class SwaDirectory:
     def nodes(self) -> list[str]:
         return sorted(self._nodes)
 
-    def apply(self, ev: SwaSlotEvents) -> None:
+    def apply(self, ev: SwaSlotEvents, now: float | None = None) -> None:
         if ev.instance_id in self._dead:
             return
         if len(ev.saved) != len(ev.saved_num_tokens):
@@ -75,6 +80,7 @@ class SwaDirectory:
         if node is None:
             node = self._nodes[ev.node_name] = _Node(ev.instance_id, ev.fetch_address, set())
         node.fetch_address = ev.fetch_address
+        node.last_seen = time.monotonic() if now is None else now
         if ev.is_full:
             for key in node.keys - set(ev.saved):
                 self._unlink(ev.node_name, key)
@@ -94,6 +100,19 @@ class SwaDirectory:
         node = self._nodes.get(ev.node_name)
         if node is not None and node.instance_id == ev.instance_id:
             self._drop(ev.node_name)
+
+    def num_keys_of(self, node_name: str) -> int:
+        node = self._nodes.get(node_name)
+        return len(node.keys) if node is not None else 0
+
+    def drop_silent(self, now: float, max_age_s: float) -> list[str]:
+        """Drop nodes not heard from for ``max_age_s`` (owners send their full set periodically,
+        so only a dead or cut-off one goes silent): the PeerDown of deployments without
+        heartbeats. Returns their names."""
+        silent = [name for name, node in self._nodes.items() if now - node.last_seen > max_age_s]
+        for name in silent:
+            self._drop(name)
+        return silent
 
     def drop_node(self, node_name: str) -> int:
         """Forget every slot of ``node_name``; returns how many."""
@@ -143,15 +162,22 @@ class SwaDirectoryService:
     """The directory on the wire: subscribes to owners' events, answers ``SwaLocate``.
 
     Runs in the gateway by default (or alone); ``connect_owner(events_address)`` per slot
-    owner; register ``directory.on_peer_event`` as a heartbeat listener for PeerDown."""
+    owner that publishes (owners may instead send their events as requests); register
+    ``directory.on_peer_event`` as a heartbeat listener for PeerDown. Without heartbeats,
+    ``node_ttl_s`` drops owners silent for that long (set it above their resync interval)."""
 
     def __init__(self, address: str, *, ctx: zmq.asyncio.Context | None = None,
-                 directory: SwaDirectory | None = None, name: str = "swa-directory") -> None:
+                 directory: SwaDirectory | None = None, name: str = "swa-directory",
+                 node_ttl_s: float | None = None) -> None:
+        if node_ttl_s is not None and not node_ttl_s > 0:
+            raise ValueError(f"node_ttl_s must be > 0 seconds or None, got {node_ttl_s!r}")
         self.directory = directory or SwaDirectory()
         self.name = name
         self._server = RequestServer(address, SwaDirectoryRequest, self._handle, ctx=ctx, name=name)
         self._events = EventSubscriber(SwaEvent, topics=[TOPIC_SWA], ctx=ctx, name=f"{name}-events")
+        self._node_ttl_s = node_ttl_s
         self._task: asyncio.Task | None = None
+        self._expire_task: asyncio.Task | None = None
 
     @property
     def address(self) -> str:
@@ -161,7 +187,15 @@ class SwaDirectoryService:
         await self._events.start()
         address = await self._server.start()
         self._task = asyncio.create_task(self._event_loop(), name=f"{self.name}-events")
+        if self._node_ttl_s is not None:
+            self._expire_task = asyncio.create_task(self._expire_loop(self._node_ttl_s), name=f"{self.name}-expire")
         return address
+
+    async def _expire_loop(self, ttl_s: float) -> None:
+        while True:
+            await asyncio.sleep(ttl_s / 4)
+            for name in self.directory.drop_silent(time.monotonic(), ttl_s):
+                log.warning("%s: no slot events from %s for %.1f s: dropped its slots", self.name, name, ttl_s)
 
     def connect_owner(self, events_address: str) -> None:
         self._events.connect(events_address)
@@ -173,14 +207,18 @@ class SwaDirectoryService:
             except ValueError as exc:
                 log.warning("%s: dropped a bad slot event: %s", self.name, exc)
 
-    async def _handle(self, incoming: Incoming) -> SwaLocations:
+    async def _handle(self, incoming: Incoming) -> SwaLocations | SwaEventsAck:
         msg = incoming.msg
+        if isinstance(msg, SwaSlotEvents):  # an owner that pushes its events (no subscription)
+            self.directory.apply(msg)  # a bad message: ValueError -> the owner gets an ErrorReply
+            return SwaEventsAck(self.directory.num_keys_of(msg.node_name))
         assert isinstance(msg, SwaLocate)
         return SwaLocations(self.directory.locate_many(msg.keys))
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        tasks = [t for t in (self._task, self._expire_task) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self._server.close()
         await self._events.close()

@@ -1,10 +1,12 @@
 """Moving SWA slots between nodes: the owner's side (publish + serve) and the fetcher's side.
 
 Owner (``SwaSlotOwner``): drains its store's save/evict events and publishes them as
-``SwaSlotEvents`` on its event socket (deltas every ``publish_interval_s``, the full set every
-``resync_interval_s``); serves ``SwaFetch`` on a ROUTER: it pushes the packed slot over the bulk
-data plane to the requester's receiver, then replies ``FOUND`` (the requester holds every byte
-by then) or ``NOT_FOUND`` / ``LAYOUT_MISMATCH``.
+``SwaSlotEvents`` on its event socket, or sends them to the directory as requests when it is
+given the directory's address instead (deltas every ``publish_interval_s``, the full set every
+``resync_interval_s``, and at once after a failed send so nothing lost stays lost); serves
+``SwaFetch`` on a ROUTER: it pushes the packed slot over the bulk data plane to the requester's
+receiver, then replies ``FOUND`` (the requester holds every byte by then) or ``NOT_FOUND`` /
+``LAYOUT_MISMATCH``.
 
 Fetcher (``SwaSlotFetcher``): ``await fetch(keys, deadline_s)`` asks the directory where the
 slots of ``keys`` are (candidate boundaries, longest first), fetches the first one another node
@@ -56,12 +58,20 @@ log = logging.getLogger(__name__)
 
 class SwaSlotOwner:
     def __init__(self, store: SwaSlotStore, *, node_name: str, instance_id: int, fetch_address: str,
-                 publisher: EventPublisher, ctx: zmq.asyncio.Context | None = None,
-                 publish_interval_s: float = 0.05, resync_interval_s: float = 5.0, send_timeout_s: float = 10.0) -> None:
+                 publisher: EventPublisher | None = None, directory_address: str | None = None,
+                 ctx: zmq.asyncio.Context | None = None, publish_interval_s: float = 0.05,
+                 resync_interval_s: float = 5.0, send_timeout_s: float = 10.0) -> None:
+        """Events go to ``publisher`` (the directory subscribes) or, when it is None, to the
+        directory at ``directory_address`` as requests; one of the two is required."""
+        if (publisher is None) == (directory_address is None):
+            raise ValueError("SwaSlotOwner needs exactly one of publisher= and directory_address=")
         self.store = store
         self.node_name = node_name
         self.instance_id = instance_id
         self._publisher = publisher
+        self._directory = None if directory_address is None else RequestClient(
+            directory_address, SwaDirectoryReply, ctx=ctx, name=f"{node_name}-swa-events")
+        self._is_resync_due = False
         self._ctx = ctx
         self._server = RequestServer(fetch_address, SwaFetchRequest, self._handle, ctx=ctx, name=f"{node_name}-swa-fetch")
         self._senders: dict[str, BulkSender] = {}
@@ -77,6 +87,8 @@ class SwaSlotOwner:
 
     async def start(self) -> str:
         address = await self._server.start()
+        if self._directory is not None:
+            await self._directory.start()
         self._task = asyncio.create_task(self._publish_loop(), name=f"{self.node_name}-swa-publish")
         return address
 
@@ -98,19 +110,31 @@ class SwaSlotOwner:
             return
         msg = SwaSlotEvents(self.node_name, self.instance_id, self.fetch_address, list(saved), list(saved.values()),
                             sorted(evicted), is_full)
-        await self._publisher.publish(TOPIC_SWA, msg)
+        if self._directory is None:
+            await self._publisher.publish(TOPIC_SWA, msg)
+            return
+        try:
+            await self._directory.request(msg, timeout_s=self._send_timeout_s)
+        except TransportError:
+            self._is_resync_due = True  # these events are lost: the next message is the full set
+            raise
 
     async def _publish_loop(self) -> None:
         next_full = time.monotonic()
+        is_failing = False
         while True:
             now = time.monotonic()
-            is_full = now >= next_full
+            is_full = now >= next_full or self._is_resync_due
+            self._is_resync_due = False
             if is_full:
                 next_full = now + self._resync_interval_s
             try:
                 await self.publish_now(is_full=is_full)
+                is_failing = False
             except TransportError as exc:
-                log.warning("%s: slot events not published: %s", self.node_name, exc)
+                if not is_failing:  # once per outage, not every interval
+                    log.warning("%s: slot events not published (retrying): %s", self.node_name, exc)
+                is_failing = True
             await asyncio.sleep(self._publish_interval_s)
 
     async def _handle(self, incoming: Incoming) -> SwaFetchReply:
@@ -136,6 +160,8 @@ class SwaSlotOwner:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         await self._server.close()
+        if self._directory is not None:
+            await self._directory.close()
         for sender in self._senders.values():
             await sender.close()
         self._senders.clear()

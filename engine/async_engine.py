@@ -11,6 +11,12 @@ awaits the loop serves everything else (HTTP, new requests, aborts). All EngineC
 happen on the loop's thread, so no locks are needed. Each request has a ``_Stream`` the step
 loop pushes deltas into; ``generate`` yields them (coalesced when the consumer lags).
 
+SWA slots: with ``swa_directory`` set, ``start`` also starts this engine's ``SwaPeer`` (it shares
+its slot store with other engines); each new request then first runs the slot prefetch for the
+prefix hit it would get (device pool, host tier, KV store) as part of ``submit``: other requests
+and steps go on meanwhile, and a miss or a dead owner within ``swa_fetch_deadline_s`` just
+leaves the request to replay.
+
 Failures: bad input raises a one-line ValueError from ``generate``'s first ``__anext__``. A step
 that raises fails every request that was running (its stream raises ``EngineStepError``), the
 prefix cache is dropped (blocks of a failed step may hold garbage) and the engine serves on;
@@ -39,6 +45,8 @@ from deepinfer.engine.output_processor import merge_output
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.step_pipeline import AsyncStepPipeline
+from deepinfer.engine.swa_peer import SwaPeer
+from deepinfer.engine.swa_slots import SwaSlotManager, SwaSlotRunner
 from deepinfer.engine.tokenizer import Tokenizer
 from deepinfer.runtime.gateway.engine_client import EngineOverloadedError, EngineStats, ModelInfo
 
@@ -140,6 +148,8 @@ class AsyncEngine:
         self._max_failures = max_consecutive_failures
         self._ids = itertools.count()
         self.num_failed_steps = 0
+        self.swa_slots: SwaSlotManager | None = parts.swa_slots
+        self.swa_peer: SwaPeer | None = None
         self._model_info = ModelInfo(
             name=parts.served_model_name,
             max_model_len=min(parts.max_model_len, self.core.config.num_blocks * options.block_size),
@@ -160,7 +170,29 @@ class AsyncEngine:
             raise ValueError("no model: pass AsyncEngine.start(model=DIR) or set DEEPINFER_HF_MODEL_DIR")
         opts = EngineOptions.from_kwargs(**options)
         parts = await asyncio.get_running_loop().run_in_executor(None, build_engine, model, opts)
-        return cls(parts, opts)
+        engine = cls(parts, opts)
+        if opts.swa_directory is not None:
+            try:
+                await engine.start_swa_peer(opts.swa_directory, node_name=opts.swa_node_name, host=opts.swa_peer_host)
+            except BaseException:
+                await engine.shutdown()
+                raise
+        return engine
+
+    async def start_swa_peer(self, directory_address: str, *, node_name: str | None = None,
+                             instance_id: int | None = None, host: str = "127.0.0.1", publisher=None) -> SwaPeer:
+        """Share this engine's SWA slot store through the directory at ``directory_address``
+        (serve its slots, fetch others' before queueing requests); closed by ``shutdown``."""
+        if self.swa_slots is None or self.swa_slots.store is None or not isinstance(self.core.runner, SwaSlotRunner):
+            raise ValueError("this engine has no SWA slot store to share (swa_store_slots=0)")
+        if self.swa_peer is not None:
+            raise ValueError("this engine already has an SWA peer")
+        peer = SwaPeer(self.swa_slots.store, directory_address=directory_address, node_name=node_name,
+                       instance_id=instance_id, host=host, publisher=publisher)
+        await peer.start()
+        self.swa_peer = peer
+        self.swa_slots.fetcher = peer.fetcher
+        return peer
 
     # ---- EngineClient -------------------------------------------------------------------
     @property
@@ -237,11 +269,19 @@ class AsyncEngine:
         try:
             await self._task
         finally:
+            if self.swa_peer is not None:
+                self.swa_slots.fetcher = None
+                await self.swa_peer.close()
             await self._loop.run_in_executor(None, self._shutdown_threads)
 
     def _shutdown_threads(self) -> None:
         self._device.shutdown(wait=True)
         self._compile.shutdown(wait=True)
+        offload = self._parts.kv_offload
+        if offload is not None:  # built with the engine: finish its write-behind, stop its threads
+            offload.run_pending_device_io()  # the last commit's copy-outs (the device thread is gone)
+            offload.wait_for_writes(5.0)
+            offload.close()
 
     # ---- requests -----------------------------------------------------------------------
     async def _add_request(self, rid: str, prompt: PromptType, params: SamplingParams) -> _Stream:
@@ -256,6 +296,12 @@ class AsyncEngine:
                 raise InvalidPromptError("structured_outputs need the tokenizer; this engine was started without one")
             # compiled (and cached) on a worker thread: a big schema never stalls the loop
             await self._loop.run_in_executor(self._compile, backend.compile, params.structured_outputs)
+            self._check_accepting(rid)
+        swa = self.swa_slots
+        if swa is not None and swa.fetcher is not None and self.core.scheduler.config.enable_prefix_caching:
+            # the slot at the hit this request will get, from the engine that holds it (bounded
+            # by swa_fetch_deadline_s; never raises for a remote failure: a miss replays)
+            await swa.prefetch_for(self.core.scheduler.kv, ids)
             self._check_accepting(rid)
         self.core.add_request(rid, ids, params, prompt=text)  # grammar: a cache hit now
         stream = _Stream()

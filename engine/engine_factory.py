@@ -7,10 +7,17 @@ from disk), so AsyncEngine calls it in an executor.
 KV pool size: ``num_blocks`` when given; else ``kv_cache_memory_bytes / bytes_per_block`` when a
 budget is given; else room for ``max_num_seqs`` sequences of ``max_model_len`` tokens each (the
 pool never preempts then). ``max_model_len`` defaults to the model's context length.
+
+SWA slots: ``swa_replay`` sets how a prefix hit's sliding-window state is replayed; a host slot
+store (``swa_store_slots``) saves finished sequences' states so a continuation restores them
+(engine/swa_slots.py). With ``swa_directory`` the engine also shares slots with other engines;
+the sockets for that start on the serving loop (AsyncEngine, engine/swa_peer.py). KV tiers
+(``kv_host_tier_bytes``, ``kv_store_dir``) extend the prefix cache past the device pool.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import dataclass, fields
@@ -18,16 +25,21 @@ from pathlib import Path
 
 import torch
 
+from deepinfer import envs
 from deepinfer.cache.block_cache import BlockCache
 from deepinfer.engine.batch import ForwardBatch
 from deepinfer.engine.engine_core import EngineCore, EngineCoreConfig
 from deepinfer.engine.model_config import ModelConfig
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.engine.scheduler import SchedulerConfig
+from deepinfer.engine.kv_offload import KVOffload, KVOffloadConfig
 from deepinfer.engine.structured_output import StructuredOutputBackend
+from deepinfer.engine.swa_replay import SWA_REPLAY_MODES
+from deepinfer.engine.swa_slots import SwaSlotManager, attach_swa_slots
 from deepinfer.engine.tokenizer import Tokenizer
 from deepinfer.engine.weights import load_checkpoint, resolve_dtype
 
+log = logging.getLogger(__name__)
 
 class EngineOptionsError(ValueError):
     """A bad engine option; the message names it."""
@@ -59,6 +71,27 @@ class EngineOptions:
     # between torch ops; a short interval lets the loop thread in promptly. None: leave it.
     switch_interval_s: float | None = 0.0005
     check_integrity_every_step: bool = False  # debug: EngineCore.check_integrity() after each step
+    # SWA slots (engine/swa_slots.py, SPEC section 3). A prefix hit whose sliding-window state
+    # is not in a slot is rebuilt by replay: "exact" replays sliding_window x layers tokens (the
+    # state equals a full prefill's), "bounded" only the last swa_replay_tokens (constant cost,
+    # approximate; such sequences never enter the prefix cache or the slot store)
+    swa_replay: str = "exact"
+    swa_replay_tokens: int = 128
+    # host slot store: a finished or preempted sequence's state at its last block boundary, so a
+    # continued conversation restores it instead of replaying (window rows in MXFP8). Slots;
+    # None: 4 x max_num_seqs; 0: no store
+    swa_store_slots: int | None = None
+    swa_fetch_deadline_s: float = 0.1  # a slot fetch from another engine not done by then: replay
+    # the SWA directory (tcp://HOST:PORT or ipc://PATH): this engine tells it which slots it holds
+    # and serves them to other engines, and fetches theirs before queueing a request
+    swa_directory: str | None = None
+    swa_node_name: str | None = None  # this engine in the directory (default: host-pid)
+    swa_peer_host: str = "127.0.0.1"  # interface other engines reach this one's slot sockets on
+    # KV tiers (engine/kv_offload.py): prefix blocks kept in host memory / a store directory past
+    # the device pool. None: DEEPINFER_KV_HOST_TIER_BYTES (0 = none) / DEEPINFER_KV_LOAD_DEADLINE_S
+    kv_host_tier_bytes: int | None = None
+    kv_store_dir: str | None = None  # a filesystem KV store shared by the engines of this host
+    kv_load_deadline_s: float | None = None
 
     def __post_init__(self) -> None:
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size")
@@ -72,6 +105,44 @@ class EngineOptions:
                 raise EngineOptionsError(f"{name} must be an integer >= 1 or None, got {v!r}")
         if self.device != "auto" and self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
             raise EngineOptionsError(f"device must be 'cpu', 'cuda' or 'auto', got {self.device!r}")
+        self._check_swa()
+        self._check_kv_tiers()
+
+    def _check_swa(self) -> None:
+        _require(self.swa_replay in SWA_REPLAY_MODES,
+                 f"swa_replay must be 'exact' or 'bounded', got {self.swa_replay!r}")
+        _require(_is_int(self.swa_replay_tokens) and self.swa_replay_tokens >= 1,
+                 f"swa_replay_tokens must be an integer >= 1, got {self.swa_replay_tokens!r}")
+        slots = self.swa_store_slots
+        _require(slots is None or (_is_int(slots) and slots >= 0),
+                 f"swa_store_slots must be an integer >= 0 or None, got {slots!r}")
+        _require(_is_seconds(self.swa_fetch_deadline_s),
+                 f"swa_fetch_deadline_s must be a number of seconds > 0, got {self.swa_fetch_deadline_s!r}")
+        if self.swa_directory is not None:
+            _require(isinstance(self.swa_directory, str) and self.swa_directory.startswith(("tcp://", "ipc://")),
+                     f"swa_directory must be tcp://HOST:PORT or ipc://PATH, got {self.swa_directory!r}")
+            _require(slots != 0, "swa_directory needs a slot store (swa_store_slots > 0): slots are served from it "
+                                 "and fetched into it")
+        name = self.swa_node_name
+        _require(name is None or (isinstance(name, str) and bool(name.strip())),
+                 f"swa_node_name must be a non-blank string, got {name!r}")
+        host = self.swa_peer_host
+        _require(isinstance(host, str) and bool(host.strip()) and "/" not in host,
+                 f"swa_peer_host must be a host name or IP address, got {host!r}")
+
+    def _check_kv_tiers(self) -> None:
+        num_bytes = self.kv_host_tier_bytes
+        _require(num_bytes is None or (_is_int(num_bytes) and num_bytes >= 0),
+                 f"kv_host_tier_bytes must be an integer >= 0 or None, got {num_bytes!r}")
+        _require(self.kv_load_deadline_s is None or _is_seconds(self.kv_load_deadline_s),
+                 f"kv_load_deadline_s must be a number of seconds > 0, got {self.kv_load_deadline_s!r}")
+        path = self.kv_store_dir
+        _require(path is None or (isinstance(path, str) and bool(path.strip())),
+                 f"kv_store_dir must be a directory path, got {path!r}")
+
+    @property
+    def num_swa_store_slots(self) -> int:
+        return 4 * self.max_num_seqs if self.swa_store_slots is None else self.swa_store_slots
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> EngineOptions:
@@ -80,6 +151,19 @@ class EngineOptions:
         if unknown:
             raise EngineOptionsError(f"unknown engine option {unknown[0]!r}; known: {', '.join(sorted(known))}")
         return cls(**kwargs)
+
+
+def _require(is_ok: bool, message: str) -> None:
+    if not is_ok:
+        raise EngineOptionsError(message)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_seconds(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
 
 
 @dataclass(slots=True)
@@ -91,6 +175,8 @@ class EngineParts:
     max_model_len: int
     served_model_name: str
     created: int
+    swa_slots: SwaSlotManager | None = None  # SWA slot store / replay policy (build_engine attaches it)
+    kv_offload: KVOffload | None = None  # KV tiers built by build_engine (closed by whoever owns the parts)
 
 
 def resolve_device(device: str) -> str:
@@ -156,9 +242,41 @@ def build_engine(model_dir: str | Path, options: EngineOptions) -> EngineParts:
         def decode_token(token_id: int) -> str:
             return tokenizer.decode([token_id], skip_special_tokens=False)
 
-    core = EngineCore(_AnyBatchRunner(runner), core_cfg, detokenizer_factory=detok_factory, decode_token=decode_token,
-                      structured_output=backend, seed_rng=random.Random(options.seed))
-    return EngineParts(core, cfg, tokenizer, backend, max_model_len, name, int(time.time()))
+    offload = _build_kv_offload(runner, options)
+    try:
+        core = EngineCore(_AnyBatchRunner(runner), core_cfg, detokenizer_factory=detok_factory,
+                          decode_token=decode_token, structured_output=backend, seed_rng=random.Random(options.seed),
+                          kv_offload=offload)
+        swa = None
+        if options.num_swa_store_slots > 0 or options.swa_replay != "exact":
+            swa = attach_swa_slots(core, mode=options.swa_replay, replay_tokens=options.swa_replay_tokens,
+                                   num_store_slots=options.num_swa_store_slots,
+                                   fetch_deadline_s=options.swa_fetch_deadline_s)
+            if swa.store is not None and options.num_swa_store_slots > 0:
+                log.info("SWA slot store: %d slots x %d bytes = %.1f MiB of host memory", swa.store.num_slots,
+                         swa.store.layout.num_bytes, swa.store.arena.numel() / 2**20)
+    except BaseException:
+        if offload is not None:
+            offload.close()
+        raise
+    return EngineParts(core, cfg, tokenizer, backend, max_model_len, name, int(time.time()), swa, offload)
+
+
+def _build_kv_offload(runner: ModelRunner, options: EngineOptions) -> KVOffload | None:
+    env = envs.get()
+    host_bytes = env.kv_host_tier_bytes if options.kv_host_tier_bytes is None else options.kv_host_tier_bytes
+    if not host_bytes and not options.kv_store_dir:
+        return None
+    deadline = env.kv_load_deadline_s if options.kv_load_deadline_s is None else options.kv_load_deadline_s
+    if not deadline > 0:
+        raise EngineOptionsError(f"DEEPINFER_KV_LOAD_DEADLINE_S must be > 0 seconds, got {deadline!r}")
+    store = None
+    if options.kv_store_dir:
+        from deepinfer.cache.store.fs_backend import FsStore
+
+        store = FsStore(Path(options.kv_store_dir).expanduser())
+    return KVOffload.build(runner, host_capacity_bytes=host_bytes, store=store,
+                           config=KVOffloadConfig(load_deadline_s=float(deadline)))
 
 
 class _AnyBatchRunner:

@@ -161,20 +161,57 @@ class SwaSlotManager:
         extend_block_hashes(hashes, prompt_token_ids, self.block_size, root_hash(self.model_id, cache_salt))
         return hashes
 
-    async def prefetch(self, prompt_token_ids: Sequence[int], hit_blocks: int, cache_salt: str = "") -> FetchResult | None:
-        """Fetch the slot at a ``hit_blocks``-block prefix hit unless the store has it; None when
-        there is nothing to do (no hit, slot already local, no fetcher)."""
-        if self.fetcher is None or hit_blocks <= 0:
+    def known_hit_blocks(self, kv, prompt_token_ids: Sequence[int],
+                         cache_salt: str = "") -> tuple[list[BlockHash], int, int]:
+        """(lookup hashes, blocks a prefix lookup will hit for sure, blocks it may hit at most)
+        as the scheduler's ``KVManager`` ``kv`` sees the prompt now: the device pool and the host
+        tier are known; blocks past them may still come from the KV store (engine/kv_offload.py)."""
+        n = (len(prompt_token_ids) - 1) // self.block_size  # as KVManager: one token is always computed
+        if n <= 0:
+            return [], 0, 0
+        hashes = self.prefix_hashes(prompt_token_ids[: n * self.block_size], cache_salt)
+        num_known = kv.pool.cached_prefix_length(hashes)
+        offload = kv.offload
+        if offload is None:
+            return hashes, num_known, num_known
+        num_known += offload.tiers.host_run(hashes[num_known:])
+        return hashes, num_known, n if offload.tiers.has_store else num_known
+
+    async def prefetch(self, prompt_token_ids: Sequence[int], hit_blocks: int, cache_salt: str = "", *,
+                       max_hit_blocks: int | None = None,
+                       hashes: Sequence[BlockHash] | None = None) -> FetchResult | None:
+        """Fetch the slot at the prefix hit unless the store has it; None when there is nothing
+        to do (no hit, slot already local, no fetcher).
+
+        The hit is ``hit_blocks`` blocks, or any length up to ``max_hit_blocks`` when part of
+        it is still unknown (KV store reads): then the longest boundary another node holds
+        between the two is fetched, unless this store holds a slot at a longer one."""
+        top = max(hit_blocks, max_hit_blocks or 0)
+        if self.fetcher is None or top <= 0:
             return None
-        key = self.prefix_hashes(prompt_token_ids[: hit_blocks * self.block_size], cache_salt)[hit_blocks - 1]
-        if self.store.boundary_of(key) == hit_blocks * self.block_size:
+        if hashes is None:
+            hashes = self.prefix_hashes(prompt_token_ids[: top * self.block_size], cache_salt)
+        keys: list[BlockHash] = []
+        for i in range(top, max(hit_blocks, 1) - 1, -1):  # longest boundary first
+            key = hashes[i - 1]
+            if self.store.boundary_of(key) == i * self.block_size:
+                break  # held here: a shorter one could only be worse
+            keys.append(key)
+        if not keys:
             return None
-        result = await self.fetcher.fetch([key], self.fetch_deadline_s)
+        result = await self.fetcher.fetch(keys, self.fetch_deadline_s)
         if result.is_hit:
             self.stats.num_fetched += 1
         else:
             self.stats.num_fetch_misses += 1
         return result
+
+    async def prefetch_for(self, kv, prompt_token_ids: Sequence[int], cache_salt: str = "") -> FetchResult | None:
+        """``prefetch`` for the hit a request queued now would get (``known_hit_blocks``)."""
+        if self.fetcher is None:
+            return None
+        hashes, num_known, num_max = self.known_hit_blocks(kv, prompt_token_ids, cache_salt)
+        return await self.prefetch(prompt_token_ids, num_known, cache_salt, max_hit_blocks=num_max, hashes=hashes)
 
 
 class SwaSlotRunner:

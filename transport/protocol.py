@@ -548,7 +548,9 @@ PdLoadEvent = PdLoadReport
 
 # =====================================================================================
 # SWA slots (cache/swa_directory.py, cache/swa_fetch.py).
-# Events: PUB (slot owner) -> SUB (SWA directory), topic TOPIC_SWA, frames [topic, body].
+# Events: PUB (slot owner) -> SUB (SWA directory), topic TOPIC_SWA, frames [topic, body]; or,
+# where the directory does not know the owner's event socket (standalone engines), the owner
+# sends the same SwaSlotEvents as a request to the directory: -> SwaEventsAck.
 # Directory: ROUTER (directory) <- DEALER (prefill engines): SwaLocate -> SwaLocations.
 # Fetch: ROUTER (owner's slot server) <- DEALER (requester): SwaFetch -> SwaFetchReply; on FOUND
 # the owner first pushes the packed slot over the bulk data plane to ``reply_to`` (one buffer,
@@ -614,8 +616,14 @@ class SwaSlotHeader(_Message):
     layout_fingerprint: str
 
 
+class SwaEventsAck(_Message):
+    """Reply to SwaSlotEvents sent as a request: how many keys the directory now lists for that node."""
+
+    num_keys: int = 0
+
+
 SwaEvent = SwaSlotEvents
-SwaDirectoryRequest = SwaLocate
-SwaDirectoryReply = SwaLocations | ErrorReply
+SwaDirectoryRequest = SwaLocate | SwaSlotEvents
+SwaDirectoryReply = SwaLocations | SwaEventsAck | ErrorReply
 SwaFetchRequest = SwaFetch
 SwaFetchReplyUnion = SwaFetchReply | ErrorReply

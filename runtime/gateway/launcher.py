@@ -31,6 +31,14 @@ class LaunchSpec:
     port: int
     gateway: GatewayConfig
     engine_options: dict[str, Any]  # EngineOptions fields (engine/engine_factory.py)
+    # host the SWA slot directory in this process at this address (tcp://HOST:PORT); the engine
+    # here uses it, other engines join with --swa-directory (cache/swa_directory.py)
+    swa_directory_bind: str | None = None
+
+
+# standalone engines have no heartbeats: an engine whose periodic full slot set (every 2 s,
+# engine/swa_peer.py) has not arrived for this long is taken for dead and its slots dropped
+SWA_DIRECTORY_NODE_TTL_S = 10.0
 
 
 async def _until_stopped(work: asyncio.Future, stop: asyncio.Event) -> bool:
@@ -47,13 +55,30 @@ async def launch(spec: LaunchSpec, *, print_fn: Callable[[str], None] = print,
                  stop: asyncio.Event | None = None) -> int:
     """Start the engine on ``spec.model_dir``, serve until a signal (or ``stop``), shut down.
     Start-up errors (bad model directory, bad engine option, port in use) propagate."""
+    stop = stop or asyncio.Event()
+    directory = None
+    options = dict(spec.engine_options)
+    if spec.swa_directory_bind:
+        from deepinfer.cache.swa_directory import SwaDirectoryService
+
+        directory = SwaDirectoryService(spec.swa_directory_bind, node_ttl_s=SWA_DIRECTORY_NODE_TTL_S)
+        options["swa_directory"] = await directory.start()
+        print_fn(f"SWA slot directory on {options['swa_directory']}")
+    try:
+        return await _launch(spec, options, print_fn, stop)
+    finally:
+        if directory is not None:
+            await directory.close()
+
+
+async def _launch(spec: LaunchSpec, options: dict[str, Any], print_fn: Callable[[str], None],
+                  stop: asyncio.Event) -> int:
     from deepinfer.engine.async_engine import AsyncEngine
 
-    stop = stop or asyncio.Event()
     with stop_on_signals(stop):
         t0 = time.monotonic()
         print_fn(f"Loading {spec.model_dir} ...")
-        starting = asyncio.ensure_future(AsyncEngine.start(model=str(spec.model_dir), **spec.engine_options))
+        starting = asyncio.ensure_future(AsyncEngine.start(model=str(spec.model_dir), **options))
         if not await _until_stopped(starting, stop):
             starting.cancel()
             with contextlib.suppress(asyncio.CancelledError):

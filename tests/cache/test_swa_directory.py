@@ -119,3 +119,44 @@ async def test_fetch_across_nodes_then_owner_gone(tmp_path):
             await fetcher.close()
         await pub.close()
         await directory.close()
+
+
+def test_directory_drops_silent_nodes():
+    d = SwaDirectory()
+    d.apply(ev("a", 1, [b"k1"]), now=10.0)
+    d.apply(ev("b", 2, [b"k2"]), now=10.0)
+    d.apply(ev("a", 1, is_full=True, saved=[b"k1"]), now=14.0)  # a's periodic full set
+    assert d.drop_silent(now=15.5, max_age_s=5.0) == ["b"]
+    assert d.locate(b"k2") is None and d.locate(b"k1").node_name == "a"
+    assert d.drop_silent(now=15.5, max_age_s=5.0) == []
+    d.check_integrity()
+
+
+@pytest.mark.timeout(60)
+async def test_owner_pushes_events_to_the_directory_and_goes_silent():
+    """An owner given only the directory's address sends its events as requests; a dead one is
+    dropped once silent for node_ttl_s (no heartbeats)."""
+    owner_store, arena = _store()
+    rings = arena.read_slot(0)
+    directory = SwaDirectoryService("tcp://127.0.0.1:*", node_ttl_s=0.6)
+    owner = None
+    try:
+        dir_address = await directory.start()
+        with pytest.raises(ValueError, match="exactly one of publisher= and directory_address="):
+            SwaSlotOwner(owner_store, node_name="x", instance_id=1, fetch_address="tcp://127.0.0.1:*")
+        owner = SwaSlotOwner(owner_store, node_name="pusher", instance_id=3, fetch_address="tcp://127.0.0.1:*",
+                             directory_address=dir_address, publish_interval_s=0.02, resync_interval_s=0.2)
+        await owner.start()
+        owner_store.put(b"boundary-1", 16, rings)
+        await _until(lambda: directory.directory.locate(b"boundary-1") is not None)
+        assert directory.directory.locate(b"boundary-1").fetch_address == owner.fetch_address
+        await asyncio.sleep(1.0)  # alive: its full sets keep it listed past the TTL
+        assert directory.directory.nodes() == ["pusher"]
+        await owner.close()
+        owner = None
+        await _until(lambda: directory.directory.locate(b"boundary-1") is None, timeout_s=5.0)
+        assert directory.directory.nodes() == []
+    finally:
+        if owner is not None:
+            await owner.close()
+        await directory.close()
