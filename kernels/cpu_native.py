@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from deepinfer.kernels import torch_ref
+from deepinfer.kernels.cpu_attention_src import ATTENTION_SOURCE
 from deepinfer.kernels.cpu_gemm_src import GEMM_SOURCE
 from deepinfer.kernels.cpu_native_src import C_SOURCE
 
@@ -47,7 +48,7 @@ def _cache_dir() -> Path:
 
 
 def _build() -> ctypes.CDLL | None:
-    source = C_SOURCE + GEMM_SOURCE
+    source = C_SOURCE + GEMM_SOURCE + ATTENTION_SOURCE
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
     out = _cache_dir() / f"cpu_native_{digest}.so"
     if not out.exists():
@@ -78,6 +79,9 @@ def _build() -> ctypes.CDLL | None:
     lib.gathered_attention.argtypes = [f32p, f32p, f32p, f32p, i64, f32p, f32p, f32p, i64, f32p, i64, i64, i64,
                                        ctypes.c_float, f32p, f32p]  # fmt: skip
     lib.gathered_attention.restype = None
+    if hasattr(lib, "gathered_attention_avx2"):  # x86-64 builds only
+        lib.gathered_attention_avx2.argtypes = lib.gathered_attention.argtypes
+        lib.gathered_attention_avx2.restype = None
     lib.hc_post.argtypes = [f32p, f32p, f32p, f32p, i64, i64, i64, f32p]
     lib.hc_post.restype = None
     lib.moe_dispatch.argtypes = [f32p, i64, i64, i64, i64, i64, f32p, f32p, f32p, f32p, f32p, f32p]
@@ -251,10 +255,15 @@ def gathered_attention(q, pool, pool_rows, pool_bias, extra, extra_rows, extra_b
         extra, extra_rows, extra_bias = extra.contiguous(), extra_rows.contiguous(), extra_bias.contiguous()
         extra_ptr, rows_ptr, bias_ptr = extra.data_ptr(), extra_rows.data_ptr(), extra_bias.data_ptr()
     out = torch.empty(g, h, d, dtype=torch.float32)
-    scratch = torch.empty(h * (np_ + ne), dtype=torch.float32)
-    lib.gathered_attention(q.data_ptr(), pool.data_ptr(), pool_rows.data_ptr(), pool_bias.data_ptr(), np_,
-                           extra_ptr, rows_ptr, bias_ptr, ne, sinks.data_ptr(), g, h, d, scale,
-                           scratch.data_ptr(), out.data_ptr())  # fmt: skip
+    from deepinfer.kernels import cpu_gemm
+
+    if cpu_gemm.usable(q):  # the SIMD kernel (kernels/cpu_attention_src.py)
+        kernel, hp = lib.gathered_attention_avx2, -(-h // 8) * 8
+        scratch = torch.empty((np_ + ne) * (hp + 3) + d * hp, dtype=torch.float32)
+    else:
+        kernel, scratch = lib.gathered_attention, torch.empty(h * (np_ + ne), dtype=torch.float32)
+    kernel(q.data_ptr(), pool.data_ptr(), pool_rows.data_ptr(), pool_bias.data_ptr(), np_, extra_ptr, rows_ptr,
+           bias_ptr, ne, sinks.data_ptr(), g, h, d, scale, scratch.data_ptr(), out.data_ptr())  # fmt: skip
     return out
 
 
