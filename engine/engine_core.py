@@ -1,33 +1,28 @@
 """The synchronous engine step: schedule -> runner.execute -> sample -> commit -> output deltas.
 
 ``step()`` does it all in order. For overlap ("async scheduling", one step in flight) the same
-work is exposed as calls that ``StepPipeline`` (threads) and AsyncEngine (asyncio) interleave so
-the device never waits for Python bookkeeping. ``device_step`` jobs run in order on ONE worker
-thread (the "device thread"); everything else runs on the caller's thread:
+work is exposed as calls that ``StepPipeline`` / ``AsyncStepPipeline`` (step_pipeline.py) and
+``DeviceChain`` (device_chain.py) interleave so the device never waits for Python bookkeeping.
+``fill_placeholders``, ``execute`` and ``run_sampling`` run in order on ONE worker thread (the
+"device thread"); everything else runs on the caller's thread:
 
-    plan_n = core.schedule_step()
-    prep_n = done Future(core.prepare_sampling(plan_n))
-    res_n  = worker.submit(core.device_step, plan_n, prep_n, None)
-    loop:
-      plan_n1 = core.schedule_step()        # overlaps plan_n's forward; a decode whose token
-                                            # plan_n is sampling gets a placeholder position
-      prep_n1 = Future()
-      res_n1  = worker.submit(core.device_step, plan_n1, prep_n1, res_n)
-                                            # the worker fills plan_n1's placeholders from
-                                            # res_n and starts its forward right after
-                                            # sampling plan_n: no caller wake-up in between
-      sampled = res_n.result()              # (await asyncio.wrap_future(res_n) in asyncio)
-      outputs = core.commit_step(plan_n, sampled)  # scheduler update, grammar, detokenize,
-                                            # stop strings: overlaps plan_n1's forward
-      prep_n1.set_result(core.prepare_sampling(plan_n1))  # after the commit, so penalties and
-                                            # grammar masks see plan_n's tokens
-      plan_n, prep_n, res_n = plan_n1, prep_n1, res_n1
+    caller:                                  device thread:
+      plan_n = schedule_step(); prepare it     execute(plan_n) ... run_sampling(prep_n)
+      plan_n1 = schedule_step()                # overlaps plan_n's forward; a decode whose
+                                               # token plan_n samples gets a placeholder
+      rows = placeholder_rows(plan_n1, prep_n) # placeholder -> row of plan_n's tokens
+      hand plan_n1 over                        fill_placeholders(plan_n1, sampled_n, rows)
+      wait for plan_n's tokens                 execute(plan_n1)   (no caller wake-up between)
+      commit_step(plan_n, sampled_n)           ... waits for prep_n1
+      prep_n1 = prepare_sampling(plan_n1)      run_sampling(prep_n1): after the commit, so
+                                               penalties and grammar masks see plan_n's tokens
 
-If commit or prepare raises, set the exception on prep_n1 so the worker never blocks. The worker
-touches only the runner, the plans' batches and the prepared tensors; add_request / abort run on
-the caller's thread between these calls. Results of a request that finished or was aborted
-while a later step was in flight are dropped when that step commits; its blocks may be handed
-out again only to steps that execute after the in-flight one (execution is serial).
+If commit or prepare raises, the caller hands the error to the device thread instead of prep_n1
+so it never blocks. The worker touches only the runner, the plans' batches and the prepared
+tensors; add_request / abort run on the caller's thread between these calls. Results of a
+request that finished or was aborted while a later step was in flight are dropped when that
+step commits; its blocks may be handed out again only to steps that execute after the in-flight
+one (execution is serial).
 On CPython the worker needs the GIL to launch each forward: keep ``sys.setswitchinterval`` small
 (``tune_interpreter_for_serving``) so the caller's Python work cannot hold it for long.
 """
@@ -39,9 +34,8 @@ import random
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
@@ -105,6 +99,13 @@ class StepPlan:
     @property
     def is_empty(self) -> bool:
         return self.sched.is_empty
+
+
+class PlaceholderRows(NamedTuple):
+    """A plan's placeholders as (token list, index, row of the previous step's plain tokens)."""
+
+    source: list[str]  # the previous step's SamplingPrep.plain_ids (identity-checked)
+    targets: list[tuple[list[int], int, int]]
 
 
 class EngineCore:
@@ -262,29 +263,40 @@ class EngineCore:
             raise RuntimeError(f"runner returned {logits.shape[0]} logit rows for {plan.sched.num_logits} requested")
         return logits
 
-    def fill_placeholders(self, plan: StepPlan, prev: SampledStep) -> None:
-        """Write the tokens ``prev`` sampled into ``plan``'s placeholder positions."""
+    def fill_placeholders(self, plan: StepPlan, prev: SampledStep, rows: PlaceholderRows | None = None) -> None:
+        """Write the tokens ``prev`` sampled into ``plan``'s placeholder positions; ``rows``
+        (from ``placeholder_rows``, caller's thread) makes it one flat loop on a plain step."""
+        if rows is not None and rows.source is prev.plain_ids:
+            tokens = prev.plain_tokens
+            for ids, pos, row in rows.targets:
+                ids[pos] = tokens[row]
+            return
         last_tokens = prev.last_tokens
         for rid, ids, pos in plan.sched.placeholders:  # listed by the scheduler
             # A request that vanished in between gets any valid id: its result is dropped.
             ids[pos] = last_tokens.get(rid, 0)
 
+    @staticmethod
+    def placeholder_rows(plan: StepPlan, prev: SamplingPrep) -> PlaceholderRows | None:
+        """Resolve ``plan``'s placeholders to rows of the step ``prev`` prepared (one step
+        ahead, on the caller's thread while that step's forward runs). None unless ``prev`` is
+        plain (one row per request; with drafts the row of the last accepted token is known only
+        after sampling) and lists every placeholder's request."""
+        ids = prev.plain_ids
+        placeholders = plan.sched.placeholders
+        if ids is None or not placeholders:
+            return None
+        rid2row = {rid: row for row, rid in enumerate(ids)}
+        targets = []
+        for rid, token_ids, pos in placeholders:
+            row = rid2row.get(rid)
+            if row is None:
+                return None
+            targets.append((token_ids, pos, row))
+        return PlaceholderRows(ids, targets)
+
     def sample_step(self, plan: StepPlan, logits: torch.Tensor) -> SampledStep:
         return self.run_sampling(self.prepare_sampling(plan), logits)
-
-    def device_step(
-        self,
-        plan: StepPlan,
-        prep: Future[SamplingPrep] | SamplingPrep,
-        prev: Future[SampledStep] | None = None,
-    ) -> SampledStep:
-        """The executor thread's whole job: fill placeholders from the previous step's result,
-        forward, then (once the caller has committed the previous step and prepared this one's
-        sampling inputs) sample. Touches only the plan, the runner and tensors."""
-        if prev is not None:
-            self.fill_placeholders(plan, prev.result())
-        logits = self.execute(plan)
-        return self.run_sampling(prep.result() if isinstance(prep, Future) else prep, logits)
 
     def prepare_sampling(self, plan: StepPlan) -> SamplingPrep:
         """Per-row sampling inputs from request state (seeds, positions, penalty history, grammar

@@ -44,23 +44,33 @@ class SamplingPrep:
 
 @dataclass(slots=True)
 class SampledStep:
-    """One step's sampled tokens. ``last_tokens`` (what the next step's placeholders need) is
-    built on the device thread; on a plain step (one token per request) the per-request
-    ``accepted`` lists are derived from it only when the caller's thread asks (commit), as the
-    device thread's time between forwards cannot be hidden."""
+    """One step's sampled tokens. The device thread stores only what the next step's forward
+    needs; on a plain step (one row per request) that is the row tokens in order
+    (``plain_tokens``, rows of ``plain_ids``), and the per-request maps ``last_tokens`` and
+    ``accepted`` are built when first read, normally by the caller's thread while the next
+    forward runs: the device thread's time between forwards cannot be hidden."""
 
-    last_tokens: dict[str, int] = field(default_factory=dict)  # request id -> last accepted token
     sampler_output: SamplerOutput | None = None
     request_rows: dict[str, range] = field(default_factory=dict)  # rows of sampler_output per request
     prompt_logprobs: LogprobsTensors | None = None
     prompt_rows: dict[str, range] = field(default_factory=dict)
-    _accepted: dict[str, list[int]] | None = None  # None on a plain step until asked for
+    plain_ids: list[str] | None = None  # plain step: the request of each row (SamplingPrep.plain_ids)
+    plain_tokens: list[int] | None = None  # plain step: the token sampled in each row
+    _last_tokens: dict[str, int] | None = None  # None on a plain step until asked for
+    _accepted: dict[str, list[int]] | None = None
+
+    @property
+    def last_tokens(self) -> dict[str, int]:
+        """request id -> last accepted token (what a placeholder of the next step stands for)."""
+        if self._last_tokens is None:
+            self._last_tokens = dict(zip(self.plain_ids or (), self.plain_tokens or ()))
+        return self._last_tokens
 
     @property
     def accepted(self) -> dict[str, list[int]]:
         """request id -> accepted tokens (1 + accepted drafts)."""
         if self._accepted is None:
-            self._accepted = {rid: [tok] for rid, tok in self.last_tokens.items()}
+            self._accepted = {rid: [tok] for rid, tok in zip(self.plain_ids or (), self.plain_tokens or ())}
         return self._accepted
 
 
@@ -178,11 +188,13 @@ class SamplingPreparer:
             out.sampler_output = self.sampler(sel, prep.meta)
             sampled = out.sampler_output.token_ids.tolist()
             if prep.plain_ids is not None:
-                out.last_tokens = dict(zip(prep.plain_ids, sampled))
+                out.plain_ids, out.plain_tokens = prep.plain_ids, sampled  # maps built on demand
             else:
                 out._accepted = {rid: verify_drafts(sampled[r.start : r.stop], prep.drafts[rid])
                                  for rid, r in prep.request_rows.items()}
-                out.last_tokens = {rid: toks[-1] for rid, toks in out._accepted.items()}
+                out._last_tokens = {rid: toks[-1] for rid, toks in out._accepted.items()}
+        elif prep.plain_ids is not None:
+            out.plain_ids, out.plain_tokens = prep.plain_ids, []
         if prep.prompt_index is not None:
             lp = logits.index_select(0, prep.prompt_index).float().log_softmax(dim=-1)
             out.prompt_logprobs = gather_logprobs(lp, prep.prompt_targets, prep.max_prompt_top)

@@ -1,120 +1,117 @@
-"""Depth-1 step overlap on a one-thread executor: the blocking twin of AsyncEngine's loop.
+"""Depth-1 step overlap: the blocking (StepPipeline) and asyncio (AsyncStepPipeline) drivers.
 
-The executor's single worker runs ``device_step`` jobs back to back: job N+1 is queued as soon as
-step N+1 is scheduled (while N's forward runs), and when the worker reaches it, it writes N's
-sampled tokens into N+1's placeholders itself and launches the forward: consecutive forwards
-never wait for the caller's thread. The caller's thread meanwhile commits N (scheduler update,
-grammar, detokenize, stop strings) and prepares N+1's sampling inputs, which the worker needs
-only after N+1's forward. See engine_core.py for why this order is safe.
+The device thread (``DeviceChain`` on a one-thread executor) runs the handed-over steps back to
+back: step N+1 is handed over as soon as it is scheduled (while N's forward runs), and when
+N's sampling ends the device thread itself writes N's tokens into N+1's placeholders and starts
+N+1's forward: consecutive forwards never wait for the caller's thread. The caller's thread
+meanwhile commits N (scheduler update, grammar, detokenize, stop strings) and prepares N+1's
+sampling inputs, which the device thread needs only after N+1's forward. See engine_core.py
+for why this order is safe.
 
-Timeline (D = device worker, M = caller's thread):
+Timeline (D = device thread, M = caller's thread):
     D: | fwd N | sample N | fill N+1 | fwd N+1 | sample N+1 | fill N+2 | fwd N+2 ...
     M:   sched N+1 .. wait N | commit N, prepare N+1, sched N+2 .. wait N+1 | commit N+1 ...
+
+Both drivers share ``_StepDriver``: the same order, one blocking and one awaiting the result.
 """
 
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor
 
-from deepinfer.engine.engine_core import EngineCore, SampledStep, SamplingPrep, StepPlan
+from deepinfer.engine.device_chain import DeviceChain, StepSlot
+from deepinfer.engine.engine_core import EngineCore
 from deepinfer.engine.outputs import RequestOutput
 
 
-class StepPipeline:
+class _StepDriver:
     def __init__(self, core: EngineCore, executor: Executor) -> None:
         """``executor`` must run jobs in order on one thread (ThreadPoolExecutor(1))."""
         self.core = core
         self.executor = executor
-        self._inflight: tuple[StepPlan, Future[SampledStep], Future[SamplingPrep]] | None = None
+        self._chain = DeviceChain(core, executor)
+        self._inflight: StepSlot | None = None
 
     def has_work(self) -> bool:
         return self._inflight is not None or self.core.has_unfinished_requests()
 
-    def step(self) -> list[RequestOutput]:
-        """Commit the step in flight (having queued the next one first); [] when idle."""
+    def _queue_next(self, loop: asyncio.AbstractEventLoop | None) -> tuple[StepSlot | None, StepSlot | None]:
+        """Hand the next step over behind the one in flight (starting one when idle); returns
+        (the step to commit now, the step queued behind it)."""
         core = self.core
-        if self._inflight is None:
+        slot = self._inflight
+        if slot is None:
             plan = core.schedule_step()
             if plan.is_empty:
-                return []
-            prep: Future[SamplingPrep] = Future()
-            prep.set_result(core.prepare_sampling(plan))
-            self._inflight = (plan, self.executor.submit(core.device_step, plan, prep, None), prep)
-        plan, result, _ = self._inflight
-        nxt = core.schedule_step()  # overlaps the forward of `plan`
-        nxt_prep: Future[SamplingPrep] = Future()
+                return None, None
+            slot = StepSlot(plan, None, loop=loop)
+            slot.set_prep(core.prepare_sampling(plan))
+            self._chain.submit(slot)
+        nxt = core.schedule_step()  # overlaps the forward of `slot`
         self._inflight = None
-        if not nxt.is_empty:
-            # queued behind `plan` on the same worker: starts the moment plan's sampling ends
-            self._inflight = (nxt, self.executor.submit(core.device_step, nxt, nxt_prep, result), nxt_prep)
-        try:
-            sampled = result.result()
-            outputs = core.commit_step(plan, sampled)  # overlaps the forward of `nxt`
-            if not nxt.is_empty:
-                nxt_prep.set_result(core.prepare_sampling(nxt))  # needs `plan` committed
-        except BaseException as e:
-            if not nxt_prep.done():
-                nxt_prep.set_exception(e)  # never leave the worker waiting
-            self._inflight = None
-            raise
-        if nxt.is_empty and core.kv_offload is not None:  # [kv-tiers hook] idle: write behind now
+        if nxt.is_empty:
+            return slot, None
+        # resolved here, hidden behind the forward, so the device thread's fill is a flat loop
+        rows = core.placeholder_rows(nxt, slot.prep)
+        queued = StepSlot(nxt, slot, rows, loop=loop)
+        self._chain.submit(queued)  # starts the moment slot's sampling ends
+        self._inflight = queued
+        return slot, queued
+
+    def _commit(self, slot: StepSlot, queued: StepSlot | None, sampled) -> list[RequestOutput]:
+        outputs = self.core.commit_step(slot.plan, sampled)  # overlaps the forward of `queued`
+        if queued is not None:
+            queued.set_prep(self.core.prepare_sampling(queued.plan))  # needs `slot` committed
+        return outputs
+
+    def _fail(self, queued: StepSlot | None, error: BaseException) -> None:
+        if queued is not None:
+            queued.set_prep_error(error)  # never leave the device thread waiting
+        self._inflight = None
+
+    def _after_commit(self, queued: StepSlot | None) -> None:
+        core = self.core
+        if queued is None and core.kv_offload is not None:  # [kv-tiers hook] idle: write behind now
             core.kv_offload.submit_idle_device_io(self.executor)
+
+
+class StepPipeline(_StepDriver):
+    def step(self) -> list[RequestOutput]:
+        """Commit the step in flight (having queued the next one first); [] when idle."""
+        slot, queued = self._queue_next(None)
+        if slot is None:
+            return []
+        try:
+            outputs = self._commit(slot, queued, slot.result())
+        except BaseException as e:
+            self._fail(queued, e)
+            raise
+        self._after_commit(queued)
         return outputs
 
     def drain(self) -> list[RequestOutput]:
         """Finish the step in flight without scheduling another (before shutdown)."""
-        if self._inflight is None:
-            return []
-        plan, result, _ = self._inflight
-        self._inflight = None
-        return self.core.commit_step(plan, result.result())
+        slot, self._inflight = self._inflight, None
+        return [] if slot is None else self.core.commit_step(slot.plan, slot.result())
 
 
-class AsyncStepPipeline:
-    """``StepPipeline`` for asyncio: identical order, awaiting the device worker instead of
+class AsyncStepPipeline(_StepDriver):
+    """``StepPipeline`` for asyncio: identical order, awaiting the device thread instead of
     blocking, so the event loop keeps serving (HTTP, add_request, abort) during forwards."""
 
-    def __init__(self, core: EngineCore, executor: Executor) -> None:
-        self.core = core
-        self.executor = executor
-        self._inflight: tuple[StepPlan, Future[SampledStep], Future[SamplingPrep]] | None = None
-
-    def has_work(self) -> bool:
-        return self._inflight is not None or self.core.has_unfinished_requests()
-
     async def step(self) -> list[RequestOutput]:
-        core = self.core
-        if self._inflight is None:
-            plan = core.schedule_step()
-            if plan.is_empty:
-                return []
-            prep: Future[SamplingPrep] = Future()
-            prep.set_result(core.prepare_sampling(plan))
-            self._inflight = (plan, self.executor.submit(core.device_step, plan, prep, None), prep)
-        plan, result, _ = self._inflight
-        nxt = core.schedule_step()
-        nxt_prep: Future[SamplingPrep] = Future()
-        self._inflight = None
-        if not nxt.is_empty:
-            self._inflight = (nxt, self.executor.submit(core.device_step, nxt, nxt_prep, result), nxt_prep)
+        slot, queued = self._queue_next(asyncio.get_running_loop())
+        if slot is None:
+            return []
         try:
-            sampled = await asyncio.wrap_future(result)
-            outputs = core.commit_step(plan, sampled)
-            if not nxt.is_empty:
-                nxt_prep.set_result(core.prepare_sampling(nxt))
+            outputs = self._commit(slot, queued, await slot.wait())
         except BaseException as e:
-            if not nxt_prep.done():
-                nxt_prep.set_exception(e)
-            self._inflight = None
+            self._fail(queued, e)
             raise
-        if nxt.is_empty and core.kv_offload is not None:  # [kv-tiers hook] idle: write behind now
-            core.kv_offload.submit_idle_device_io(self.executor)
+        self._after_commit(queued)
         return outputs
 
     async def drain(self) -> list[RequestOutput]:
-        if self._inflight is None:
-            return []
-        plan, result, _ = self._inflight
-        self._inflight = None
-        return self.core.commit_step(plan, await asyncio.wrap_future(result))
+        slot, self._inflight = self._inflight, None
+        return [] if slot is None else self.core.commit_step(slot.plan, await slot.wait())

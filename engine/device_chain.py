@@ -1,0 +1,171 @@
+"""The device thread's side of step overlap: handed-over steps run back to back on one executor.
+
+The caller's thread hands each scheduled step over as a ``StepSlot`` (``DeviceChain.submit``)
+while the previous step's forward still runs. One executor job (the *chain*) takes slots in
+order and, per slot: forward, wait for the caller's sampling inputs, sample; then, if the next
+slot is already handed over, writes this step's tokens into that slot's placeholders *before*
+publishing this step's result, so the next forward starts with no caller wake-up, Future or
+executor round trip in between:
+
+    device: | fwd N | sample N | fill N+1 | publish N | fwd N+1 | sample N+1 | fill N+2 | ...
+
+When no slot is waiting the chain publishes and ends; the next ``submit`` starts a new job on
+the same executor, so other device jobs (KV-tier copies, a no-op used to wait for the device)
+still run in submission order between chains. Publishing releases a plain lock (and, for
+asyncio callers, schedules a wake-up on their loop); plain locks cost a few microseconds where
+a ``concurrent.futures.Future`` round trip costs ~0.1 ms of the device thread's time.
+
+A slot whose predecessor failed fails with the same error without running (its placeholders
+would be unknown); a failure in the caller's bookkeeping reaches the device thread through
+``set_prep_error`` so it never waits forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import deque
+from concurrent.futures import Executor
+
+from deepinfer.engine.engine_core import EngineCore, PlaceholderRows, SampledStep, SamplingPrep, StepPlan
+
+
+class StepSlot:
+    """One step between the caller's thread and the device thread."""
+
+    __slots__ = ("plan", "prev", "rows", "_prep", "_prep_error", "_prep_ready", "sampled", "error", "_done",
+                 "_loop", "_waiter")
+
+    def __init__(self, plan: StepPlan, prev: StepSlot | None, rows: PlaceholderRows | None = None,
+                 loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.plan = plan
+        self.prev = prev  # the step whose tokens fill this one's placeholders (None: none)
+        self.rows = rows  # placeholder -> row of prev's tokens, resolved by the caller
+        self._prep: SamplingPrep | None = None
+        self._prep_error: BaseException | None = None
+        self._prep_ready = threading.Lock()
+        self._prep_ready.acquire()
+        self.sampled: SampledStep | None = None
+        self.error: BaseException | None = None
+        self._done = threading.Lock()
+        self._done.acquire()
+        self._loop = loop
+        self._waiter: asyncio.Future | None = loop.create_future() if loop is not None else None
+
+    # ---- caller's thread ----------------------------------------------------------------
+    @property
+    def prep(self) -> SamplingPrep | None:
+        """The sampling inputs the caller set (None until then)."""
+        return self._prep
+
+    def set_prep(self, prep: SamplingPrep) -> None:
+        self._prep = prep
+        self._prep_ready.release()
+
+    def set_prep_error(self, error: BaseException) -> None:
+        if self._prep is None and self._prep_error is None:
+            self._prep_error = error
+            self._prep_ready.release()
+
+    def result(self) -> SampledStep:
+        """Block until the device thread published this step; its tokens or its error."""
+        self._done.acquire()
+        self._done.release()  # a second reader (drain after a failed step) must not block
+        return self._outcome()
+
+    async def wait(self) -> SampledStep:
+        """``result`` for asyncio callers (the slot was built with their loop)."""
+        await self._waiter
+        return self._outcome()
+
+    def _outcome(self) -> SampledStep:
+        if self.error is not None:
+            raise self.error
+        return self.sampled
+
+    # ---- device thread ------------------------------------------------------------------
+    def take_prep(self) -> SamplingPrep:
+        self._prep_ready.acquire()
+        self._prep_ready.release()
+        if self._prep_error is not None:
+            raise self._prep_error
+        return self._prep
+
+    def publish(self) -> None:
+        self._done.release()
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._wake)
+            except RuntimeError:  # the loop closed while this step ran: nobody is waiting
+                pass
+
+    def _wake(self) -> None:
+        if not self._waiter.done():
+            self._waiter.set_result(None)
+
+
+class DeviceChain:
+    """Runs handed-over ``StepSlot``s in order on ``executor`` (one thread), chaining them."""
+
+    def __init__(self, core: EngineCore, executor: Executor) -> None:
+        self.core = core
+        self.executor = executor
+        self._lock = threading.Lock()
+        self._pending: deque[StepSlot] = deque()
+        self._is_running = False
+
+    def submit(self, slot: StepSlot) -> None:
+        with self._lock:
+            self._pending.append(slot)
+            if self._is_running:
+                return  # the running chain takes it after the slot in front of it
+            self._is_running = True
+        try:
+            self.executor.submit(self._run)
+        except BaseException as e:  # executor shut down: fail the slot instead of hanging
+            with self._lock:
+                self._is_running = False
+                stranded = list(self._pending)
+                self._pending.clear()
+            for s in stranded:
+                s.error = e
+                s.publish()
+            raise
+
+    def _take(self) -> StepSlot | None:
+        with self._lock:
+            if self._pending:
+                return self._pending.popleft()
+            self._is_running = False
+            return None
+
+    def _run(self) -> None:
+        """The chain: one executor job for as many steps as are handed over in time."""
+        core = self.core
+        slot = self._take()
+        if slot is not None:
+            self._fill(slot)  # a chain's first slot: its predecessor ran in an earlier job
+        while slot is not None:
+            if slot.error is None:
+                try:
+                    logits = core.execute(slot.plan)
+                    slot.sampled = core.run_sampling(slot.take_prep(), logits)
+                except BaseException as e:
+                    slot.error = e
+            nxt = self._take()
+            if nxt is not None:
+                self._fill(nxt)  # its predecessor is `slot`: fill before publishing: nothing stands between the forwards
+            slot.publish()
+            slot = nxt
+
+    def _fill(self, slot: StepSlot) -> None:
+        prev, slot.prev = slot.prev, None  # dropped: a slot must not keep the whole history alive
+        if prev is None:
+            return
+        if prev.error is not None:
+            slot.error = prev.error  # its placeholders stand for tokens that never came
+            return
+        try:
+            self.core.fill_placeholders(slot.plan, prev.sampled, slot.rows)
+        except BaseException as e:
+            slot.error = e
