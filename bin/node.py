@@ -6,6 +6,7 @@ import logging
 
 from deepinfer import envs
 from deepinfer.bin.cli import CliError, NotBuiltError
+from deepinfer.bin.serve import NODE_SWA_FLAGS, add_swa_arguments
 
 
 def add_parser(subparsers, name):
@@ -29,10 +30,11 @@ def add_parser(subparsers, name):
     e.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     e.add_argument("--lease-s", type=float, default=5.0,
                    help="prefill: seconds exported KV is held without an ack or renewal (default 5)")
+    add_swa_arguments(p, is_node=True)  # swa-wire: SWA slot flags of prefill/decode engines
     return p
 
 
-_ENGINE_FLAGS = ("max_num_seqs", "num_blocks", "max_model_len", "block_size", "dtype", "num_threads")
+_ENGINE_FLAGS = ("max_num_seqs", "num_blocks", "max_model_len", "block_size", "dtype", "num_threads", *NODE_SWA_FLAGS)
 
 
 def _role_kwargs(args, role) -> dict:

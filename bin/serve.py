@@ -78,8 +78,14 @@ def add_parser(subparsers, name):
     return p
 
 
-def add_swa_arguments(p) -> None:
-    """SWA slot and KV tier flags (their EngineOptions fields keep the defaults when not given)."""
+# the SWA flags a `deepinfer node` prefill/decode engine takes too (bin/node.py)
+NODE_SWA_FLAGS = ("swa_replay", "swa_replay_tokens", "swa_store_slots", "swa_fetch_deadline_s", "swa_directory",
+                  "swa_peer_host")
+
+
+def add_swa_arguments(p, *, is_node: bool = False) -> None:
+    """SWA slot and KV tier flags (their EngineOptions fields keep the defaults when not given);
+    ``is_node``: only ``NODE_SWA_FLAGS`` (a cluster node's name and directory come from its config)."""
     env = envs.names()
     s = p.add_argument_group("SWA slots (sliding-window state of prefix hits)")
     s.add_argument("--swa-replay", default=None, choices=("exact", "bounded"),
@@ -92,18 +98,21 @@ def add_swa_arguments(p) -> None:
                    help="host slots saving finished/preempted sequences' window state, so a continued "
                         "conversation restores it without replay (default 4 x --max-num-seqs; 0: none). One "
                         "slot is layers x (window + lookahead) rows x (head_dim x 33/32) bytes (MXFP8) plus "
-                        "compressor carry rows: ~1.4 MB for V4-Flash's 20 persisted layers")
+                        "compressor carry rows: ~1.4 MB for V4-Flash's 20 persisted layers. MXFP8 window rows make "
+                        "a restored state approximate; 0 keeps every rebuild exact")
     s.add_argument("--swa-fetch-deadline", dest="swa_fetch_deadline_s", type=float, default=None, metavar="S",
                    help="seconds a slot fetch from another engine may take before the request replays (default 0.1)")
     s.add_argument("--swa-directory", default=None, metavar="ADDR",
                    help="SWA slot directory (tcp://HOST:PORT): share slots with the other engines using it")
+    s.add_argument("--swa-peer-host", default=None, metavar="HOST",
+                   help="interface other engines fetch this engine's slots on (default 127.0.0.1)")
+    if is_node:
+        return
     s.add_argument("--swa-directory-bind", default=None, metavar="ADDR",
                    help="host the SWA slot directory in this process at ADDR (tcp://HOST:PORT; PORT * picks one) "
                         "and use it; other engines join with --swa-directory")
     s.add_argument("--swa-node-name", default=None, metavar="NAME",
                    help="this engine's name in the SWA directory (default: HOST-PID)")
-    s.add_argument("--swa-peer-host", default=None, metavar="HOST",
-                   help="interface other engines fetch this engine's slots on (default 127.0.0.1)")
     k = p.add_argument_group("KV tiers (prefix blocks beyond the device pool)")
     k.add_argument("--kv-host-tier-bytes", type=int, default=None, metavar="BYTES",
                    help=f"host-memory KV tier size (default ${env['kv_host_tier_bytes']}, else 0: none)")
@@ -146,6 +155,13 @@ def _check_args(args) -> None:
         if args.swa_directory is not None:
             raise CliError("give --swa-directory-bind (host the directory here) or --swa-directory (join one), "
                            "not both", code=2)
+    if args.disaggregated:
+        given = [f"--{f.replace('_', '-')}" for f in ("swa_directory_bind", "swa_directory", "swa_node_name",
+                                                      "swa_peer_host", "kv_host_tier_bytes", "kv_store_dir")
+                 if getattr(args, f) is not None]
+        if given:
+            raise CliError(f"{given[0]} is not used with --disaggregated (the gateway hosts the SWA directory; "
+                           "the engines keep no KV tiers yet)", code=2)
     if args.served_model_name is not None and not all(n.strip() for n in args.served_model_name):
         raise CliError("--served-model-name must not be blank", code=2)
 

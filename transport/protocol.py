@@ -538,6 +538,7 @@ class PdEngineStatus(_Message):
     handoff_p99_s: float
     handoff_GBps: float
     failures: dict[str, int] = {}
+    swa: dict[str, int] = {}  # SWA slot counters (engine/swa_slots.py SwaSlotStats); {} without slots
 
 
 PdEngineRequest = PdDispatch | PdKvReady | PdAbort | PdLeaseRenew | PdStatusRequest

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from deepinfer.engine.engine_factory import EngineParts
@@ -54,6 +54,9 @@ class EngineServiceConfig:
     handoff_timeout_s: float = 30.0  # push + import + ack, at most
     load_interval_s: float = 0.1
     default_deadline_s: float = 120.0  # a dispatch without a deadline
+    # prefill: the SWA slot directory (in the gateway) this engine shares its slot store through
+    swa_directory: str = ""
+    swa_peer_host: str = "127.0.0.1"  # where other engines reach this one's slot sockets
 
 
 class PeerLinks:
@@ -195,7 +198,7 @@ class DisaggEngineService:
             num_requests=self.num_in_flight, num_held_handoffs=held, held_bytes=held_bytes,
             num_pending_imports=pending, num_handoffs=m.num_handoffs, handoff_bytes=m.num_bytes,
             handoff_p50_s=m.latency_p50_s, handoff_p99_s=m.latency_p99_s, handoff_GBps=m.GBps,
-            failures=dict(m.failures))
+            failures=dict(m.failures), swa=asdict(swa.stats) if (swa := self.parts.swa_slots) is not None else {})
 
     def _on_peer_event(self, event) -> None:
         if isinstance(event, PeerDown):

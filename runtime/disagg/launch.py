@@ -6,7 +6,9 @@
 
 The engines are separate ``deepinfer node --role prefill|decode`` processes under a
 ``Supervisor`` (restarted when they die; a restart is a new instance to everyone); the gateway
-and its ``PdEngineClient`` run in this process. bin/serve.py calls ``launch_disaggregated`` when
+and its ``PdEngineClient`` run in this process, and so does the SWA slot directory
+(``cluster.swa_directory``) unless ``swa_store_slots=0``: the prefill engines list and fetch
+their slots through it, and a prefill engine's PeerDown drops its slots. bin/serve.py calls ``launch_disaggregated`` when
 ``--disaggregated`` is given (``add_disagg_arguments`` adds the flags).
 """
 
@@ -21,6 +23,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from deepinfer.cache.swa_directory import SwaDirectoryService
 from deepinfer.runtime.disagg.cli_args import add_disagg_arguments  # noqa: F401 (re-exported)
 from deepinfer.runtime.disagg.client import PdEngineClient
 from deepinfer.runtime.disagg.local_cluster import write_local_cluster
@@ -30,7 +33,11 @@ from deepinfer.transport.protocol import FailurePolicy
 
 log = logging.getLogger(__name__)
 
-_NODE_FLAGS = ("max_num_seqs", "num_blocks", "max_model_len", "block_size", "dtype", "num_threads")
+# node flags whose name is not the option's (bin/node.py takes the serve spellings)
+_FLAG_NAMES = {"swa_fetch_deadline_s": "--swa-fetch-deadline"}
+
+_NODE_FLAGS = ("max_num_seqs", "num_blocks", "max_model_len", "block_size", "dtype", "num_threads",
+               "swa_replay", "swa_replay_tokens", "swa_store_slots", "swa_fetch_deadline_s")
 
 
 def _model_info(model_dir: Path, options: Mapping[str, Any], name: str) -> tuple[ModelInfo, Any]:
@@ -71,6 +78,7 @@ class LocalPdCluster:
         self.config = None
         self.supervisor: Supervisor | None = None
         self.client: PdEngineClient | None = None
+        self.swa_directory: SwaDirectoryService | None = None
 
     def engine_names(self) -> list[str]:
         return [f"prefill-{i}" for i in range(self.num_prefill)] + [f"decode-{j}" for j in range(self.num_decode)]
@@ -81,20 +89,37 @@ class LocalPdCluster:
                 "--name", name, "--model", str(self.model_dir), "--lease-s", str(self.lease_s)]
         for key in _NODE_FLAGS:
             if key in self.engine_options:
-                argv += [f"--{key.replace('_', '-')}", str(self.engine_options[key])]
+                flag = _FLAG_NAMES.get(key, f"--{key.replace('_', '-')}")
+                argv += [flag, str(self.engine_options[key])]
+        if role == "prefill" and self.swa_directory is not None:
+            argv += ["--swa-directory", self.swa_directory.address]
         return argv
+
+    def _swa_directory_address(self) -> str | None:
+        """Where the SWA directory binds: None when the prefill engines keep no slot store."""
+        if self.engine_options.get("swa_store_slots") == 0:
+            return None
+        if self.transport == "tcp":
+            return "tcp://127.0.0.1:*"
+        return f"ipc://{self.root / 'swa-directory'}"
 
     async def start(self, ready_timeout_s: float = 180.0) -> "LocalPdCluster":
         path, self.config = write_local_cluster(self.num_prefill, self.num_decode, transport=self.transport,
                                                 heartbeat_interval_s=self.heartbeat_interval_s)
         self.root = path.parent
         try:
+            address = self._swa_directory_address()
+            if address is not None:
+                self.swa_directory = SwaDirectoryService(address, name="gateway-swa-directory")
+                await self.swa_directory.start()
             self.supervisor = Supervisor([ChildSpec(n, self._argv(path, n), self.env) for n in self.engine_names()],
                                          log_dir=self.log_dir)
             await self.supervisor.start()
             info, tokenizer = _model_info(self.model_dir, self.engine_options, self.served_model_name)
             self.client = PdEngineClient(self.config, gateway_name="gateway-0", model_info=info, tokenizer=tokenizer,
                                          failure_policy=self.failure_policy, request_timeout_s=self.request_timeout_s)
+            if self.swa_directory is not None:  # a prefill engine that went down takes its slots with it
+                self.client.directory.add_listener(self.swa_directory.directory.on_peer_event)
             await self.client.start()
             await self.client.wait_ready(ready_timeout_s)
             await self.wait_engines_up(ready_timeout_s)
@@ -121,6 +146,9 @@ class LocalPdCluster:
         if self.supervisor is not None:
             await self.supervisor.stop()
             self.supervisor = None
+        if self.swa_directory is not None:
+            await self.swa_directory.close()
+            self.swa_directory = None
         if self.root is not None:
             shutil.rmtree(self.root, ignore_errors=True)
             self.root = None

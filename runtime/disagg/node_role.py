@@ -2,7 +2,8 @@
 
 The node's spec must name an engine RPC address (``engine = ...``); a decode node also its
 bulk data address (``data = ...``). The model comes from ``--model`` or DEEPINFER_HF_MODEL_DIR;
-engine knobs from ``engine_options`` (``deepinfer node --max-num-seqs ...``). Prefill and
+engine knobs from ``engine_options`` (``deepinfer node --max-num-seqs ...``; a prefill node with
+``--swa-directory`` shares its SWA slots through it, a decode node keeps none). Prefill and
 decode engines of one cluster must load the same model with the same KV layout (checked on
 every import).
 """
@@ -10,6 +11,7 @@ every import).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from deepinfer import envs
@@ -34,7 +36,13 @@ def make_role(*, role: NodeRole, config: ClusterConfig, node_name: str, model: s
     if not model_dir:
         raise ValueError("no model: pass --model DIR or set DEEPINFER_HF_MODEL_DIR")
     options = EngineOptions.from_kwargs(**dict(engine_options or {}))
+    if role is NodeRole.DECODE:
+        # a decode engine continues handed-off requests (their SWA state comes with the KV): no
+        # slot store of its own; the prefill engines own and share the slots
+        options = replace(options, swa_store_slots=0, swa_directory=None)
     parts = build_engine(model_dir, options)
-    service_config = EngineServiceConfig(engine_address=spec.engine, data_address=spec.data, lease_s=lease_s)
+    service_config = EngineServiceConfig(engine_address=spec.engine, data_address=spec.data, lease_s=lease_s,
+                                         swa_directory=options.swa_directory or "",
+                                         swa_peer_host=options.swa_peer_host)
     cls = PrefillService if role is NodeRole.PREFILL else DecodeService
     return cls(parts, service_config)

@@ -11,6 +11,12 @@ Per ``PdDispatch`` (gateway -> here, one engine request ``<id>@<attempt>``):
    only an OK ack completes the handoff, then the copy is freed and the gateway gets
    ``HANDED_OFF`` (the decode engine streams the rest to it).
 
+SWA slots: with ``EngineServiceConfig.swa_directory`` the engine shares its slot store through
+the gateway's SWA directory (``SwaPeer``: it lists the slots of finished prompts and serves them,
+named as this node instance, so the gateway's PeerDown drops them) and, before running a
+dispatched prompt, fetches the slot at the prefix hit it will get from another prefill engine
+(bounded by ``swa_fetch_deadline_s``; a miss replays).
+
 Every way the handoff can end without an ack frees the copy at once and answers the gateway
 with an error naming why (it re-dispatches or fails the request, per its policy): the decode
 instance's PeerDown (or restart), lease expiry without renewal, a failed transfer, a refusal,
@@ -38,6 +44,8 @@ from deepinfer.engine.handoff import (
     prefill_params,
 )
 from deepinfer.engine.output_processor import merge_output
+from deepinfer.engine.swa_peer import SwaPeer
+from deepinfer.engine.swa_slots import SwaSlotRunner
 from deepinfer.runtime.disagg.engine_service import DisaggEngineService
 from deepinfer.runtime.disagg.handoff_metrics import FailureKind
 from deepinfer.runtime.disagg.leases import LeaseTable
@@ -84,9 +92,22 @@ class PrefillService(DisaggEngineService):
         self._handoff_tasks: dict[int, asyncio.Task] = {}
         self._lost_reason: dict[int, HandoffLost] = {}
         self._erid2dispatch: dict[str, asyncio.Task] = {}
+        self.swa_peer: SwaPeer | None = None
 
     async def _start_extra(self) -> None:
         self._tasks.append(asyncio.create_task(self._expire_leases(), name=f"{self.node_name}-leases"))
+        swa = self.parts.swa_slots
+        if self.config.swa_directory and swa is not None and isinstance(self.core.runner, SwaSlotRunner):
+            self.swa_peer = await SwaPeer(swa.store, directory_address=self.config.swa_directory,
+                                          node_name=self.node_name, instance_id=self.instance_id,
+                                          host=self.config.swa_peer_host, ctx=self.node.ctx).start()
+            swa.fetcher = self.swa_peer.fetcher
+
+    async def _stop_extra(self) -> None:
+        if self.swa_peer is not None:
+            self.parts.swa_slots.fetcher = None
+            await self.swa_peer.close()
+            self.swa_peer = None
 
     def _on_scheduled(self, plan) -> None:
         self.capture.on_scheduled(plan, self.core.config.scheduler.block_size)
@@ -124,6 +145,10 @@ class PrefillService(DisaggEngineService):
             raise TransportError(f"{self.node_name} is draining; dispatch elsewhere", ErrorCode.DRAINING)
         params = decode_params(msg.sampling)
         deadline_s = msg.deadline_s or self.config.default_deadline_s
+        swa = self.parts.swa_slots
+        if swa is not None and swa.fetcher is not None and self.core.scheduler.config.enable_prefix_caching:
+            # the SWA slot at this prompt's prefix hit, from the prefill engine that holds it
+            await swa.prefetch_for(self.core.scheduler.kv, list(msg.prompt_token_ids) + list(msg.resume_token_ids))
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
         acc = {}

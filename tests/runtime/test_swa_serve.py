@@ -107,3 +107,23 @@ def test_served_engine_saves_slots_into_the_directory_it_hosts(port):
         code, out, err, _ = served.stop(signal.SIGTERM)
     assert code == 0, err
     assert f"SWA slot directory on {directory}" in out and "Traceback" not in err
+
+
+def test_disaggregated_rejects_standalone_swa_flags(tmp_path, capsys):
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    code = cli.main(["serve", "--model", str(model), "--disaggregated", "--swa-directory-bind", "tcp://127.0.0.1:*"])
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--swa-directory-bind is not used with --disaggregated" in err, err
+
+
+def test_node_takes_the_swa_flags_of_engines():
+    from deepinfer.bin import node
+    from deepinfer.runtime.cluster_config import NodeRole
+
+    args = cli.build_parser().parse_args(["node", "--role", "prefill", "--cluster", "c.toml", "--swa-replay",
+                                          "bounded", "--swa-store-slots", "6", "--swa-directory", "ipc:///tmp/d"])
+    kwargs = node._role_kwargs(args, NodeRole.PREFILL)
+    assert kwargs["engine_options"] == dict(swa_replay="bounded", swa_store_slots=6, swa_directory="ipc:///tmp/d")
