@@ -30,7 +30,10 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.gemm_has_avx2.restype = i64
     lib.gemm_use_avx2.argtypes = [i64]
     lib.gemm_use_avx2.restype = None
-    for name in ("gemm_pack", "gemm", "gemm_grouped", "moe_experts"):
+    f32 = ctypes.c_float
+    lib.hc_pre_fused.argtypes = [p, p, p, p, f32, p, i64, i64, i64, i64, f32, f32, p, p, p, p]
+    lib.swiglu_fast.argtypes = [p, i64, i64, f32, p]
+    for name in ("gemm_pack", "gemm", "gemm_grouped", "moe_experts", "hc_pre_fused", "swiglu_fast"):
         getattr(lib, name).restype = None
 
 

@@ -117,8 +117,70 @@ void gemm_grouped(const float* x, int64_t m, int64_t k, int64_t ldx, int64_t gx,
     for (int64_t g = 0; g < groups; ++g) gemm(x + g * gx, m, k, ldx, wp + g * gw, n, y + g * gy, ldy);
 }
 
+/* mHC block weights in one call (defined in the main source: rms_norm, hc_pre): the unweighted
+   RMSNorm of the flattened streams, their mixes with the packed fn, then post / comb / collapse.
+   scratch: rows * (n * d + (2 + n) * n) floats. */
+void rms_norm(const float* x, int64_t outer, int64_t inner, int64_t so, int64_t si, int64_t d,
+              const float* weight, float eps, float* out);
+void hc_pre(const float* mixes, const float* streams, const float* pp_scale, const float* pp_base,
+            float comb_scale, const float* comb_base, int64_t rows, int64_t n, int64_t d,
+            int64_t iters, float hc_eps, float* post, float* comb, float* collapsed);
+
+void hc_pre_fused(const float* streams, const float* fn_packed, const float* pp_scale, const float* pp_base,
+                  float comb_scale, const float* comb_base, int64_t rows, int64_t n, int64_t d, int64_t iters,
+                  float norm_eps, float hc_eps, float* scratch, float* post, float* comb, float* collapsed) {
+    float* flat = scratch;
+    float* mixes = flat + rows * n * d;
+    int64_t width = (2 + n) * n;
+    rms_norm(streams, rows, 1, n * d, 0, n * d, 0, norm_eps, flat);
+    gemm(flat, rows, n * d, n * d, fn_packed, width, mixes, width);
+    hc_pre(mixes, streams, pp_scale, pp_base, comb_scale, comb_base, rows, n, d, iters, hc_eps, post, comb, collapsed);
+}
+
 /* silu(min(g, limit)) * clamp(u, -limit, limit) of rows [g (m) | u (m)] (defined in the main source) */
 void swiglu(const float* gate_up, int64_t rows, int64_t m, float limit, float* out);
+
+#ifdef HAVE_AVX2_GEMM
+__attribute__((target("avx2,fma")))
+static inline __m256 swiglu8(__m256 g, __m256 u, __m256 lim, __m256 neg_lim) {
+    __m256 gv = _mm256_blendv_ps(_mm256_min_ps(g, lim), g, _mm256_cmp_ps(g, g, _CMP_UNORD_Q));  /* NaN stays */
+    __m256 uv = _mm256_blendv_ps(_mm256_min_ps(_mm256_max_ps(u, neg_lim), lim), u, _mm256_cmp_ps(u, u, _CMP_UNORD_Q));
+    __m256 act = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+    return _mm256_mul_ps(act, uv);
+}
+
+/* the SIMD SwiGLU: exp8 on 8 channels at a time, a ragged tail through a padded vector, so
+   every element gets the same instructions wherever it sits */
+__attribute__((target("avx2,fma")))
+static void swiglu_avx2(const float* gate_up, int64_t rows, int64_t m, float limit, float* out) {
+    __m256 lim = _mm256_set1_ps(limit), neg_lim = _mm256_set1_ps(-limit);
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* g = gate_up + r * 2 * m;
+        const float* u = g + m;
+        float* dst = out + r * m;
+        int64_t j = 0;
+        for (; j + 8 <= m; j += 8)
+            _mm256_storeu_ps(dst + j, swiglu8(_mm256_loadu_ps(g + j), _mm256_loadu_ps(u + j), lim, neg_lim));
+        if (j < m) {
+            float gt[8] = {0}, ut[8] = {0}, ot[8];
+            memcpy(gt, g + j, (size_t)(m - j) * sizeof(float));
+            memcpy(ut, u + j, (size_t)(m - j) * sizeof(float));
+            _mm256_storeu_ps(ot, swiglu8(_mm256_loadu_ps(gt), _mm256_loadu_ps(ut), lim, neg_lim));
+            memcpy(dst + j, ot, (size_t)(m - j) * sizeof(float));
+        }
+    }
+}
+#endif
+
+/* SwiGLU through the SIMD path when the CPU has it (the numbers then differ from the scalar
+   kernel by the exp polynomial, the same on every call of this machine) */
+void swiglu_fast(const float* gate_up, int64_t rows, int64_t m, float limit, float* out) {
+#ifdef HAVE_AVX2_GEMM
+    if (fast < 0) fast = gemm_has_avx2();
+    if (fast) { swiglu_avx2(gate_up, rows, m, limit, out); return; }
+#endif
+    swiglu(gate_up, rows, m, limit, out);
+}
 
 /* Routed experts over a dispatch plan: for each segment (expert, first, end) gather the token
    rows x[token_of_row[first..end)], run gate_up -> clamped SwiGLU -> down with the expert's
@@ -135,7 +197,7 @@ void moe_experts(const float* x, int64_t h, const int64_t* token_of_row, const i
         for (int64_t r = 0; r < rows; ++r)
             memcpy(gathered + r * h, x + token_of_row[first + r] * h, (size_t)h * sizeof(float));
         gemm(gathered, rows, h, h, gate_up + e * gate_up_stride, 2 * inter, hidden, 2 * inter);
-        swiglu(hidden, rows, inter, limit, act);
+        swiglu_fast(hidden, rows, inter, limit, act);
         gemm(act, rows, inter, inter, down + e * down_stride, h, out + first * h, h);
     }
 }

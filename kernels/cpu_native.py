@@ -48,7 +48,7 @@ def _cache_dir() -> Path:
 
 
 def _build() -> ctypes.CDLL | None:
-    source = C_SOURCE + GEMM_SOURCE + ATTENTION_SOURCE
+    source = C_SOURCE + ATTENTION_SOURCE + GEMM_SOURCE  # GEMM_SOURCE uses the attention's exp8
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
     out = _cache_dir() / f"cpu_native_{digest}.so"
     if not out.exists():
@@ -138,11 +138,13 @@ def hc_pre(
             streams, fn, pre_post_scale, pre_post_base, comb_scale, comb_base,
             norm_eps=norm_eps, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters, batch_invariant=batch_invariant,
         )  # fmt: skip
-    streams = streams.contiguous()
-    flat = rms_norm(streams.view(t, n * d), None, norm_eps)
     from deepinfer.kernels import cpu_gemm
 
-    mixes = cpu_gemm.linear(flat, fn, batch_invariant).contiguous()
+    streams = streams.contiguous()
+    fused = cpu_gemm.usable(fn)
+    if not fused:
+        flat = rms_norm(streams.view(t, n * d), None, norm_eps)
+        mixes = torch_ref.linear(flat, fn, batch_invariant).contiguous()
     out = torch.empty(t * (n + n * n + d), dtype=torch.float32)  # one allocation for the three results
     post, comb, collapsed = out.split([t * n, t * n * n, t * d])
     post, comb, collapsed = post.view(t, n), comb.view(t, n, n), collapsed.view(t, d)
@@ -152,6 +154,14 @@ def hc_pre(
         pre_post_base = pre_post_base.float().contiguous()
     if comb_base.dtype is not torch.float32 or not comb_base.is_contiguous():
         comb_base = comb_base.float().contiguous()
+    if fused:  # norm, mixes GEMM and the weights in one native call (kernels/cpu_gemm_src.py)
+        scratch = torch.empty(t * (n * d + (2 + n) * n), dtype=torch.float32)
+        lib.hc_pre_fused(
+            streams.data_ptr(), cpu_gemm.packed(fn, lib).data_ptr(), pre_post_scale.data_ptr(),
+            pre_post_base.data_ptr(), float(comb_scale), comb_base.data_ptr(), t, n, d, sinkhorn_iters, norm_eps,
+            hc_eps, scratch.data_ptr(), post.data_ptr(), comb.data_ptr(), collapsed.data_ptr(),
+        )  # fmt: skip
+        return post, comb, collapsed
     lib.hc_pre(
         mixes.data_ptr(), streams.data_ptr(), pre_post_scale.data_ptr(), pre_post_base.data_ptr(), float(comb_scale),
         comb_base.data_ptr(), t, n, d, sinkhorn_iters, hc_eps, post.data_ptr(), comb.data_ptr(), collapsed.data_ptr(),
@@ -204,7 +214,7 @@ def swiglu_clamped(gate_up: torch.Tensor, limit: float, batch_invariant: bool = 
         return torch_ref.swiglu_clamped(gate_up, limit, batch_invariant)
     rows, m = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, m, dtype=gate_up.dtype)
-    lib.swiglu(gate_up.data_ptr(), rows, m, limit, out.data_ptr())
+    lib.swiglu_fast(gate_up.data_ptr(), rows, m, limit, out.data_ptr())  # SIMD where the CPU has it
     return out
 
 
