@@ -126,6 +126,60 @@ void hc_pre(const float* mixes, const float* streams, const float* pp_scale, con
             float comb_scale, const float* comb_base, int64_t rows, int64_t n, int64_t d,
             int64_t iters, float hc_eps, float* post, float* comb, float* collapsed);
 
+/* Sinkhorn-Knopp of one row's n x n matrix, the arithmetic of hc_pre's loop (columns first) */
+static void sinkhorn_row(float* c, int64_t n, int64_t iters, float eps) {
+    for (int64_t it = 0; it < iters; ++it) {
+        if (it > 0) {
+            for (int64_t i = 0; i < n; ++i) {
+                float s = c[i * n];
+                for (int64_t j = 1; j < n; ++j) s = s + c[i * n + j];
+                s = s + eps;
+                for (int64_t j = 0; j < n; ++j) c[i * n + j] = c[i * n + j] / s;
+            }
+        }
+        for (int64_t j = 0; j < n; ++j) {
+            float s = c[j];
+            for (int64_t i = 1; i < n; ++i) s = s + c[i * n + j];
+            s = s + eps;
+            for (int64_t i = 0; i < n; ++i) c[i * n + j] = c[i * n + j] / s;
+        }
+    }
+}
+
+#ifdef HAVE_AVX2_GEMM
+/* the same loop on 8 rows at once (row r in lane r): per lane the very same adds and divisions */
+__attribute__((target("avx2,fma")))
+static void sinkhorn8(float* comb, int64_t n, int64_t iters, float eps) {
+    __m256 c[256];
+    int64_t nn = n * n;
+    for (int64_t e = 0; e < nn; ++e)
+        c[e] = _mm256_set_ps(comb[7 * nn + e], comb[6 * nn + e], comb[5 * nn + e], comb[4 * nn + e],
+                             comb[3 * nn + e], comb[2 * nn + e], comb[nn + e], comb[e]);
+    __m256 veps = _mm256_set1_ps(eps);
+    for (int64_t it = 0; it < iters; ++it) {
+        if (it > 0) {
+            for (int64_t i = 0; i < n; ++i) {
+                __m256 s = c[i * n];
+                for (int64_t j = 1; j < n; ++j) s = _mm256_add_ps(s, c[i * n + j]);
+                s = _mm256_add_ps(s, veps);
+                for (int64_t j = 0; j < n; ++j) c[i * n + j] = _mm256_div_ps(c[i * n + j], s);
+            }
+        }
+        for (int64_t j = 0; j < n; ++j) {
+            __m256 s = c[j];
+            for (int64_t i = 1; i < n; ++i) s = _mm256_add_ps(s, c[i * n + j]);
+            s = _mm256_add_ps(s, veps);
+            for (int64_t i = 0; i < n; ++i) c[i * n + j] = _mm256_div_ps(c[i * n + j], s);
+        }
+    }
+    for (int64_t e = 0; e < nn; ++e) {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, c[e]);
+        for (int r = 0; r < 8; ++r) comb[r * nn + e] = lanes[r];
+    }
+}
+#endif
+
 void hc_pre_fused(const float* streams, const float* fn_packed, const float* pp_scale, const float* pp_base,
                   float comb_scale, const float* comb_base, int64_t rows, int64_t n, int64_t d, int64_t iters,
                   float norm_eps, float hc_eps, float* scratch, float* post, float* comb, float* collapsed) {
@@ -134,7 +188,15 @@ void hc_pre_fused(const float* streams, const float* fn_packed, const float* pp_
     int64_t width = (2 + n) * n;
     rms_norm(streams, rows, 1, n * d, 0, n * d, 0, norm_eps, flat);
     gemm(flat, rows, n * d, n * d, fn_packed, width, mixes, width);
-    hc_pre(mixes, streams, pp_scale, pp_base, comb_scale, comb_base, rows, n, d, iters, hc_eps, post, comb, collapsed);
+    /* weights and collapse without the Sinkhorn rounds, which then run 8 rows at a time */
+    hc_pre(mixes, streams, pp_scale, pp_base, comb_scale, comb_base, rows, n, d, 0, hc_eps, post, comb, collapsed);
+    int64_t r = 0;
+#ifdef HAVE_AVX2_GEMM
+    if (fast < 0) fast = gemm_has_avx2();
+    if (fast && n <= 16)
+        for (; r + 8 <= rows; r += 8) sinkhorn8(comb + r * n * n, n, iters, hc_eps);
+#endif
+    for (; r < rows; ++r) sinkhorn_row(comb + r * n * n, n, iters, hc_eps);
 }
 
 /* silu(min(g, limit)) * clamp(u, -limit, limit) of rows [g (m) | u (m)] (defined in the main source) */

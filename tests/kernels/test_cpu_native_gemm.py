@@ -65,3 +65,24 @@ def test_moe_experts_match_per_expert_torch_gemms():
         assert torch.allclose(got[first:end], act @ down[e].t(), atol=1e-4)
     alone = cpu_gemm.moe_experts(x, token_of_row[5:6], [(3, 0, 1)], gate_up, down, limit)
     assert torch.equal(alone[0], got[5])
+
+
+def test_fused_mhc_weights_take_the_same_numbers_on_the_portable_path():
+    from deepinfer.kernels import cpu_native
+
+    t, n, d = 37, 4, 64
+    streams, fn = _randn(t, n, d), _randn((2 + n) * n, n * d, seed=1) / 16
+    scale, base, comb_base = _randn(2 * n, seed=2), _randn(2 * n, seed=3), _randn(n, n, seed=4)
+    kw = dict(norm_eps=1e-6, hc_eps=1e-6, sinkhorn_iters=20, batch_invariant=True)
+    fast = cpu_native.hc_pre(streams, fn, scale, base, 1.3, comb_base, **kw)
+    lib = cpu_gemm._library()
+    try:
+        lib.gemm_use_avx2(0)
+        portable = cpu_native.hc_pre(streams, fn, scale, base, 1.3, comb_base, **kw)
+    finally:
+        lib.gemm_use_avx2(1)
+    want = torch_ref.hc_pre(streams, fn, scale, base, 1.3, comb_base, **kw)
+    for a, b, w in zip(fast, portable, want):
+        assert torch.equal(a, b) and torch.allclose(a, w, atol=1e-5)
+    rows = cpu_native.hc_pre(streams[9:12], fn, scale, base, 1.3, comb_base, **kw)  # a tail of 3 rows
+    assert all(torch.equal(a, b[9:12]) for a, b in zip(rows, fast))
