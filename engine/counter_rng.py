@@ -78,6 +78,10 @@ def row_keys(seed_keys: Sequence[int], positions: Sequence[int]) -> np.ndarray:
     return keys.astype(np.int64)
 
 
+# rows per block of ``GumbelNoise._gumbel_cpu``: two uint32 blocks of this many elements fit in L2
+_NOISE_BLOCK_ELEMENTS = 1 << 16
+
+
 class GumbelNoise:
     """Gumbel(0, 1) noise for rows of logits: ``u = mix32(key[row] ^ token_hash[v])``.
 
@@ -111,5 +115,40 @@ class GumbelNoise:
         return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
     def gumbel(self, keys: torch.Tensor, vocab_size: int, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Gumbel(0, 1) = -log(-log(u)), float32 ``[B, V]`` (or ``[B, K]`` at ``token_ids``)."""
+        if keys.device.type == "cpu" and token_ids is None:
+            return self._gumbel_cpu(keys, vocab_size)
         u = self.uniform(keys, token_ids, vocab_size)
         return -torch.log(-torch.log(u))
+
+    def _gumbel_cpu(self, keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """``gumbel`` over the whole vocabulary on CPU, bit for bit: the same integer hash,
+        float conversion and torch.log, done in place on blocks of rows that stay in the L2
+        cache (the one-shot form makes a dozen [B, V] temporaries; at 256 x 4096 that is half
+        of its ~16 ms)."""
+        th = self.token_hash(vocab_size, keys.device).numpy().astype(np.uint32)
+        k = keys.numpy().astype(np.uint32)
+        out = torch.empty(k.shape[0], vocab_size, dtype=torch.float32)
+        out_np = out.numpy()
+        rows = max(1, _NOISE_BLOCK_ELEMENTS // max(vocab_size, 1))
+        x = np.empty((min(rows, k.shape[0]), vocab_size), dtype=np.uint32)
+        t = np.empty_like(x)
+        for r0 in range(0, k.shape[0], rows):
+            r1 = min(r0 + rows, k.shape[0])
+            xb, tb = x[: r1 - r0], t[: r1 - r0]
+            np.bitwise_xor(k[r0:r1, None], th, out=xb)
+            for shift, mul in ((16, _MUL_A), (15, _MUL_B)):  # mix32_np, in place
+                np.right_shift(xb, np.uint32(shift), out=tb)
+                xb ^= tb
+                xb *= np.uint32(mul)
+            np.right_shift(xb, np.uint32(16), out=tb)
+            xb ^= tb
+            xb >>= np.uint32(8)  # 24 bits: exact in float32
+            ub = out_np[r0:r1]
+            ub[...] = xb
+            ub += np.float32(0.5)  # the same float32 rounding as the torch form
+            ub *= np.float32(1.0 / (1 << 24))
+            g = out[r0:r1]
+            torch.log(g, out=g).neg_()  # torch's log, as everywhere else: same bits
+            torch.log(g, out=g).neg_()
+        return out

@@ -20,6 +20,8 @@ from deepinfer.engine.counter_rng import GumbelNoise
 from deepinfer.engine.sampling_metadata import PenaltyTensors, SamplingMetadata
 
 _NEG_INF = float("-inf")
+# rows per block of noisy_argmax: one float32 block of this many elements stays in L2
+_ARGMAX_BLOCK_ELEMENTS = 1 << 16
 
 
 @dataclass(slots=True)
@@ -61,9 +63,13 @@ class Sampler:
         if meta.penalties is not None:
             apply_penalties(logits, meta.penalties)
 
-        sampled = argmax_rows(logits)
-        if not meta.all_greedy:
+        if meta.all_greedy:
+            sampled = argmax_rows(logits)
+        elif meta.is_all_sampled:  # no gather, no scatter
+            sampled = self._sample_random(logits, meta, None)
+        else:
             rows = torch.nonzero(~meta.is_greedy).squeeze(1)
+            sampled = argmax_rows(logits)
             sampled[rows] = self._sample_random(logits[rows], meta, rows)
 
         lp = None
@@ -71,13 +77,25 @@ class Sampler:
             lp = gather_logprobs(raw_logprobs, sampled, meta.max_num_logprobs)
         return SamplerOutput(sampled.cpu(), lp)
 
-    def _sample_random(self, logits: torch.Tensor, meta: SamplingMetadata, rows: torch.Tensor) -> torch.Tensor:
-        logits = logits / meta.temperature[rows].unsqueeze(1)
+    def _sample_random(self, logits: torch.Tensor, meta: SamplingMetadata, rows: torch.Tensor | None) -> torch.Tensor:
+        """Tokens of the sampled rows ``rows`` (None: every row; ``logits`` holds just those)."""
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return t if t is None or rows is None else t[rows]
+
+        temperature, keys, top_k = pick(meta.temperature), pick(meta.keys), pick(meta.top_k)
+        if meta.min_p is None and meta.top_p is None and (top_k is None or not bool((top_k < logits.shape[1]).any())):
+            # temperature only (the common sampled case): one fused pass, noise usually drawn ahead
+            noise = meta.noise
+            if noise is None or tuple(noise.shape) != tuple(logits.shape):
+                noise = self.noise.gumbel(keys, logits.shape[1])
+            return noisy_argmax(logits, temperature, noise)
+        if rows is None:
+            rows = torch.arange(meta.num_rows, device=logits.device)
+        logits = logits / temperature.unsqueeze(1)  # from here on this function's own tensors
         if meta.min_p is not None:
             # p_i < min_p * p_max  <=>  l_i < l_max + log(min_p): no softmax needed
             cutoff = logits.max(dim=-1, keepdim=True).values + torch.log(meta.min_p[rows]).unsqueeze(1)
             logits = logits.masked_fill(logits < cutoff, _NEG_INF)
-        keys = meta.keys[rows]
         top_p = meta.top_p[rows] if meta.top_p is not None else None
         out = torch.empty(rows.numel(), dtype=torch.int64, device=logits.device)
         has_k = meta.top_k[rows] < logits.shape[1] if meta.top_k is not None else None
@@ -100,8 +118,24 @@ class Sampler:
             sub = logits[rest]
             if top_p is not None:
                 sub = apply_top_k_top_p(sub, None, top_p[rest])
-            out[rest] = argmax_rows(sub + self.noise.gumbel(keys[rest], sub.shape[1]))
+            noise = meta.noise
+            if noise is None or tuple(noise.shape) != tuple(sub.shape):
+                noise = self.noise.gumbel(keys[rest], sub.shape[1])
+            out[rest] = argmax_rows(sub.add_(noise))  # (same bits as sub + noise)
         return out
+
+    def precompute_noise(self, meta: SamplingMetadata, vocab_size: int) -> None:
+        """Draw the full-vocabulary Gumbel noise of ``meta``'s rows now (``meta.noise``): it
+        depends only on (seed, position, token), so the caller's thread can make it while the
+        forward runs instead of the device thread after it. Same rows, order and values as the
+        sampler would draw."""
+        if meta.all_greedy or meta.num_rows == 0:
+            return
+        rows = torch.nonzero(~meta.is_greedy).squeeze(1)
+        if meta.top_k is not None:
+            rows = rows[meta.top_k[rows] >= vocab_size]  # top-k rows draw at their candidates only
+        if rows.numel():
+            meta.noise = self.noise.gumbel(meta.keys[rows], vocab_size)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -111,6 +145,27 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     if x.device.type == "cpu" and x.dtype == torch.float32 and x.shape[-1] > 0 and not x.requires_grad:
         return torch.from_numpy(x.numpy().argmax(axis=-1).astype(np.int64, copy=False))
     return x.argmax(dim=-1)
+
+
+def noisy_argmax(logits: torch.Tensor, temperature: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """``argmax(logits / temperature[:, None] + noise, dim=-1)`` (the Gumbel-max draw). On CPU
+    float32 it runs over blocks of rows that stay in the L2 cache: the same IEEE divide and add
+    (numpy and torch round alike), one pass over memory instead of three."""
+    if not (logits.device.type == "cpu" and logits.dtype == noise.dtype == temperature.dtype == torch.float32
+            and logits.dim() == 2 and logits.shape[1] > 0 and not logits.requires_grad):
+        return argmax_rows((logits / temperature.unsqueeze(1)).add_(noise))
+    x, t, g = logits.numpy(), temperature.numpy()[:, None], noise.numpy()
+    num_rows = x.shape[0]
+    rows = max(1, _ARGMAX_BLOCK_ELEMENTS // x.shape[1])
+    buf = np.empty((min(rows, num_rows), x.shape[1]), dtype=np.float32)
+    out = np.empty(num_rows, dtype=np.intp)
+    for r0 in range(0, num_rows, rows):
+        r1 = min(r0 + rows, num_rows)
+        b = buf[: r1 - r0]
+        np.divide(x[r0:r1], t[r0:r1], out=b)
+        b += g[r0:r1]
+        np.argmax(b, axis=-1, out=out[r0:r1])
+    return torch.from_numpy(out.astype(np.int64, copy=False))
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

@@ -52,6 +52,11 @@ class SamplingMetadata:
     max_num_logprobs: int | None
     # every row greedy with no mask, penalty or logprobs: the sampler is one argmax
     is_plain_greedy: bool = False
+    is_all_sampled: bool = False  # no greedy row: the sampler needs no row gather or scatter
+    # Gumbel noise of the rows that draw over the whole vocabulary (sampled, no top-k), in row
+    # order, computed ahead by ``Sampler.precompute_noise`` on the caller's thread; None: the
+    # sampler draws it itself
+    noise: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -113,6 +118,7 @@ class SamplingMetadata:
             num_logprobs=nlp,
             max_num_logprobs=max(wanted) if wanted else None,
             is_plain_greedy=all_greedy and not wanted and penalties is None and suppress is None and bitmask is None,
+            is_all_sampled=b > 0 and not any(greedy),
         )
 
     @classmethod
@@ -140,6 +146,7 @@ class SamplingMetadata:
             num_rows=b,
             is_greedy=torch.tensor([s.is_greedy for s in specs], dtype=torch.bool, device=device),
             all_greedy=False,
+            is_all_sampled=not any(s.is_greedy for s in specs),
             temperature=torch.tensor([s.temperature for s in specs], dtype=torch.float32, device=device),
             keys=keys.to(device),
             top_k=torch.tensor([s.top_k for s in specs], dtype=torch.int64, device=device) if any_k else None,

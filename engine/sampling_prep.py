@@ -123,6 +123,7 @@ class SamplingPreparer:
         prep = SamplingPrep(plain_ids=ids)
         if ids:
             prep.meta = SamplingMetadata.from_plain(specs, positions, self.device)
+            self.sampler.precompute_noise(prep.meta, self.vocab_size)  # off the device thread
             prep.request_rows = {rid: range(i, i + 1) for i, rid in enumerate(ids)}
         return prep
 
@@ -172,6 +173,7 @@ class SamplingPreparer:
                 for grammar, first, drafts in grammar_rows:
                     grammar.fill_bitmasks_for_drafts(bitmask, first, drafts)
             prep.meta = SamplingMetadata.build(rows, self.vocab_size, device, bitmask)
+            self.sampler.precompute_noise(prep.meta, self.vocab_size)
             if len(row_index) != offset or row_index[-1] != offset - 1:  # not simply every row
                 prep.row_index = torch.tensor(row_index, dtype=torch.int64, device=device)
         if prompt_index:

@@ -221,3 +221,38 @@ def test_fast_paths_match_the_reference_forms():
                 assert torch.equal(getattr(fast, name), getattr(ref, name)), name
     assert RowSpec.of(SamplingParams(logprobs=1), 0, V) is None
     assert RowSpec.of(SamplingParams(presence_penalty=0.5), 0, V) is None
+
+
+def test_blocked_noise_and_fused_draw_match_the_one_shot_torch_forms():
+    """The L2-blocked CPU forms (gumbel over the whole vocabulary, noisy_argmax) give the same
+    bits as the one-shot torch expressions, across block edges and odd vocabulary sizes."""
+    from deepinfer.engine.sampler import noisy_argmax
+
+    gen = torch.Generator().manual_seed(8)
+    for num_rows, vocab in ((1, 3), (37, 1001), (70, 4096), (5, 70001)):
+        keys = torch.randint(0, 2**32, (num_rows,), dtype=torch.int64, generator=gen)
+        th = GumbelNoise().token_hash(vocab, keys.device)
+        u = ((mix32_tensor(keys.unsqueeze(1) ^ th.unsqueeze(0)) >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+        want = -torch.log(-torch.log(u))
+        got = GumbelNoise().gumbel(keys, vocab)
+        assert torch.equal(got, want), (num_rows, vocab)
+        logits = torch.randn(num_rows, vocab, generator=gen) * 4
+        logits[0, vocab // 2] = float("nan")  # NaN wins, as in torch's argmax
+        temps = torch.rand(num_rows, generator=gen) + 0.1
+        assert torch.equal(noisy_argmax(logits, temps, got), (logits / temps.unsqueeze(1) + want).argmax(dim=-1))
+
+
+def test_noise_drawn_ahead_gives_the_same_tokens():
+    """precompute_noise (caller's thread) changes where the noise is made, never a token: mixed
+    greedy, plain, top-k, top-p and min-p rows, with and without it."""
+    gen = torch.Generator().manual_seed(9)
+    kinds = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8), SamplingParams(temperature=1.3, top_k=4),
+             SamplingParams(temperature=0.9, top_p=0.7), SamplingParams(temperature=0.6, min_p=0.1)]
+    for chosen in (kinds[1:2], kinds[:2], kinds[1:3], kinds, kinds[3:]):
+        rows = [SampleRow(chosen[i % len(chosen)], seed=20 + i, position=5 + i) for i in range(23)]
+        logits = torch.randn(len(rows), V, generator=gen) * 3
+        plain, ahead = meta(rows), meta(rows)
+        Sampler().precompute_noise(ahead, V)
+        assert ahead.noise is not None
+        assert torch.equal(Sampler()(logits, ahead).token_ids, Sampler()(logits, plain).token_ids)
+        assert plain.is_all_sampled == (chosen[0].temperature > 0 and all(p.temperature > 0 for p in chosen))
