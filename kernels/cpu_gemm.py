@@ -33,6 +33,8 @@ def declare(lib: ctypes.CDLL) -> None:
     f32 = ctypes.c_float
     lib.hc_pre_fused.argtypes = [p, p, p, p, f32, p, i64, i64, i64, i64, f32, f32, p, p, p, p]
     lib.swiglu_fast.argtypes = [p, i64, i64, f32, p]
+    lib.moe_forward.argtypes = [p, i64, i64, i64, p, i64, p, p, p, i64, i64, f32, p, i64, p, i64, i64, f32, p, p, i64, p]
+    lib.moe_forward.restype = i64
     for name in ("gemm_pack", "gemm", "gemm_grouped", "moe_experts", "hc_pre_fused", "swiglu_fast"):
         getattr(lib, name).restype = None
 
@@ -145,4 +147,53 @@ def moe_experts(
     lib.moe_experts(x.data_ptr(), h, token_of_row.data_ptr(), seg.data_ptr(), len(segments),
                     packed(gate_up, lib).data_ptr(), packed_size(2 * inter, h), packed(down, lib).data_ptr(),
                     packed_size(h, inter), inter, limit, scratch.data_ptr(), out.data_ptr())  # fmt: skip
+    return out
+
+
+_SCORING_CODES = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
+
+
+def moe_forward(
+    x: torch.Tensor,
+    num_tokens: int,
+    router: torch.Tensor,
+    correction_bias: torch.Tensor | None,
+    tid2eid: torch.Tensor | None,
+    token_ids: torch.Tensor,
+    top_k: int,
+    scoring_func: str,
+    routed_scaling_factor: float,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    limit: float,
+    shared_gate_up: torch.Tensor,
+    shared_down: torch.Tensor,
+) -> torch.Tensor | None:
+    """The whole MoE block of ``x [R, H]`` in one native call (kernels/cpu_moe_src.py): shared
+    expert on every row plus the routed experts of the first ``num_tokens`` rows; learned routing
+    with ``correction_bias`` or hash routing with ``tid2eid[token_ids]``. None when it does not apply."""
+    lib = _usable(x, router, gate_up, down, shared_gate_up, shared_down)
+    if lib is None or x.dim() != 2 or scoring_func not in _SCORING_CODES or not token_ids.is_cpu:
+        return None
+    if router.shape[0] > 1024 or (tid2eid is not None and not tid2eid.is_cpu):  # moe_route's bound
+        return None
+    x = x.contiguous()
+    rows, h = x.shape
+    inter, shared_inter = down.shape[2], shared_down.shape[1]
+    out = torch.empty(rows, h, dtype=torch.float32)
+    bias = 0
+    if tid2eid is None:
+        bias_t = correction_bias.float().contiguous()
+        bias = bias_t.data_ptr()
+    hashed = 0 if tid2eid is None else tid2eid.contiguous().data_ptr()
+    token_ids = token_ids.contiguous()
+    status = lib.moe_forward(
+        x.data_ptr(), rows, num_tokens, h, packed(router, lib).data_ptr(), router.shape[0], bias, hashed,
+        token_ids.data_ptr(), top_k, _SCORING_CODES[scoring_func], routed_scaling_factor,
+        packed(gate_up, lib).data_ptr(), packed_size(2 * inter, h), packed(down, lib).data_ptr(),
+        packed_size(h, inter), inter, limit, packed(shared_gate_up, lib).data_ptr(),
+        packed(shared_down, lib).data_ptr(), shared_inter, out.data_ptr(),
+    )  # fmt: skip
+    if status:
+        raise MemoryError("moe_forward: out of host memory for its scratch buffers")
     return out

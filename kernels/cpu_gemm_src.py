@@ -43,6 +43,9 @@ static void tile_scalar(int64_t rows, const float* x, int64_t ldx, const float* 
 #include <immintrin.h>
 #define HAVE_AVX2_GEMM 1
 
+/* panels stream from memory at decode sizes: ask for the line this many k steps ahead
+   (prefetches past the end are harmless hints) */
+#define PREFETCH_AHEAD 64
 #define ACC(i) __m256 c##i##0 = _mm256_setzero_ps(), c##i##1 = _mm256_setzero_ps();
 #define FMA_ROW(i) a = _mm256_broadcast_ss(x + (i) * ldx + kk); \
     c##i##0 = _mm256_fmadd_ps(a, w0, c##i##0); c##i##1 = _mm256_fmadd_ps(a, w1, c##i##1);
@@ -57,6 +60,7 @@ __attribute__((target("avx2,fma")))
 static void tile4(const float* x, int64_t ldx, const float* w, int64_t k, float* y, int64_t ldy, int64_t ncols) {
     ACC(0) ACC(1) ACC(2) ACC(3)
     for (int64_t kk = 0; kk < k; ++kk) {
+        _mm_prefetch((const char*)(w + (kk + PREFETCH_AHEAD) * PANEL), _MM_HINT_T0);
         __m256 w0 = _mm256_loadu_ps(w + kk * PANEL), w1 = _mm256_loadu_ps(w + kk * PANEL + 8), a;
         FMA_ROW(0) FMA_ROW(1) FMA_ROW(2) FMA_ROW(3)
     }
@@ -67,6 +71,7 @@ __attribute__((target("avx2,fma")))
 static void tile1(const float* x, int64_t ldx, const float* w, int64_t k, float* y, int64_t ldy, int64_t ncols) {
     ACC(0)
     for (int64_t kk = 0; kk < k; ++kk) {
+        _mm_prefetch((const char*)(w + (kk + PREFETCH_AHEAD) * PANEL), _MM_HINT_T0);
         __m256 w0 = _mm256_loadu_ps(w + kk * PANEL), w1 = _mm256_loadu_ps(w + kk * PANEL + 8), a;
         FMA_ROW(0)
     }

@@ -30,6 +30,7 @@ import torch
 from deepinfer.kernels import torch_ref
 from deepinfer.kernels.cpu_attention_src import ATTENTION_SOURCE
 from deepinfer.kernels.cpu_gemm_src import GEMM_SOURCE
+from deepinfer.kernels.cpu_moe_src import MOE_SOURCE
 from deepinfer.kernels.cpu_native_src import C_SOURCE
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ def _cache_dir() -> Path:
 
 
 def _build() -> ctypes.CDLL | None:
-    source = C_SOURCE + ATTENTION_SOURCE + GEMM_SOURCE  # GEMM_SOURCE uses the attention's exp8
+    source = C_SOURCE + ATTENTION_SOURCE + GEMM_SOURCE + MOE_SOURCE  # later parts call earlier ones
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
     out = _cache_dir() / f"cpu_native_{digest}.so"
     if not out.exists():

@@ -86,3 +86,28 @@ def test_fused_mhc_weights_take_the_same_numbers_on_the_portable_path():
         assert torch.equal(a, b) and torch.allclose(a, w, atol=1e-5)
     rows = cpu_native.hc_pre(streams[9:12], fn, scale, base, 1.3, comb_base, **kw)  # a tail of 3 rows
     assert all(torch.equal(a, b[9:12]) for a, b in zip(rows, fast))
+
+
+@pytest.mark.parametrize("layer", [0, 1])  # a hash layer and a learned-routing layer
+@pytest.mark.parametrize("num_tokens,num_rows", [(6, 8), (40, 40)])
+def test_one_call_moe_block_is_bitwise_the_staged_native_path(layer, num_tokens, num_rows, monkeypatch):
+    from deepinfer.engine.models.deepseek_v4.model import DeepseekV4ForCausalLM
+    from deepinfer.engine.model_runner import load_weights
+    from deepinfer.engine.models.deepseek_v4.testing import hf_reference
+
+    ref = hf_reference(seed=3)
+    model = DeepseekV4ForCausalLM(ref.config)
+    load_weights(model, ref.state_dict, tied=ref.config.tie_word_embeddings)
+    model.finalize()
+    moe = model.layers[layer].mlp
+    assert moe.gate.is_hash == (layer == 0)
+    x = _randn(num_rows, ref.config.hidden_size, seed=4)
+    token_ids = torch.randint(0, ref.config.vocab_size, (num_rows,), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        fused = moe.forward(x, token_ids, num_tokens, True)
+        monkeypatch.setattr(cpu_gemm, "moe_forward", lambda *a, **k: None)
+        staged = moe.forward(x, token_ids, num_tokens, True)
+        monkeypatch.setattr(cpu_gemm, "usable", lambda *a: False)  # the torch GEMMs of the reference
+        reference = moe.forward(x, token_ids, num_tokens, True)
+    assert torch.equal(fused, staged)
+    assert torch.allclose(fused, reference, atol=1e-4)

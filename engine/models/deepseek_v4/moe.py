@@ -138,8 +138,16 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor, num_tokens: int, batch_invariant: bool) -> torch.Tensor:
         """``x [R, H]``; rows >= ``num_tokens`` are padding: routed nowhere, shared expert only."""
+        ex, gate, shared = self.experts, self.gate, self.shared_experts
+        # CPU: the whole block in one native call, bitwise the native stages below
+        out = cpu_gemm.moe_forward(
+            x, num_tokens, gate.weight, None if gate.is_hash else gate.e_score_correction_bias,
+            gate.tid2eid if gate.is_hash else None, token_ids, self.top_k, gate.scoring_func,
+            gate.routed_scaling_factor, ex.gate_up_proj, ex.down_proj, ex.limit, shared.gate_up, shared.down_proj.weight,
+        )  # fmt: skip
+        if out is not None:
+            return out
         plan = self.gate.forward(x, token_ids, num_tokens, batch_invariant)
-        ex = self.experts
         if cpu_gemm.usable(x, ex.gate_up_proj, ex.down_proj) and plan.expert_ids.is_cpu:
             # fixed-order native GEMMs: invariant without padded segments, one call per layer
             native = cpu_native.moe_dispatch(plan.expert_ids, ex.num_experts, False, NEVER_DENSE)
