@@ -21,8 +21,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # CLI flag dest -> EngineOptions field; only flags the user gave are passed (the engine's defaults apply)
 ENGINE_FLAGS = ("dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks",
                 "block_size", "max_num_waiting", "seed", "num_threads", "swa_replay", "swa_replay_tokens",
-                "swa_store_slots", "swa_fetch_deadline_s", "swa_directory", "swa_node_name", "swa_peer_host",
-                "kv_host_tier_bytes", "kv_store_dir", "kv_load_deadline_s")
+                "swa_store_slots", "swa_snapshot_prompts", "swa_fetch_deadline_s", "swa_directory", "swa_node_name",
+                "swa_peer_host", "kv_host_tier_bytes", "kv_store_dir", "kv_load_deadline_s")
 
 
 def add_parser(subparsers, name):
@@ -79,8 +79,8 @@ def add_parser(subparsers, name):
 
 
 # the SWA flags a `deepinfer node` prefill/decode engine takes too (bin/node.py)
-NODE_SWA_FLAGS = ("swa_replay", "swa_replay_tokens", "swa_store_slots", "swa_fetch_deadline_s", "swa_directory",
-                  "swa_peer_host")
+NODE_SWA_FLAGS = ("swa_replay", "swa_replay_tokens", "swa_store_slots", "swa_snapshot_prompts",
+                  "swa_fetch_deadline_s", "swa_directory", "swa_peer_host")
 
 
 def add_swa_arguments(p, *, is_node: bool = False) -> None:
@@ -100,6 +100,9 @@ def add_swa_arguments(p, *, is_node: bool = False) -> None:
                         "slot is layers x (window + lookahead) rows x (head_dim x 33/32) bytes (MXFP8) plus "
                         "compressor carry rows: ~1.4 MB for V4-Flash's 20 persisted layers. MXFP8 window rows make "
                         "a restored state approximate; 0 keeps every rebuild exact")
+    s.add_argument("--swa-snapshot-prompts", action="store_true", default=None,
+                   help="end each prompt's last chunk at its last block boundary so its slot is saved even when "
+                        "the reply never crosses one (one more step for the prompt's tail)")
     s.add_argument("--swa-fetch-deadline", dest="swa_fetch_deadline_s", type=float, default=None, metavar="S",
                    help="seconds a slot fetch from another engine may take before the request replays (default 0.1)")
     s.add_argument("--swa-directory", default=None, metavar="ADDR",

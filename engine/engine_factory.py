@@ -81,6 +81,9 @@ class EngineOptions:
     # continued conversation restores it instead of replaying (window rows in MXFP8). Slots;
     # None: 4 x max_num_seqs; 0: no store
     swa_store_slots: int | None = None
+    # end each prompt's last chunk at its last block boundary, so its slot is saved even when
+    # decoding never crosses one (one more step for the prompt's tail; P/D prefill engines: on)
+    swa_snapshot_prompts: bool = False
     swa_fetch_deadline_s: float = 0.1  # a slot fetch from another engine not done by then: replay
     # the SWA directory (tcp://HOST:PORT or ipc://PATH): this engine tells it which slots it holds
     # and serves them to other engines, and fetches theirs before queueing a request
@@ -116,6 +119,8 @@ class EngineOptions:
         slots = self.swa_store_slots
         _require(slots is None or (_is_int(slots) and slots >= 0),
                  f"swa_store_slots must be an integer >= 0 or None, got {slots!r}")
+        _require(isinstance(self.swa_snapshot_prompts, bool),
+                 f"swa_snapshot_prompts must be True or False, got {self.swa_snapshot_prompts!r}")
         _require(_is_seconds(self.swa_fetch_deadline_s),
                  f"swa_fetch_deadline_s must be a number of seconds > 0, got {self.swa_fetch_deadline_s!r}")
         if self.swa_directory is not None:
@@ -251,7 +256,8 @@ def build_engine(model_dir: str | Path, options: EngineOptions) -> EngineParts:
         if options.num_swa_store_slots > 0 or options.swa_replay != "exact":
             swa = attach_swa_slots(core, mode=options.swa_replay, replay_tokens=options.swa_replay_tokens,
                                    num_store_slots=options.num_swa_store_slots,
-                                   fetch_deadline_s=options.swa_fetch_deadline_s)
+                                   fetch_deadline_s=options.swa_fetch_deadline_s,
+                                   snapshot_prompts=options.swa_snapshot_prompts)
             if swa.store is not None and options.num_swa_store_slots > 0:
                 log.info("SWA slot store: %d slots x %d bytes = %.1f MiB of host memory", swa.store.num_slots,
                          swa.store.layout.num_bytes, swa.store.arena.numel() / 2**20)

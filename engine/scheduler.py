@@ -243,6 +243,8 @@ class Scheduler:
         if num_new == 1 and req.num_output_placeholders == 0 and req.spec_token_ids:
             drafts = req.spec_token_ids[: cfg.max_num_spec_tokens]
         n = self._chunk_size(ctx, req.num_computed_tokens, num_new + len(drafts))
+        if self.swa_slots is not None and n > 1 and not drafts:  # [swa-slots hook] end where a slot can be saved
+            n = self.swa_slots.chunk_tokens(req, req.num_computed_tokens, n)
         if n <= 0:
             return
         end = req.num_computed_tokens + n
@@ -284,6 +286,8 @@ class Scheduler:
                 num_replay = hit_len if cfg.max_replay_tokens is None else min(hit_len, cfg.max_replay_tokens)
             start = hit_len - num_replay
             n = self._chunk_size(ctx, start, req.num_tokens - start)
+            if self.swa_slots is not None and n > 1:  # [swa-slots hook] end where a slot can be saved
+                n = self.swa_slots.chunk_tokens(req, start, n, hit_len=hit_len)
             if n <= 0:
                 break
             if not self.kv.admit(req, hits, start + n):

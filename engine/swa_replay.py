@@ -73,6 +73,20 @@ def snapshot_boundary(end_pos: int, num_known: int, block_size: int, lookahead: 
     return boundary
 
 
+def snapshot_chunk_end(start: int, end: int, num_known: int, block_size: int, lookahead: int) -> int:
+    """Where a chunk ``[start, end)`` should end so that the state at ``B``, the last block
+    boundary of the ``num_known`` known tokens, can be snapshotted: at ``B`` when the chunk
+    crosses it and would end more than ``lookahead`` past it (its rings would no longer hold
+    ``B``'s window), else at ``end``. The tail ``[B, end)`` runs in the next step.
+
+    Without the cut a prompt's slot exists only when its length lands within ``lookahead`` of a
+    boundary; with it, the next turn (whose prefix hit ends at ``B``) restores instead of replaying."""
+    boundary = (num_known // block_size) * block_size
+    if start < boundary < end and end - boundary > lookahead:
+        return boundary
+    return end
+
+
 @dataclass(frozen=True, slots=True)
 class RebuildPlan:
     num_replay_tokens: int

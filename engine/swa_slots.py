@@ -38,6 +38,7 @@ from deepinfer.engine.swa_replay import (
     is_approximate,
     max_replay_tokens,
     snapshot_boundary,
+    snapshot_chunk_end,
 )
 
 
@@ -65,6 +66,9 @@ class SwaSlotManager:
         self.dtype = dtype
         self.fetcher = fetcher
         self.fetch_deadline_s = fetch_deadline_s
+        # end prompt chunks at their last block boundary so a slot is saved there (costs the
+        # prompt's tail one more step); set by attach_swa_slots when a store is attached
+        self.snapshot_prompts = False
         self.stats = SwaSlotStats()
         # seq id -> decoded slot, read when the scheduler asks (so a later LRU eviction cannot
         # take it away), moved to _restores at admission, consumed by the sequence's first forward
@@ -112,6 +116,17 @@ class SwaSlotManager:
                 self.stats.num_replayed_bounded += 1
             elif hit_len:
                 self.stats.num_replayed_exact += 1
+
+    def chunk_tokens(self, req: Request, start: int, num_tokens: int, *, hit_len: int | None = None) -> int:
+        """Scheduler hook: the chunk ``[start, start + num_tokens)`` of ``req``, shortened to end at
+        its known tokens' last block boundary when that lets the state there be snapshotted
+        (``snapshot_prompts``). ``hit_len``: at admission (the replay plan is not noted yet)."""
+        if not self.snapshot_prompts or req.seq_id in self._approximate:
+            return num_tokens
+        if hit_len is not None and is_approximate(start, hit_len, self.num_exact_tokens):
+            return num_tokens
+        end = snapshot_chunk_end(start, start + num_tokens, req.num_tokens, self.block_size, self.lookahead)
+        return end - start
 
     def may_cache_blocks(self, req: Request) -> bool:
         return req.seq_id not in self._approximate
@@ -234,11 +249,13 @@ class SwaSlotRunner:
 def attach_swa_slots(core, *, mode: SwaReplayMode = "bounded", replay_tokens: int = DEFAULT_REPLAY_TOKENS,
                      store: SwaSlotStore | None = None, num_store_slots: int = 64,
                      fetcher: SwaSlotFetcher | None = None, fetch_deadline_s: float = 1.0,
-                     is_window_mxfp8: bool = True) -> SwaSlotManager:
+                     is_window_mxfp8: bool = True, snapshot_prompts: bool = False) -> SwaSlotManager:
     """Give an EngineCore ``swa_replay`` = ``mode`` and (with a store) slot save/restore.
 
     ``store=None`` builds a host store of ``num_store_slots`` slots in the runner's layout;
-    ``num_store_slots=0`` sets only the replay mode and returns a manager without a store."""
+    ``num_store_slots=0`` sets only the replay mode and returns a manager without a store.
+    ``snapshot_prompts``: end every prompt's last chunk at its last block boundary, so its slot
+    is saved even when the sequence stops before decoding past a boundary (a P/D prefill)."""
     runner = core.runner
     cfg = runner.config
     sched = core.scheduler
@@ -258,4 +275,5 @@ def attach_swa_slots(core, *, mode: SwaReplayMode = "bounded", replay_tokens: in
     sched.kv.on_release = manager.on_release
     if num_store_slots:
         core.runner = SwaSlotRunner(runner, manager)
+        manager.snapshot_prompts = snapshot_prompts and sched.config.enable_prefix_caching
     return manager

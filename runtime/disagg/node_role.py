@@ -40,6 +40,10 @@ def make_role(*, role: NodeRole, config: ClusterConfig, node_name: str, model: s
         # a decode engine continues handed-off requests (their SWA state comes with the KV): no
         # slot store of its own; the prefill engines own and share the slots
         options = replace(options, swa_store_slots=0, swa_directory=None)
+    else:
+        # a prefill engine stops right after the prompt: without ending the prompt's last chunk
+        # at a block boundary, hardly any prompt would leave a slot for its next turn
+        options = replace(options, swa_snapshot_prompts=True)
     parts = build_engine(model_dir, options)
     service_config = EngineServiceConfig(engine_address=spec.engine, data_address=spec.data, lease_s=lease_s,
                                          swa_directory=options.swa_directory or "",

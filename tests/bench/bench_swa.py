@@ -8,6 +8,11 @@ FLOP estimate (engine/swa_replay.py FlopModel) and the median wall time of ``--r
 Exact grows with the hit until it reaches ``window * layers`` tokens (then only its compressed-
 attention term grows); bounded stays flat.
 
+Continuation (``--continuation-hit``, 0 skips it): a 2-turn conversation through ``AsyncEngine``
+(engine options as ``deepinfer serve`` sets them) whose second turn hits the first turn's
+blocks; the second turn's time to first token with the slot restored (``swa_store_slots``),
+with exact replay and with bounded replay (no store), median of ``--reps`` conversations.
+
 Quality: for ``--num-prompts`` random prompts of ``--quality-hit`` + 16 tokens, the exact state
 (a full prefill, what exact replay and a slot restore give) generates 64 greedy tokens; the
 bounded state (replay of the last 128 hit tokens over the same block cache) is fed the same
@@ -116,6 +121,54 @@ def bench_quality(hit: int, num_prompts: int, num_generated: int, replay_tokens:
     return sum(agree) / len(agree), sum(kls) / len(kls)
 
 
+async def _continuation_ttft(model_dir: str, hit: int, reps: int, **options) -> tuple[float, int]:
+    """(median second-turn TTFT in s, slots restored) of ``reps`` conversations whose second turn
+    hits ``hit`` tokens."""
+    from deepinfer.engine.async_engine import AsyncEngine
+    from deepinfer.engine.sampling_params import SamplingParams
+
+    engine = await AsyncEngine.start(model=model_dir, dtype="float32", device="cpu", max_model_len=hit + 512,
+                                     max_num_seqs=2, block_size=BLOCK, **options)
+    g = torch.Generator().manual_seed(1)
+    times = []
+    try:
+        for rep in range(reps + 1):  # the first conversation warms the engine up
+            # the prompt ends 2 past the hit boundary: the first turn's state there is snapshotted
+            turn1 = torch.randint(3, 4000, (hit + 2,), generator=g).tolist()
+            params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+            out1 = []
+            async for d in engine.generate({"prompt_token_ids": turn1}, params, request_id=f"a{rep}"):
+                out1 += d.outputs[0].token_ids
+            turn2 = turn1 + out1 + torch.randint(3, 4000, (32,), generator=g).tolist()
+            t0 = time.perf_counter()
+            async for _ in engine.generate({"prompt_token_ids": turn2}, params, request_id=f"b{rep}"):
+                if rep:
+                    times.append(time.perf_counter() - t0)
+                break  # leaving early aborts the rest
+        num_restored = engine.swa_slots.stats.num_restored if engine.swa_slots is not None else 0
+    finally:
+        await engine.shutdown()
+    return statistics.median(times), num_restored
+
+
+def bench_continuation(report: Report, hit: int, reps: int) -> None:
+    import asyncio
+    import tempfile
+
+    from deepinfer.engine.tiny_model import write_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="bench-swa-") as model_dir:
+        write_tiny_model(model_dir, seed=0)
+        for name, options in (("restored", dict(swa_store_slots=4)),
+                              ("exact", dict(swa_replay="exact", swa_store_slots=0)),
+                              ("bounded", dict(swa_replay="bounded", swa_store_slots=0))):
+            ttft, num_restored = asyncio.run(_continuation_ttft(model_dir, hit, reps, **options))
+            if (name == "restored") != (num_restored > 0) or (name == "restored" and num_restored < reps + 1):
+                raise RuntimeError(f"{name}: the continuations restored {num_restored} slots in {reps + 1} conversations")
+            report.figure(f"continuation_ttft_ms_{name}", ttft * 1e3)
+        report.figure("continuation_hit_tokens", hit)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = base_parser("swa", __doc__.splitlines()[0])
     p.add_argument("--hits", default="1024,2048,4096,8192,16384,32768", help="prefix-hit lengths (multiples of 128)")
@@ -125,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-prompts", type=int, default=2)
     p.add_argument("--num-generated", type=int, default=64)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--continuation-hit", type=int, default=2048,
+                   help="second-turn prefix hit of the AsyncEngine continuation (multiple of 128; 0: skip)")
     p.add_argument("--quick", action="store_true", help="hits 256,1024; 1 prompt of 256+16 tokens, 8 generated (a smoke run)")
     args = p.parse_args(argv)
     if args.threads:
@@ -132,15 +187,20 @@ def main(argv: list[str] | None = None) -> int:
     hits = [int(h) for h in args.hits.split(",")]
     if args.quick:
         hits, args.reps, args.num_prompts, args.num_generated, args.quality_hit = [256, 1024], 1, 1, 8, 256
+        args.continuation_hit = min(args.continuation_hit, 512)
     bad = [h for h in hits if h <= 0 or h % BLOCK]
     if bad:
         p.error(f"--hits: {bad[0]} is not a positive multiple of {BLOCK}")
+    if args.continuation_hit < 0 or args.continuation_hit % BLOCK:
+        p.error(f"--continuation-hit: {args.continuation_hit} is not 0 or a positive multiple of {BLOCK}")
     report = Report(f"SWA rebuild per request, tiny V4 (8 layers, window 128): exact vs bounded ({args.replay_tokens} tokens)")
     with torch.inference_mode():
         walls = bench_cost(report, hits, args.replay_tokens, args.reps)
         top1, kl = bench_quality(args.quality_hit, args.num_prompts, args.num_generated, args.replay_tokens)
         # control: the same path replaying the whole hit must reproduce the exact state
         control_top1, control_kl = bench_quality(args.quality_hit, 1, min(args.num_generated, 8), args.quality_hit)
+    if args.continuation_hit:
+        bench_continuation(report, args.continuation_hit, args.reps)
     longest = max(hits)
     report.figure(f"exact_vs_bounded_cost_ratio_{longest // 1024}k", walls[longest][0] / walls[longest][1])  # wall time
     report.figure(f"exact_vs_bounded_flop_ratio_{longest // 1024}k", walls[longest][2])

@@ -88,6 +88,28 @@ async def test_continuation_restores_local_slot_and_exact_replay_equals_no_cache
         await nocache.shutdown()
 
 
+@pytest.mark.timeout(240)
+async def test_snapshot_prompts_saves_the_slot_of_a_prompt_that_ends_mid_block(model_dir):
+    p1 = tokens(2, 75)  # ends 11 past boundary 64 (> lookahead 6); one output token crosses nothing
+    p2 = None
+    results = {}
+    for snapshot in (False, True):
+        engine = await AsyncEngine.start(model=str(model_dir), swa_replay="bounded", swa_replay_tokens=16,
+                                         swa_store_slots=4, swa_snapshot_prompts=snapshot, **BASE)
+        try:
+            o1 = await generate(engine, p1, 1, "t1")
+            p2 = p2 or p1 + o1 + tokens(3, 8)
+            results[snapshot] = await generate(engine, p2, 4, "t2")
+            stats = engine.swa_slots.stats
+            if snapshot:  # the prompt ran as [0, 64) + [64, 75): the state at 64 became a slot
+                assert stats.num_saved >= 1 and stats.num_restored == 1 and stats.num_replayed_tokens == 0
+            else:  # no slot at 64: the hit replays (bounded, 16 tokens)
+                assert stats.num_restored == 0 and stats.num_replayed_bounded == 1 and stats.num_replayed_tokens == 16
+        finally:
+            await engine.shutdown()
+    assert len(results[True]) == len(results[False]) == 4
+
+
 async def test_swa_options_reach_the_engine_and_bad_ones_are_one_line(model_dir):
     engine = await AsyncEngine.start(model=str(model_dir), swa_replay="bounded", swa_replay_tokens=32, **BASE)
     try:

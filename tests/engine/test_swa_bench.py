@@ -23,6 +23,9 @@ def test_bench_swa_quick(tmp_path, capsys):
     # exact replays window * layers = 1024 tokens at a 1K hit, bounded 128: about 8x the FLOPs
     assert 6 < data["exact_vs_bounded_flop_ratio_1k"] < 10
     assert data["exact_vs_bounded_cost_ratio_1k"] > 0
+    # the AsyncEngine continuation: a restored slot computes 42 tokens, exact replay 512 + 42
+    assert data["continuation_hit_tokens"] == 512
+    assert 0 < data["continuation_ttft_ms_restored"] < data["continuation_ttft_ms_exact"]
     table = capsys.readouterr().out
     assert "bounded_tokens" in table and "1024" in table
 

@@ -14,7 +14,7 @@ from deepinfer.engine.engine_core import EngineCore, EngineCoreConfig  # noqa: E
 from deepinfer.engine.output_processor import merge_output  # noqa: E402
 from deepinfer.engine.sampling_params import SamplingParams  # noqa: E402
 from deepinfer.engine.scheduler import SchedulerConfig  # noqa: E402
-from deepinfer.engine.swa_replay import plan_rebuild, snapshot_boundary  # noqa: E402
+from deepinfer.engine.swa_replay import plan_rebuild, snapshot_boundary, snapshot_chunk_end  # noqa: E402
 from deepinfer.engine.swa_slots import attach_swa_slots  # noqa: E402
 
 BS = 16  # the reference model: 4 layers, window 16 -> exact replay = 64 tokens
@@ -62,6 +62,12 @@ def test_policy_boundaries_and_plans():
     p = plan_rebuild(256, has_slot=False, max_replay=128)
     assert (p.num_replay_tokens, p.window_start, p.write_from, p.is_restored) == (128, 128, 256, False)
     assert plan_rebuild(96, has_slot=False, max_replay=128).window_start == 0
+    # a prompt chunk is cut at the known tokens' last boundary only when it would end > lookahead past it
+    assert snapshot_chunk_end(0, 75, 75, 16, 6) == 64
+    assert snapshot_chunk_end(0, 70, 70, 16, 6) == 70  # 6 past 64: the rings still hold its state
+    assert snapshot_chunk_end(64, 75, 75, 16, 6) == 75  # starts at the boundary: nothing to cut
+    assert snapshot_chunk_end(0, 40, 75, 16, 6) == 40  # does not reach 64
+    assert snapshot_chunk_end(10, 100, 100, 16, 6) == 100 and snapshot_chunk_end(10, 103, 103, 16, 6) == 96
 
 
 @pytest.mark.timeout(300)

@@ -54,10 +54,12 @@ async def _until(pred, timeout_s: float = 20.0) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 async def test_prefill_engine_restores_its_slot_and_peer_down_drops_it(model_dir):
-    p1 = tokens(0, 66)  # the prefill forward ends 2 past boundary 64: its state there becomes a slot
+    # the prompt ends 11 past boundary 64: the prefill engine (swa_snapshot_prompts) runs it as
+    # [0, 64) + [64, 75) so its state at 64 becomes a slot
+    p1 = tokens(0, 75)
     hashes: list[bytes] = []
     extend_block_hashes(hashes, p1[:64], BS, root_hash(model_dir.name, ""))
-    colocated = await AsyncEngine.start(model=str(model_dir), device="cpu", **ENGINE)
+    colocated = await AsyncEngine.start(model=str(model_dir), device="cpu", swa_snapshot_prompts=True, **ENGINE)
     try:
         want1 = await generate(colocated, p1, 5, "c1")
         want2 = await generate(colocated, p1 + want1 + tokens(1, 9), 5, "c2")
