@@ -50,8 +50,9 @@ class SwaSlotStats:
     num_replayed_tokens: int = 0
     num_snapshots: int = 0
     num_saved: int = 0  # snapshots committed as stored slots
-    num_fetched: int = 0
-    num_fetch_misses: int = 0
+    num_fetched: int = 0  # slots fetched from another engine
+    num_fetch_misses: int = 0  # prefetches no engine held a slot for
+    num_fetch_failures: int = 0  # a listed slot not fetched (dead owner, deadline, evicted): replayed
 
 
 class SwaSlotManager:
@@ -217,8 +218,10 @@ class SwaSlotManager:
         result = await self.fetcher.fetch(keys, self.fetch_deadline_s)
         if result.is_hit:
             self.stats.num_fetched += 1
-        else:
+        elif result.reason == "none":
             self.stats.num_fetch_misses += 1
+        else:
+            self.stats.num_fetch_failures += 1
         return result
 
     async def prefetch_for(self, kv, prompt_token_ids: Sequence[int], cache_salt: str = "") -> FetchResult | None:

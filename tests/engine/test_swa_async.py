@@ -173,7 +173,7 @@ async def test_second_engine_process_fetches_the_slot_then_replays_when_the_owne
     second = None
     try:
         assert (await owner.line())["ready"] == "owner"
-        second = await AsyncEngine.start(model=str(model_dir), swa_node_name="second", swa_fetch_deadline_s=1.0,
+        second = await AsyncEngine.start(model=str(model_dir), swa_node_name="second", swa_fetch_deadline_s=2.0,
                                          **{k: v for k, v in shared.items() if k != "swa_fetch_deadline_s"})
         mgr = second.swa_slots
 
@@ -197,9 +197,13 @@ async def test_second_engine_process_fetches_the_slot_then_replays_when_the_owne
         key_b = mgr.prefix_hashes(q2)[5]
         await _until(lambda: directory.directory.locate(key_b) is not None)
         owner.kill()
-        answer = await generate(second, q2, 6, "b2")
+        continued = asyncio.ensure_future(generate(second, q2, 6, "b2"))
+        # the fetch from the dead owner waits for its deadline inside submit: other requests run meanwhile
+        other = await asyncio.wait_for(generate(second, tokens(9, 20), 2, "other"), 30)
+        assert len(other) == 2 and not continued.done()
+        answer = await asyncio.wait_for(continued, 60)
         assert len(answer) == 6
-        assert mgr.stats.num_fetch_misses == 1 and mgr.stats.num_restored == 1
+        assert mgr.stats.num_fetch_failures == 1 and mgr.stats.num_restored == 1
         assert mgr.stats.num_replayed_bounded == 1 and mgr.stats.num_replayed_tokens == 16
         # once heartbeats declare the owner down, its slots leave the directory
         node = directory.directory._nodes["owner"]
