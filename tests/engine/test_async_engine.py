@@ -234,3 +234,28 @@ async def test_a_crash_outside_the_model_step_fails_streams_and_marks_the_engine
         await collect(engine, {"prompt_token_ids": PROMPT}, GREEDY, "c")
     with pytest.raises(EngineDeadError, match="step loop stopped"):
         await engine.check_health()
+
+
+async def test_kv_host_tier_from_engine_options(model_dir, monkeypatch):
+    """kv_host_tier_bytes (or DEEPINFER_KV_HOST_TIER_BYTES) gives the engine a host KV tier: a prompt
+    whose blocks left the device pool is served from host memory with the same tokens."""
+    from deepinfer import envs
+    from deepinfer.cache.kv_tiers import TIER_HOST
+
+    monkeypatch.setattr(envs, "_snapshot", envs.load({"DEEPINFER_KV_HOST_TIER_BYTES": str(64 << 20)}))
+    eng = await AsyncEngine.start(model=str(model_dir), dtype="float32", device="cpu", max_model_len=512,
+                                  max_num_seqs=2, block_size=128, kv_load_deadline_s=2.0)
+    offload = eng.core.kv_offload
+    try:
+        assert offload is not None and offload.tiers.host is not None and offload.config.load_deadline_s == 2.0
+        prompt = {"prompt_token_ids": [(i * 7 + 3) % 4000 for i in range(300)]}  # 2 full blocks can hit
+        first, _ = await collect(eng, prompt, GREEDY, "h1")
+        await eng._loop.run_in_executor(eng._device, lambda: None)  # the idle copy-outs ran
+        assert offload.wait_for_writes(10)
+        eng.core.scheduler.pool.evict_all_unreferenced()  # gone from the device pool, kept on the host
+        again, _ = await collect(eng, prompt, GREEDY, "h2")
+        assert again.outputs[0].token_ids == first.outputs[0].token_ids
+        assert again.metrics.cached_tokens_by_tier[TIER_HOST] == 256
+    finally:
+        await eng.shutdown()
+    assert offload._closed  # built with the engine: closed with it

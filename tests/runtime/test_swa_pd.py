@@ -85,3 +85,18 @@ async def test_prefill_engine_restores_its_slot_and_peer_down_drops_it(model_dir
         await cluster.supervisor.kill("prefill-0")
         await _until(lambda: directory.locate(hashes[3]) is None)
         assert "prefill-0" not in directory.nodes()
+
+
+def test_node_argv_carries_the_swa_flags_the_node_parses(tmp_path):
+    from deepinfer.bin import cli, node
+    from deepinfer.runtime.cluster_config import NodeRole
+
+    cluster = LocalPdCluster(tmp_path, engine_options=dict(swa_replay="bounded", swa_replay_tokens=32,
+                                                           swa_store_slots=3, swa_fetch_deadline_s=0.5))
+    argv = cluster._argv(tmp_path / "cluster.toml", "prefill-0")
+    assert argv[1:3] == ["-m", "deepinfer.bin"]
+    args = cli.build_parser().parse_args(argv[3:])
+    assert node._role_kwargs(args, NodeRole.PREFILL)["engine_options"] == dict(
+        swa_replay="bounded", swa_replay_tokens=32, swa_store_slots=3, swa_fetch_deadline_s=0.5)
+    with pytest.raises(ValueError, match="'swa_directory' is not supported by disaggregated engines"):
+        LocalPdCluster(tmp_path, engine_options=dict(swa_directory="tcp://127.0.0.1:9"))
