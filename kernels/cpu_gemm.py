@@ -35,6 +35,8 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.swiglu_fast.argtypes = [p, i64, i64, f32, p]
     lib.moe_forward.argtypes = [p, i64, i64, i64, p, i64, p, p, p, i64, i64, f32, p, i64, p, i64, i64, f32, p, p, i64, p]
     lib.moe_forward.restype = i64
+    lib.hc_post_pre.argtypes = [p, p, p, p, p, p, p, f32, p, i64, i64, i64, i64, f32, f32, p, f32, p, p, p, p, p]
+    lib.hc_post_pre.restype = None
     for name in ("gemm_pack", "gemm", "gemm_grouped", "moe_experts", "hc_pre_fused", "swiglu_fast"):
         getattr(lib, name).restype = None
 
@@ -92,16 +94,23 @@ def _usable(*tensors: torch.Tensor) -> ctypes.CDLL | None:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
     """``x [M, K] @ weight[N, K].T`` (``torch_ref.linear``'s contract)."""
-    lib = _usable(x, weight) if x.dim() == 2 and weight.dim() == 2 else None
+    shape, w_shape = x.shape, weight.shape  # attribute reads kept few: ~50 calls per decode step
+    lib = _usable(x, weight) if len(shape) == 2 and len(w_shape) == 2 else None
     if lib is None or torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return torch_ref.linear(x, weight, batch_invariant)
-    if x.stride(-1) != 1 or x.stride(0) < x.shape[1]:
+    m, k = shape
+    n = w_shape[0]
+    if w_shape[1] != k:
+        raise ValueError(f"linear: input has {k} features, the weight expects {w_shape[1]}")
+    stride = x.stride()
+    if stride[1] != 1 or stride[0] < k:
         x = x.contiguous()
-    m, k = x.shape
-    n = weight.shape[0]
+        stride = (k, 1)
     y = torch.empty(m, n, dtype=torch.float32)
     if m:
-        lib.gemm(x.data_ptr(), m, k, x.stride(0), packed(weight, lib).data_ptr(), n, y.data_ptr(), n)
+        cached = getattr(weight, "_cpu_gemm_pack", None)
+        panels = cached[1] if cached is not None and cached[0] == weight._version else packed(weight, lib)
+        lib.gemm(x.data_ptr(), m, k, stride[0], panels.data_ptr(), n, y.data_ptr(), n)
     return y
 
 
@@ -197,3 +206,41 @@ def moe_forward(
     if status:
         raise MemoryError("moe_forward: out of host memory for its scratch buffers")
     return out
+
+
+def hc_post_pre(
+    block_out: torch.Tensor | None,
+    streams: torch.Tensor,
+    post: torch.Tensor | None,
+    comb: torch.Tensor | None,
+    hc,
+    norm_weight: torch.Tensor,
+    norm_eps: float,
+):
+    """``(streams', post', comb', x)``: streams' = ``hc_post(block_out, streams, post, comb)``
+    (``streams`` itself when ``block_out`` is None), the mHC weights of ``hc`` (a finalized
+    HyperConnection) on streams' and the next block's input ``x = rms_norm(collapsed,
+    norm_weight)``, in one native call, bitwise the separate native ops. None when it does not apply."""
+    tensors = (streams, hc.fn, norm_weight) if block_out is None else (streams, hc.fn, norm_weight, block_out, post, comb)
+    lib = _usable(*tensors)
+    if lib is None or streams.dim() != 3 or streams.shape[1] > 16:
+        return None
+    rows, n, d = streams.shape
+    streams = streams.contiguous()
+    new_streams = streams if block_out is None else torch.empty_like(streams)
+    post_out = torch.empty(rows, n, dtype=torch.float32)
+    comb_out = torch.empty(rows, n, n, dtype=torch.float32)
+    x = torch.empty(rows, d, dtype=torch.float32)
+    scratch = torch.empty(rows * (n * d + (2 + n) * n + d), dtype=torch.float32)
+    if block_out is None:
+        out_ptr = post_ptr = comb_ptr = 0
+    else:
+        block_out, post, comb = block_out.contiguous(), post.contiguous(), comb.contiguous()
+        out_ptr, post_ptr, comb_ptr = block_out.data_ptr(), post.data_ptr(), comb.data_ptr()
+    lib.hc_post_pre(
+        out_ptr, streams.data_ptr(), post_ptr, comb_ptr, packed(hc.fn, lib).data_ptr(), hc.pre_post_scale.data_ptr(),
+        hc.pre_post_base.data_ptr(), hc.comb_scale, hc.comb_base.data_ptr(), rows, n, d, hc.sinkhorn_iters,
+        hc.norm_eps, hc.hc_eps, norm_weight.contiguous().data_ptr(), norm_eps, scratch.data_ptr(),
+        new_streams.data_ptr(), post_out.data_ptr(), comb_out.data_ptr(), x.data_ptr(),
+    )  # fmt: skip
+    return new_streams, post_out, comb_out, x

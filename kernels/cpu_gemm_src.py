@@ -204,6 +204,29 @@ void hc_pre_fused(const float* streams, const float* fn_packed, const float* pp_
     for (; r < rows; ++r) sinkhorn_row(comb + r * n * n, n, iters, hc_eps);
 }
 
+/* New streams and the next block's input in one call: streams' = hc_post(block_out, streams, post,
+   comb) (skipped when block_out is NULL: streams' = streams), then hc_pre_fused on streams' and the
+   block input x = rms_norm(collapsed, norm_weight). new_streams may be NULL when block_out is. */
+void hc_post(const float* out, const float* streams, const float* post, const float* comb, int64_t rows,
+             int64_t n, int64_t d, float* result);
+
+void hc_post_pre(const float* block_out, const float* streams, const float* post, const float* comb,
+                 const float* fn_packed, const float* pp_scale, const float* pp_base, float comb_scale,
+                 const float* comb_base, int64_t rows, int64_t n, int64_t d, int64_t iters, float norm_eps,
+                 float hc_eps, const float* norm_weight, float block_eps, float* scratch, float* new_streams,
+                 float* post_out, float* comb_out, float* x_out) {
+    const float* src = streams;
+    if (block_out) {
+        hc_post(block_out, streams, post, comb, rows, n, d, new_streams);
+        src = new_streams;
+    }
+    float* collapsed = scratch + rows * (n * d + (2 + n) * n);
+    hc_pre_fused(src, fn_packed, pp_scale, pp_base, comb_scale, comb_base, rows, n, d, iters, norm_eps, hc_eps,
+                 scratch, post_out, comb_out, collapsed);
+    rms_norm(collapsed, rows, 1, d, 0, d, norm_weight, block_eps, x_out);
+}
+
+
 /* silu(min(g, limit)) * clamp(u, -limit, limit) of rows [g (m) | u (m)] (defined in the main source) */
 void swiglu(const float* gate_up, int64_t rows, int64_t m, float limit, float* out);
 

@@ -21,7 +21,7 @@ from deepinfer.engine.models.deepseek_v4.layers import Norm, linear_holder
 from deepinfer.engine.models.deepseek_v4.mhc import HyperConnection, HyperHead
 from deepinfer.engine.models.deepseek_v4.moe import MoE
 from deepinfer.engine.models.deepseek_v4.rope import inv_freq
-from deepinfer.kernels import ops
+from deepinfer.kernels import cpu_gemm, ops
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, device=None, dtype=None):
@@ -38,6 +38,16 @@ class DecoderLayer(nn.Module):
 
     def forward(self, streams: torch.Tensor, ctx: ForwardContext, blocks: BlockCache, swa: SwaArena) -> torch.Tensor:
         bi = ctx.batch_invariant
+        # CPU: mHC weights + block norm (and the attention's stream update) in one native call each
+        fused = cpu_gemm.hc_post_pre(None, streams, None, None, self.attn_hc, self.input_layernorm.weight, self.eps)
+        if fused is not None:
+            _, post, comb, x = fused
+            out = self.self_attn.forward(x, ctx, blocks, swa)
+            streams, post, comb, x = cpu_gemm.hc_post_pre(
+                out, streams, post, comb, self.ffn_hc, self.post_attention_layernorm.weight, self.eps
+            )
+            out = self.mlp.forward(x, ctx.token_ids, ctx.num_tokens, bi)
+            return HyperConnection.post(out, streams, post, comb, bi)
         post, comb, x = self.attn_hc.pre(streams, bi)
         out = self.self_attn.forward(ops.rms_norm(x, self.input_layernorm.weight, self.eps), ctx, blocks, swa)
         streams = HyperConnection.post(out, streams, post, comb, bi)
