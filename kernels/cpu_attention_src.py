@@ -3,11 +3,12 @@
 Same contract as ``gathered_attention`` in cpu_native_src.py (one token at a time, key rows read
 in place by id, -inf keys skipped, the sink slot's logit from ``sinks``), organised for SIMD:
 
-  scores   lanes are heads: q is transposed to [d, heads] once per token and each score is one
-           FMA chain over the d channels (8 keys at a time, independent chains)
+  scores   8 heads per key at once: per head 8 channel lanes (FMA chains over the d / 8 channel
+           blocks) reduced by one fixed tree, giving a vector with the 8 heads as lanes
   softmax  per head over [valid window keys, sink, valid extra keys] in that order; exp is a
            fixed polynomial evaluated on whole 8-head vectors (no libm, no tails)
-  output   per head, 64 channels in registers, one FMA chain over the valid keys in order
+  output   per channel one FMA chain over the valid keys in order, run in L1-sized key blocks
+           with two heads x 32 channels in registers (each key load feeds both heads)
 
 Every number of a token comes from that token's inputs through the same instruction sequence,
 so tokens stand alone (batch-invariant). Results match the scalar kernel to a few ulp (FMA, a
@@ -40,32 +41,36 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-/* sc[j * hp + hb + lane] = q_lane . key_j for up to 8 keys: independent FMA chains over d */
+/* sc[hb .. hb + 8) = q_{hb+lane} . key for 8 heads: per head 8 channel lanes, each an FMA chain
+   over the d / 8 channel blocks, then one fixed tree across the lanes (hadd pairs, then the two
+   128-bit halves). qp [hp][d]: the token's q, heads padded with zero rows. */
 __attribute__((target("avx2,fma")))
-static void score_keys(const float* qt, int64_t hp, int64_t hb, int64_t d, const float* const* keys, int64_t cnt,
-                       float* sc) {
-    __m256 acc[8];
-    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-    if (cnt == 8) {
-        for (int64_t k = 0; k < d; ++k) {
-            __m256 qv = _mm256_loadu_ps(qt + k * hp + hb);
-            for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_broadcast_ss(keys[j] + k), acc[j]);
-        }
-    } else {
-        for (int64_t k = 0; k < d; ++k) {
-            __m256 qv = _mm256_loadu_ps(qt + k * hp + hb);
-            for (int j = 0; j < cnt; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_broadcast_ss(keys[j] + k), acc[j]);
-        }
+static inline __m256 score_heads8(const float* qp, int64_t d, const float* key) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int64_t c = 0; c < d; c += 8) {
+        __m256 kv = _mm256_loadu_ps(key + c);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qp + 0 * d + c), kv, a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qp + 1 * d + c), kv, a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(qp + 2 * d + c), kv, a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(qp + 3 * d + c), kv, a3);
+        a4 = _mm256_fmadd_ps(_mm256_loadu_ps(qp + 4 * d + c), kv, a4);
+        a5 = _mm256_fmadd_ps(_mm256_loadu_ps(qp + 5 * d + c), kv, a5);
+        a6 = _mm256_fmadd_ps(_mm256_loadu_ps(qp + 6 * d + c), kv, a6);
+        a7 = _mm256_fmadd_ps(_mm256_loadu_ps(qp + 7 * d + c), kv, a7);
     }
-    for (int j = 0; j < cnt; ++j) _mm256_storeu_ps(sc + j * hp + hb, acc[j]);
+    __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-/* o[0..8*nj) = sum_n p[n * hp] * keys[n][c0 ..], one FMA chain per channel over n in order */
+#define PV_BLOCK 32  /* keys per L1-resident block of the output pass (32 keys x 64 ch = 8 KB) */
+
+/* o[0..8*nj) (+)= sum_n p[n * hp] * keys[n][c0 ..], one FMA chain per channel over n in order */
 __attribute__((target("avx2,fma")))
 static void weigh_keys(const float* p, int64_t hp, const float* const* keys, int64_t nv, int64_t c0, int64_t nj,
-                       float* o) {
+                       int is_first, float* o) {
     __m256 acc[8];
-    for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+    for (int j = 0; j < 8; ++j) acc[j] = is_first || j >= nj ? _mm256_setzero_ps() : _mm256_loadu_ps(o + 8 * j);
     if (nj == 8) {
         for (int64_t n = 0; n < nv; ++n) {
             __m256 w = _mm256_broadcast_ss(p + n * hp);
@@ -82,6 +87,31 @@ static void weigh_keys(const float* p, int64_t hp, const float* const* keys, int
     for (int j = 0; j < nj; ++j) _mm256_storeu_ps(o + 8 * j, acc[j]);
 }
 
+/* the same chains for two heads and 32 channels at once: each key's 4 loads feed 8 FMAs */
+__attribute__((target("avx2,fma")))
+static void weigh_keys2(const float* p, int64_t hp, const float* const* keys, int64_t nv, int64_t c0,
+                        int is_first, float* o0, float* o1) {
+    __m256 a0, a1, a2, a3, b0, b1, b2, b3;
+    if (is_first) {
+        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = _mm256_setzero_ps();
+    } else {
+        a0 = _mm256_loadu_ps(o0); a1 = _mm256_loadu_ps(o0 + 8); a2 = _mm256_loadu_ps(o0 + 16); a3 = _mm256_loadu_ps(o0 + 24);
+        b0 = _mm256_loadu_ps(o1); b1 = _mm256_loadu_ps(o1 + 8); b2 = _mm256_loadu_ps(o1 + 16); b3 = _mm256_loadu_ps(o1 + 24);
+    }
+    for (int64_t n = 0; n < nv; ++n) {
+        __m256 wa = _mm256_broadcast_ss(p + n * hp), wb = _mm256_broadcast_ss(p + n * hp + 1);
+        const float* key = keys[n] + c0;
+        __m256 k0 = _mm256_loadu_ps(key), k1 = _mm256_loadu_ps(key + 8);
+        __m256 k2 = _mm256_loadu_ps(key + 16), k3 = _mm256_loadu_ps(key + 24);
+        a0 = _mm256_fmadd_ps(wa, k0, a0); a1 = _mm256_fmadd_ps(wa, k1, a1);
+        a2 = _mm256_fmadd_ps(wa, k2, a2); a3 = _mm256_fmadd_ps(wa, k3, a3);
+        b0 = _mm256_fmadd_ps(wb, k0, b0); b1 = _mm256_fmadd_ps(wb, k1, b1);
+        b2 = _mm256_fmadd_ps(wb, k2, b2); b3 = _mm256_fmadd_ps(wb, k3, b3);
+    }
+    _mm256_storeu_ps(o0, a0); _mm256_storeu_ps(o0 + 8, a1); _mm256_storeu_ps(o0 + 16, a2); _mm256_storeu_ps(o0 + 24, a3);
+    _mm256_storeu_ps(o1, b0); _mm256_storeu_ps(o1 + 8, b1); _mm256_storeu_ps(o1 + 16, b2); _mm256_storeu_ps(o1 + 24, b3);
+}
+
 /* scratch: (np + ne) * (hp + 3) + d * hp floats, hp = h rounded up to 8 */
 __attribute__((target("avx2,fma")))
 void gathered_attention_avx2(const float* q, const float* pool, const int64_t* pool_rows, const float* pool_bias,
@@ -91,8 +121,8 @@ void gathered_attention_avx2(const float* q, const float* pool, const int64_t* p
     int64_t n_all = np + ne, hp = (h + 7) / 8 * 8;
     const float** keys = (const float**)scratch;  /* [n_all] key row pointers (2 floats each) */
     float* sc = scratch + 2 * n_all;               /* [n_all][hp] scores, then probabilities */
-    float* qt = sc + n_all * hp;                   /* [d][hp] the token's q, heads as lanes */
-    float* bias = qt + d * hp;                     /* [n_all] */
+    float* qp = sc + n_all * hp;                   /* [hp][d] the token's q, zero rows past h */
+    float* bias = qp + d * hp;                     /* [n_all] */
     float sink_lane[hp];
     for (int64_t hh = 0; hh < hp; ++hh) sink_lane[hh] = hh < h ? sinks[hh] : 0.0f;
     for (int64_t i = 0; i < g; ++i) {
@@ -107,12 +137,11 @@ void gathered_attention_avx2(const float* q, const float* pool, const int64_t* p
             bias[nv++] = b;
         }
         const float* qi = q + i * h * d;
-        for (int64_t k = 0; k < d; ++k)
-            for (int64_t hh = 0; hh < hp; ++hh) qt[k * hp + hh] = hh < h ? qi[hh * d + k] : 0.0f;
+        for (int64_t hh = 0; hh < hp; ++hh)
+            for (int64_t k = 0; k < d; ++k) qp[hh * d + k] = hh < h ? qi[hh * d + k] : 0.0f;
         __m256 vscale = _mm256_set1_ps(scale);
         for (int64_t hb = 0; hb < hp; hb += 8) {
-            for (int64_t n0 = 0; n0 < nv; n0 += 8)
-                score_keys(qt, hp, hb, d, keys + n0, nv - n0 < 8 ? nv - n0 : 8, sc + n0 * hp);
+            for (int64_t n = 0; n < nv; ++n) _mm256_storeu_ps(sc + n * hp + hb, score_heads8(qp + hb * d, d, keys[n]));
             __m256 sink = _mm256_loadu_ps(sink_lane + hb), mx = sink;
             for (int64_t n = 0; n < nv; ++n) {
                 __m256 s = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(sc + n * hp + hb), vscale),
@@ -131,12 +160,24 @@ void gathered_attention_avx2(const float* q, const float* pool, const int64_t* p
             for (int64_t n = 0; n < nv; ++n)
                 _mm256_storeu_ps(sc + n * hp + hb, _mm256_div_ps(_mm256_loadu_ps(sc + n * hp + hb), sum));
         }
+        /* keys in blocks that stay in L1 while every head passes over them; each channel's
+           chain continues through `out` from block to block, so the order is still n ascending */
         float* oi = out + i * h * d;
-        for (int64_t hh = 0; hh < h; ++hh)
-            for (int64_t c0 = 0; c0 < d; c0 += 64) {
-                int64_t nj = (d - c0 < 64 ? d - c0 : 64) / 8;
-                weigh_keys(sc + hh, hp, keys, nv, c0, nj, oi + hh * d + c0);
+        for (int64_t n0 = 0; n0 == 0 || n0 < nv; n0 += PV_BLOCK) {
+            int64_t cnt = nv - n0 < PV_BLOCK ? nv - n0 : PV_BLOCK;
+            if (h % 2 == 0 && d % 32 == 0) {
+                for (int64_t hh = 0; hh < h; hh += 2)
+                    for (int64_t c0 = 0; c0 < d; c0 += 32)
+                        weigh_keys2(sc + n0 * hp + hh, hp, keys + n0, cnt, c0, n0 == 0, oi + hh * d + c0,
+                                    oi + (hh + 1) * d + c0);
+                continue;
             }
+            for (int64_t hh = 0; hh < h; ++hh)
+                for (int64_t c0 = 0; c0 < d; c0 += 64) {
+                    int64_t nj = (d - c0 < 64 ? d - c0 : 64) / 8;
+                    weigh_keys(sc + n0 * hp + hh, hp, keys + n0, cnt, c0, nj, n0 == 0, oi + hh * d + c0);
+                }
+        }
     }
 }
 #endif

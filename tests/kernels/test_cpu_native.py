@@ -77,3 +77,13 @@ def test_native_moe_dispatch_equals_the_python_plan(num_tokens, batch_invariant,
     want = moe.dispatch(plan, batch_invariant)
     assert torch.equal(token_of_row, want.token_of_row) and torch.equal(row_of_pair, want.row_of_pair)
     assert segments == [tuple(s) for s in want.segments] and rows_per_expert == want.rows_per_expert
+
+
+@pytest.mark.parametrize("h,d", [(3, 40), (8, 64), (6, 128)])  # odd heads / ragged channels take the generic pass
+def test_gathered_attention_head_and_channel_layouts(h, d):
+    q, pool, rows, bias, extra, extra_rows, extra_bias, sinks = attention_case(g=19, h=h, d=d, seed=h)
+    args = (pool, rows, bias, extra, extra_rows, extra_bias, sinks, d**-0.5)
+    got = cpu_native.gathered_attention(q, *args, True)
+    assert torch.allclose(got, torch_ref.gathered_attention(q, *args, True), atol=2e-6, rtol=1e-5)
+    sub = (pool, rows[4:9], bias[4:9], extra, extra_rows[4:9], extra_bias[4:9], sinks, d**-0.5)
+    assert torch.equal(cpu_native.gathered_attention(q[4:9], *sub, True), got[4:9])
