@@ -37,6 +37,9 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.moe_forward.restype = i64
     lib.hc_post_pre.argtypes = [p, p, p, p, p, p, p, f32, p, i64, i64, i64, i64, f32, f32, p, f32, p, p, p, p, p]
     lib.hc_post_pre.restype = None
+    lib.attention_inputs.argtypes = [p, i64, i64, p, i64, i64, p, p, i64, p, f32, i64, i64, i64, p, p, i64, i64, p, p,
+                                     p, p, p, p, p]  # fmt: skip
+    lib.attention_inputs.restype = None
     for name in ("gemm_pack", "gemm", "gemm_grouped", "moe_experts", "hc_pre_fused", "swiglu_fast"):
         getattr(lib, name).restype = None
 
@@ -244,3 +247,49 @@ def hc_post_pre(
         new_streams.data_ptr(), post_out.data_ptr(), comb_out.data_ptr(), x.data_ptr(),
     )  # fmt: skip
     return new_streams, post_out, comb_out, x
+
+
+def attention_inputs(
+    h: torch.Tensor,
+    w_in: torch.Tensor,
+    q_rank: int,
+    q_norm: torch.Tensor,
+    w_qb: torch.Tensor,
+    kv_norm: torch.Tensor,
+    eps: float,
+    num_heads: int,
+    head_dim: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    index_heads: int = 0,
+    index_head_dim: int = 0,
+    index_cos: torch.Tensor | None = None,
+    index_sin: torch.Tensor | None = None,
+):
+    """(proj, q_all, q, kv) of a V4 attention layer in one native call (kernels/cpu_gemm_src.py),
+    bitwise the separate native ops: ``proj = h @ w_in.T``; ``q_all = rms_norm(proj[:, :q_rank],
+    q_norm) @ w_qb.T``; ``q`` its first ``num_heads`` heads normed and rotated; ``kv`` the kv
+    columns normed and rotated; the indexer's query heads in ``q_all`` rotated in place with the
+    index tables. None when it does not apply."""
+    tables = (cos, sin) if index_cos is None else (cos, sin, index_cos, index_sin)
+    lib = _usable(h, w_in, q_norm, w_qb, kv_norm, *tables)
+    if lib is None or h.dim() != 2 or not all(t.is_contiguous() for t in tables) or cos.shape[0] != h.shape[0]:
+        return None
+    h = h.contiguous()
+    rows, hidden = h.shape
+    n_in, n_qb, rd = w_in.shape[0], w_qb.shape[0], cos.shape[1]
+    proj = torch.empty(rows, n_in, dtype=torch.float32)
+    q_all = torch.empty(rows, n_qb, dtype=torch.float32)
+    q = torch.empty(rows, num_heads, head_dim, dtype=torch.float32)
+    kv = torch.empty(rows, head_dim, dtype=torch.float32)
+    scratch = torch.empty(rows * q_rank, dtype=torch.float32)
+    icos = isin = 0
+    if index_cos is not None:
+        icos, isin = index_cos.data_ptr(), index_sin.data_ptr()
+    lib.attention_inputs(
+        h.data_ptr(), rows, hidden, packed(w_in, lib).data_ptr(), n_in, q_rank, q_norm.contiguous().data_ptr(),
+        packed(w_qb, lib).data_ptr(), n_qb, kv_norm.contiguous().data_ptr(), eps, num_heads, head_dim, rd,
+        cos.data_ptr(), sin.data_ptr(), index_heads, index_head_dim, icos, isin, scratch.data_ptr(),
+        proj.data_ptr(), q_all.data_ptr(), q.data_ptr(), kv.data_ptr(),
+    )  # fmt: skip
+    return proj, q_all, q, kv

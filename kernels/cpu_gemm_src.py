@@ -227,6 +227,30 @@ void hc_post_pre(const float* block_out, const float* streams, const float* post
 }
 
 
+/* V4 attention inputs in one call (engine/models/deepseek_v4/attention.py, same kernels in the
+   same order): proj = h @ w_in.T [rows, n_in] (q_a | kv | compressor and indexer columns);
+   q_all = rms_norm(proj[:, :q_rank], q_norm) @ w_qb.T [rows, n_qb]; q = rope(rms_norm(q_all
+   heads)) [rows, nh, hd]; kv = rope(rms_norm(proj[:, q_rank : q_rank + hd], kv_norm)) [rows, hd];
+   the indexer's query heads (q_all columns past nh * hd, ih x ihd) rotated in place with the
+   compress tables when ih > 0. cos/sin [rows, rd]. scratch: rows * q_rank floats. */
+void rope(float* x, int64_t outer, int64_t inner, int64_t so, int64_t si, int64_t d, int64_t rd,
+          const float* cos_t, const float* sin_t);
+
+void attention_inputs(const float* h, int64_t rows, int64_t hidden, const float* w_in, int64_t n_in,
+                      int64_t q_rank, const float* q_norm, const float* w_qb, int64_t n_qb, const float* kv_norm,
+                      float eps, int64_t nh, int64_t hd, int64_t rd, const float* cos_t, const float* sin_t,
+                      int64_t ih, int64_t ihd, const float* icos, const float* isin, float* scratch, float* proj,
+                      float* q_all, float* q, float* kv) {
+    gemm(h, rows, hidden, hidden, w_in, n_in, proj, n_in);
+    rms_norm(proj, rows, 1, n_in, 0, q_rank, q_norm, eps, scratch);
+    gemm(scratch, rows, q_rank, q_rank, w_qb, n_qb, q_all, n_qb);
+    rms_norm(q_all, rows, nh, n_qb, hd, hd, 0, eps, q);
+    rope(q, rows, nh, nh * hd, hd, hd, rd, cos_t, sin_t);
+    rms_norm(proj + q_rank, rows, 1, n_in, 0, hd, kv_norm, eps, kv);
+    rope(kv, rows, 1, hd, 0, hd, rd, cos_t, sin_t);
+    if (ih > 0) rope(q_all + nh * hd, rows, ih, n_qb, ihd, ihd, rd, icos, isin);
+}
+
 /* silu(min(g, limit)) * clamp(u, -limit, limit) of rows [g (m) | u (m)] (defined in the main source) */
 void swiglu(const float* gate_up, int64_t rows, int64_t m, float limit, float* out);
 

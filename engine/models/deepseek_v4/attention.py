@@ -22,7 +22,7 @@ from deepinfer.engine.model_config import ModelConfig
 from deepinfer.engine.models.deepseek_v4.compressor import Compressor, Indexer
 from deepinfer.engine.models.deepseek_v4.context import ForwardContext, RingWrite
 from deepinfer.engine.models.deepseek_v4.layers import Norm, fuse_linears, linear_holder
-from deepinfer.kernels import ops
+from deepinfer.kernels import cpu_gemm, ops
 
 
 def _write_ring(ring: torch.Tensor, fresh: torch.Tensor, write: RingWrite) -> None:
@@ -83,22 +83,32 @@ class Attention(nn.Module):
         """``h [R, hidden]`` (R = ctx.num_rows) -> ``[R, hidden]``; only rows < T attend."""
         bi, rows, t, layer = ctx.batch_invariant, ctx.num_rows, ctx.num_tokens, self.layer
         hd, nh = self.head_dim, self.num_heads
-        proj = ops.linear(h, self.w_in, bi).split(self.in_sizes, dim=-1)
-        q_all = ops.linear(ops.rms_norm(proj[0], self.q_a_norm.weight, self.eps), self.w_qb, bi)
-        rope = ctx.rope[self.rope_name]
-        q = ops.apply_rope_(ops.rms_norm(q_all[:, : nh * hd].view(rows, nh, hd), None, self.eps), rope.cos, rope.sin)
-        kv = ops.apply_rope_(ops.rms_norm(proj[1], self.kv_norm.weight, self.eps), rope.cos, rope.sin)
+        rope, ix = ctx.rope[self.rope_name], self.indexer
+        # CPU: projections, norms and rotations in one native call (bitwise the ops below)
+        fused = cpu_gemm.attention_inputs(
+            h, self.w_in, self.in_sizes[0], self.q_a_norm.weight, self.w_qb, self.kv_norm.weight, self.eps, nh, hd,
+            rope.cos, rope.sin, *(() if ix is None else (ix.num_heads, ix.head_dim, *ctx.rope["compress"].tables())),
+        )  # fmt: skip
+        if fused is not None:
+            proj, q_all, q, kv = fused
+            proj = proj.split(self.in_sizes, dim=-1)
+        else:
+            proj = ops.linear(h, self.w_in, bi).split(self.in_sizes, dim=-1)
+            q_all = ops.linear(ops.rms_norm(proj[0], self.q_a_norm.weight, self.eps), self.w_qb, bi)
+            q = ops.rms_norm(q_all[:, : nh * hd].view(rows, nh, hd), None, self.eps)
+            q = ops.apply_rope_(q, rope.cos, rope.sin)
+            kv = ops.apply_rope_(ops.rms_norm(proj[1], self.kv_norm.weight, self.eps), rope.cos, rope.sin)
 
         index_q = index_w = None
         if self.compressor is not None:
             plan = ctx.compress[(self.ratio, self.is_csa)]
             self._compress(self.compressor, proj[2], proj[3], plan, blocks, swa, "comp", "compressed")
-            if self.indexer is not None:
-                ix = self.indexer
+            if ix is not None:
                 self._compress(ix, proj[4], proj[5], plan, blocks, swa, "index", "indexer_keys")
                 index_w = proj[6].float() * ix.num_heads**-0.5
                 index_q = q_all[:, nh * hd :].view(rows, ix.num_heads, ix.head_dim)
-                ops.apply_rope_(index_q, ctx.rope["compress"].cos, ctx.rope["compress"].sin)
+                if fused is None:
+                    ops.apply_rope_(index_q, *ctx.rope["compress"].tables())
             groups = plan.groups
         else:
             groups = ctx.window.groups

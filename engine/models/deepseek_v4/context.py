@@ -97,6 +97,9 @@ class RopeRows:
     sin: torch.Tensor
     neg_sin: torch.Tensor  # un-rotates
 
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos, self.sin
+
 
 @dataclass(slots=True)
 class ForwardContext:
