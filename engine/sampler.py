@@ -128,8 +128,9 @@ class Sampler:
         """Draw the full-vocabulary Gumbel noise of ``meta``'s rows now (``meta.noise``): it
         depends only on (seed, position, token), so the caller's thread can make it while the
         forward runs instead of the device thread after it. Same rows, order and values as the
-        sampler would draw."""
-        if meta.all_greedy or meta.num_rows == 0:
+        sampler would draw. CPU only: on an accelerator the draw is a few cheap kernels, and
+        launching them from the caller's thread would interleave with the forward's stream."""
+        if meta.all_greedy or meta.num_rows == 0 or meta.keys.device.type != "cpu":
             return
         rows = torch.nonzero(~meta.is_greedy).squeeze(1)
         if meta.top_k is not None:
