@@ -60,14 +60,20 @@ def packed_size(n: int, k: int) -> int:
     return -(-n // _PANEL) * k * _PANEL
 
 
+_INFERENCE = "inference"  # the cache key of an inference tensor's panels
+
+
 def packed(weight: torch.Tensor, lib: ctypes.CDLL) -> torch.Tensor:
     """Panels of ``weight [..., N, K]`` (leading dims = independent matrices), cached on the tensor."""
     try:
         version = weight._version
-    except RuntimeError:  # an inference tensor has no version counter: pack it every time
-        version = None
+    except RuntimeError:
+        # an inference tensor has no version counter; weights are not changed after loading, so
+        # its panels are cached for good (callers pass ``packed(w).data_ptr()`` to native code:
+        # an uncached result would be freed before the call reads it)
+        version = _INFERENCE
     cached = getattr(weight, "_cpu_gemm_pack", None)
-    if cached is not None and version is not None and cached[0] == version:
+    if cached is not None and cached[0] == version:
         return cached[1]
     *lead, n, k = weight.shape
     mats = weight.detach().reshape(-1, n, k)
@@ -78,8 +84,7 @@ def packed(weight: torch.Tensor, lib: ctypes.CDLL) -> torch.Tensor:
     for g in range(mats.shape[0]):
         mat = mats[g]
         lib.gemm_pack(mat.data_ptr(), n, k, mat.stride(0), out.data_ptr() + g * size * 4)
-    if version is not None:
-        weight._cpu_gemm_pack = (version, out)
+    weight._cpu_gemm_pack = (version, out)
     return out
 
 
@@ -112,7 +117,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, batch_invariant: bool = False)
     y = torch.empty(m, n, dtype=torch.float32)
     if m:
         cached = getattr(weight, "_cpu_gemm_pack", None)
-        panels = cached[1] if cached is not None and cached[0] == weight._version else packed(weight, lib)
+        panels = cached[1] if cached is not None and cached[0] is not _INFERENCE and cached[0] == weight._version \
+            else packed(weight, lib)
         lib.gemm(x.data_ptr(), m, k, stride[0], panels.data_ptr(), n, y.data_ptr(), n)
     return y
 
