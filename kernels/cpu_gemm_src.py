@@ -68,6 +68,17 @@ static void tile4(const float* x, int64_t ldx, const float* w, int64_t k, float*
 }
 
 __attribute__((target("avx2,fma")))
+static void tile6(const float* x, int64_t ldx, const float* w, int64_t k, float* y, int64_t ldy, int64_t ncols) {
+    ACC(0) ACC(1) ACC(2) ACC(3) ACC(4) ACC(5)
+    for (int64_t kk = 0; kk < k; ++kk) {
+        _mm_prefetch((const char*)(w + (kk + PREFETCH_AHEAD) * PANEL), _MM_HINT_T0);
+        __m256 w0 = _mm256_loadu_ps(w + kk * PANEL), w1 = _mm256_loadu_ps(w + kk * PANEL + 8), a;
+        FMA_ROW(0) FMA_ROW(1) FMA_ROW(2) FMA_ROW(3) FMA_ROW(4) FMA_ROW(5)
+    }
+    STORE_ROW(0) STORE_ROW(1) STORE_ROW(2) STORE_ROW(3) STORE_ROW(4) STORE_ROW(5)
+}
+
+__attribute__((target("avx2,fma")))
 static void tile1(const float* x, int64_t ldx, const float* w, int64_t k, float* y, int64_t ldy, int64_t ncols) {
     ACC(0)
     for (int64_t kk = 0; kk < k; ++kk) {
@@ -107,6 +118,7 @@ void gemm(const float* x, int64_t m, int64_t k, int64_t ldx, const float* wp, in
             int64_t i = m0;
 #ifdef HAVE_AVX2_GEMM
             if (fast) {
+                for (; i + 6 <= m1; i += 6) tile6(x + i * ldx, ldx, w, k, yp + i * ldy, ldy, ncols);
                 for (; i + 4 <= m1; i += 4) tile4(x + i * ldx, ldx, w, k, yp + i * ldy, ldy, ncols);
                 for (; i < m1; ++i) tile1(x + i * ldx, ldx, w, k, yp + i * ldy, ldy, ncols);
             }
