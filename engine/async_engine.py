@@ -27,6 +27,7 @@ and new requests are refused.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import sys
@@ -216,6 +217,7 @@ class AsyncEngine:
             max_num_waiting=self.options.max_num_waiting,
             prefix_cache_hit_rate=pool.num_hits / pool.num_queries if pool.num_queries else None,
             kv_cache_usage=pool.usage,
+            swa_slots=dataclasses.asdict(self.swa_slots.stats) if self.swa_slots is not None else None,
         )
 
     async def check_health(self) -> None:

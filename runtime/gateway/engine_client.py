@@ -61,6 +61,7 @@ class EngineStats:
     max_num_waiting: int | None = None  # queue capacity; None = unbounded
     prefix_cache_hit_rate: float | None = None  # hit tokens / queried prompt tokens, lifetime
     kv_cache_usage: float | None = None  # fraction of KV blocks in use
+    swa_slots: Mapping[str, int] | None = None  # SWA slot counters (restored, replayed, fetched, ...), lifetime
 
 
 @runtime_checkable

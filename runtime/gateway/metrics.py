@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from deepinfer.runtime.gateway.engine_client import EngineClient
@@ -22,6 +22,18 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 80.0)
 ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0)
+
+_SWA_HELP = {
+    "num_restored": "admissions that restored a stored slot (no replay)",
+    "num_replayed_exact": "admissions with a prefix hit that replayed the window exactly",
+    "num_replayed_bounded": "admissions with a prefix hit that replayed a bounded window",
+    "num_replayed_tokens": "tokens recomputed by replays",
+    "num_snapshots": "slot snapshots taken at block boundaries",
+    "num_saved": "snapshots saved as slots (finish or preemption)",
+    "num_fetched": "slots fetched from another engine",
+    "num_fetch_misses": "prefetches for which no engine held a slot",
+    "num_fetch_failures": "listed slots not fetched (dead owner, deadline): replayed",
+}
 
 
 class _EngineStatsCollector(Collector):
@@ -47,6 +59,10 @@ class _EngineStatsCollector(Collector):
         if stats.kv_cache_usage is not None:
             yield GaugeMetricFamily("deepinfer_kv_cache_usage", "Fraction of KV-cache blocks in use",
                                     value=stats.kv_cache_usage)
+        for name, value in (stats.swa_slots or {}).items():
+            # num_restored -> deepinfer_swa_slots_restored_total, and so on (SwaSlotStats)
+            yield CounterMetricFamily(f"deepinfer_swa_slots_{name.removeprefix('num_')}",
+                                      f"SWA slots: {_SWA_HELP.get(name, name)}", value=value)
 
 
 class GatewayMetrics:
