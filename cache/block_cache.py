@@ -59,6 +59,7 @@ class BlockCache:
             (s.layer, s.name): torch.zeros(num_blocks, block_size // s.ratio, s.width, dtype=dtype, device=device)
             for s in self.specs
         }
+        self._flat: dict[tuple[int, str], torch.Tensor] = {}
 
     def tensor(self, layer: int, name: str) -> torch.Tensor:
         """``[num_blocks, rows_per_block, width]``."""
@@ -66,8 +67,12 @@ class BlockCache:
 
     def flat(self, layer: int, name: str) -> torch.Tensor:
         """``[num_blocks * rows_per_block, width]`` view addressed by flat row ids."""
-        t = self._tensors[(layer, name)]
-        return t.view(-1, t.shape[-1])
+        key = (layer, name)
+        view = self._flat.get(key)
+        if view is None:  # one view per tensor, made once: a forward asks ~40 times per step
+            t = self._tensors[key]
+            view = self._flat[key] = t.view(-1, t.shape[-1])
+        return view
 
     @property
     def bytes_per_block(self) -> int:

@@ -57,6 +57,7 @@ class SwaArena:
             (s.layer, s.name): torch.zeros(num_slots, s.capacity, s.width, dtype=dtype, device=device)
             for s in self.specs
         }
+        self._flat: dict[tuple[int, str], torch.Tensor] = {}
 
     def ring(self, layer: int, name: str) -> torch.Tensor:
         """``[num_slots, capacity, width]``."""
@@ -64,8 +65,12 @@ class SwaArena:
 
     def flat(self, layer: int, name: str) -> torch.Tensor:
         """``[num_slots * capacity, width]`` view: row id = slot * capacity + position % capacity."""
-        t = self._rings[(layer, name)]
-        return t.view(-1, t.shape[-1])
+        key = (layer, name)
+        view = self._flat.get(key)
+        if view is None:  # one view per tensor, made once: a forward asks ~40 times per step
+            t = self._rings[key]
+            view = self._flat[key] = t.view(-1, t.shape[-1])
+        return view
 
     @property
     def bytes_per_slot(self) -> int:
