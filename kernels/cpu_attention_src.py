@@ -16,6 +16,27 @@ different summation order and the polynomial exp).
 """
 
 ATTENTION_SOURCE = r"""
+#include <string.h>
+
+/* ring[rows[i]] = fresh[src[i]] (fresh rows ld_fresh apart, width floats each), i in order */
+void ring_write(float* ring, const int64_t* rows, const int64_t* src, int64_t n, const float* fresh,
+                int64_t ld_fresh, int64_t width) {
+    for (int64_t i = 0; i < n; ++i)
+        memcpy(ring + rows[i] * width, fresh + src[i] * ld_fresh, (size_t)width * sizeof(float));
+}
+
+/* An attention layer's window pool (engine/models/deepseek_v4/context.py): pool = [ring rows
+   ring_rows | the nf fresh rows | one zero row (the sink)], gathered before the fresh rows are
+   written to the ring (write_rows / write_src, as ring_write). */
+void window_pool(float* ring, const int64_t* ring_rows, int64_t nr, const float* fresh, int64_t nf, int64_t width,
+                 const int64_t* write_rows, const int64_t* write_src, int64_t nw, float* pool) {
+    size_t row = (size_t)width * sizeof(float);
+    for (int64_t i = 0; i < nr; ++i) memcpy(pool + i * width, ring + ring_rows[i] * width, row);
+    memcpy(pool + nr * width, fresh, (size_t)nf * row);
+    memset(pool + (nr + nf) * width, 0, row);
+    ring_write(ring, write_rows, write_src, nw, fresh, width, width);
+}
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #include <stdlib.h>

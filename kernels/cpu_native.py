@@ -80,6 +80,10 @@ def _build() -> ctypes.CDLL | None:
     lib.gathered_attention.argtypes = [f32p, f32p, f32p, f32p, i64, f32p, f32p, f32p, i64, f32p, i64, i64, i64,
                                        ctypes.c_float, f32p, f32p]  # fmt: skip
     lib.gathered_attention.restype = None
+    lib.ring_write.argtypes = [f32p, f32p, f32p, i64, f32p, i64, i64]
+    lib.ring_write.restype = None
+    lib.window_pool.argtypes = [f32p, f32p, i64, f32p, i64, i64, f32p, f32p, i64, f32p]
+    lib.window_pool.restype = None
     if hasattr(lib, "gathered_attention_avx2"):  # x86-64 builds only
         lib.gathered_attention_avx2.argtypes = lib.gathered_attention.argtypes
         lib.gathered_attention_avx2.restype = None
@@ -317,3 +321,35 @@ def moe_dispatch(expert_ids: torch.Tensor, num_experts: int, batch_invariant: bo
     flat = buf[seg_at : seg_at + 3 * num_segments].tolist()
     segments = [tuple(flat[i : i + 3]) for i in range(0, len(flat), 3)]
     return token_of_row, row_of_pair, segments, rows_per_expert
+
+
+def _host_rows(*index: torch.Tensor) -> bool:
+    for t in index:
+        if t.dtype is not torch.long or not t.is_cpu or not t.is_contiguous():
+            return False
+    return True
+
+
+def ring_write(ring: torch.Tensor, fresh: torch.Tensor, rows: torch.Tensor, src: torch.Tensor) -> bool:
+    """``ring[rows] = fresh[src]`` in one native call (rows of ``fresh`` may be strided); False
+    when the native path does not apply (the caller then uses torch)."""
+    lib = _native_f32(ring, fresh) if _host_rows(rows, src) else None
+    if lib is None or ring.dim() != 2 or fresh.dim() != 2 or not ring.is_contiguous() or fresh.stride(1) != 1:
+        return False
+    lib.ring_write(ring.data_ptr(), rows.data_ptr(), src.data_ptr(), rows.shape[0], fresh.data_ptr(),
+                   fresh.stride(0), ring.shape[1])  # fmt: skip
+    return True
+
+
+def window_pool(ring: torch.Tensor, ring_rows: torch.Tensor, fresh: torch.Tensor, rows: torch.Tensor,
+                src: torch.Tensor) -> torch.Tensor | None:
+    """``cat([ring[ring_rows], fresh, zero row])``, then ``ring[rows] = fresh[src]``, in one native
+    call; None when it does not apply."""
+    lib = _native_f32(ring, fresh) if _host_rows(ring_rows, rows, src) else None
+    if lib is None or ring.dim() != 2 or not ring.is_contiguous() or not fresh.is_contiguous():
+        return None
+    nr, (nf, width) = ring_rows.shape[0], fresh.shape
+    pool = torch.empty(nr + nf + 1, width, dtype=torch.float32)
+    lib.window_pool(ring.data_ptr(), ring_rows.data_ptr(), nr, fresh.data_ptr(), nf, width, rows.data_ptr(),
+                    src.data_ptr(), rows.shape[0], pool.data_ptr())  # fmt: skip
+    return pool

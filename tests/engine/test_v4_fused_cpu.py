@@ -1,5 +1,6 @@
-"""The one-call CPU paths (attention inputs, mHC update + weights + norm, whole MoE block) give
-bitwise the numbers of the staged native ops they replace, through prefill and decode."""
+"""The one-call CPU paths (attention inputs, mHC update + weights + norm, whole MoE block, window
+pool and ring writes) give bitwise the numbers of the staged ops they replace, through prefill
+and decode."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.engine.models.deepseek_v4.testing import PARITY_CONFIGS, SeqDriver, hf_reference
-from deepinfer.kernels import cpu_gemm
+from deepinfer.kernels import cpu_gemm, cpu_native
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.usable(torch.ones(1)), reason="no native AVX2 GEMM here")
 
@@ -34,6 +35,8 @@ def test_fused_cpu_calls_match_the_staged_native_ops(name, monkeypatch):
     fused = _run(ref, prompts)
     for fn in FUSED:
         monkeypatch.setattr(cpu_gemm, fn, lambda *a, **k: None)
+    monkeypatch.setattr(cpu_native, "window_pool", lambda *a: None)
+    monkeypatch.setattr(cpu_native, "ring_write", lambda *a: False)
     staged = _run(ref, prompts)
     for a, b in zip(fused, staged):
         assert torch.equal(a, b)

@@ -22,11 +22,12 @@ from deepinfer.engine.model_config import ModelConfig
 from deepinfer.engine.models.deepseek_v4.compressor import Compressor, Indexer
 from deepinfer.engine.models.deepseek_v4.context import ForwardContext, RingWrite
 from deepinfer.engine.models.deepseek_v4.layers import Norm, fuse_linears, linear_holder
-from deepinfer.kernels import cpu_gemm, ops
+from deepinfer.kernels import cpu_gemm, cpu_native, ops
 
 
 def _write_ring(ring: torch.Tensor, fresh: torch.Tensor, write: RingWrite) -> None:
-    ring.index_copy_(0, write.rows, fresh.index_select(0, write.src))
+    if not cpu_native.ring_write(ring, fresh, write.rows, write.src):
+        ring.index_copy_(0, write.rows, fresh.index_select(0, write.src))
 
 
 class Attention(nn.Module):
@@ -113,10 +114,12 @@ class Attention(nn.Module):
         else:
             groups = ctx.window.groups
 
-        window_ring = swa.flat(layer, "window")
+        window_ring, win = swa.flat(layer, "window"), ctx.window
         # pool = [ring rows before each step | fresh rows | zero row for the sink]
-        pool = torch.cat([window_ring.index_select(0, ctx.window.ring_rows), kv, kv.new_zeros(1, hd)])
-        _write_ring(window_ring, kv, ctx.window.ring_write)
+        pool = cpu_native.window_pool(window_ring, win.ring_rows, kv, win.ring_write.rows, win.ring_write.src)
+        if pool is None:
+            pool = torch.cat([window_ring.index_select(0, win.ring_rows), kv, kv.new_zeros(1, hd)])
+            _write_ring(window_ring, kv, win.ring_write)
 
         whole = len(groups) == 1 and groups[0].token_index is None
         out = None if whole and rows == t else q.new_zeros(rows, nh, hd)
