@@ -40,6 +40,8 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.attention_inputs.argtypes = [p, i64, i64, p, i64, i64, p, p, i64, p, f32, i64, i64, i64, p, p, i64, i64, p, p,
                                      p, p, p, p, p]  # fmt: skip
     lib.attention_inputs.restype = None
+    lib.attention_outputs.argtypes = [p, i64, i64, i64, i64, p, p, i64, p, i64, p, i64, p, p]
+    lib.attention_outputs.restype = None
     for name in ("gemm_pack", "gemm", "gemm_grouped", "moe_experts", "hc_pre_fused", "swiglu_fast"):
         getattr(lib, name).restype = None
 
@@ -299,3 +301,25 @@ def attention_inputs(
         proj.data_ptr(), q_all.data_ptr(), q.data_ptr(), kv.data_ptr(),
     )  # fmt: skip
     return proj, q_all, q, kv
+
+
+def attention_outputs(
+    out: torch.Tensor, cos: torch.Tensor, neg_sin: torch.Tensor, w_o_a: torch.Tensor, w_o_b: torch.Tensor
+) -> torch.Tensor | None:
+    """``o_b(grouped o_a(unrotate(out)))`` of a V4 attention layer in one native call, bitwise the
+    separate native ops; ``out [R, nh, hd]`` is un-rotated in place. ``w_o_a [G, rank, nh * hd / G]``,
+    ``w_o_b [hidden, G * rank]``. None when it does not apply."""
+    lib = _usable(out, cos, neg_sin, w_o_a, w_o_b)
+    if lib is None or out.dim() != 3 or not (out.is_contiguous() and cos.is_contiguous() and neg_sin.is_contiguous()):
+        return None
+    rows, nh, hd = out.shape
+    groups, rank = w_o_a.shape[0], w_o_a.shape[1]
+    hidden = w_o_b.shape[0]
+    if cos.shape[0] != rows:
+        return None
+    mixed = torch.empty(rows, groups * rank, dtype=torch.float32)
+    y = torch.empty(rows, hidden, dtype=torch.float32)
+    lib.attention_outputs(out.data_ptr(), rows, nh, hd, cos.shape[1], cos.data_ptr(), neg_sin.data_ptr(), groups,
+                          packed(w_o_a, lib).data_ptr(), rank, packed(w_o_b, lib).data_ptr(), hidden,
+                          mixed.data_ptr(), y.data_ptr())  # fmt: skip
+    return y

@@ -263,6 +263,19 @@ void attention_inputs(const float* h, int64_t rows, int64_t hidden, const float*
     if (ih > 0) rope(q_all + nh * hd, rows, ih, n_qb, ihd, ihd, rd, icos, isin);
 }
 
+/* V4 attention output in one call: undo the rotation of the attention output out [rows, nh, hd]
+   in place (neg_sin), the grouped low-rank o_a (groups of nh * hd / groups channels) into
+   mixed [rows, groups * rank], then o_b into y [rows, hidden]. */
+void attention_outputs(float* out, int64_t rows, int64_t nh, int64_t hd, int64_t rd, const float* cos_t,
+                       const float* neg_sin, int64_t groups, const float* w_oa, int64_t rank, const float* w_ob,
+                       int64_t hidden, float* mixed, float* y) {
+    rope(out, rows, nh, nh * hd, hd, hd, rd, cos_t, neg_sin);
+    int64_t k = nh * hd / groups;
+    gemm_grouped(out, rows, k, groups * k, k, w_oa, -(-rank / PANEL) * k * PANEL, rank, mixed, groups * rank, rank,
+                 groups);
+    gemm(mixed, rows, groups * rank, groups * rank, w_ob, hidden, y, hidden);
+}
+
 /* silu(min(g, limit)) * clamp(u, -limit, limit) of rows [g (m) | u (m)] (defined in the main source) */
 void swiglu(const float* gate_up, int64_t rows, int64_t m, float limit, float* out);
 

@@ -1,4 +1,4 @@
-"""The one-call CPU paths (attention inputs, mHC update + weights + norm, whole MoE block, window
+"""The one-call CPU paths (attention inputs and outputs, mHC update + weights + norm, whole MoE block, window
 pool and ring writes) give bitwise the numbers of the staged ops they replace, through prefill
 and decode."""
 
@@ -13,7 +13,7 @@ from deepinfer.kernels import cpu_gemm, cpu_native
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.usable(torch.ones(1)), reason="no native AVX2 GEMM here")
 
-FUSED = ("attention_inputs", "hc_post_pre", "moe_forward")
+FUSED = ("attention_inputs", "attention_outputs", "hc_post_pre", "moe_forward")
 
 
 def _run(ref, prompts) -> list[torch.Tensor]:

@@ -148,6 +148,9 @@ class Attention(nn.Module):
             else:
                 out.index_copy_(0, sel, part)
 
+        fused_out = cpu_gemm.attention_outputs(out, rope.cos, rope.neg_sin, self.w_o_a, self.o_b_proj.weight)
+        if fused_out is not None:
+            return fused_out
         ops.apply_rope_(out, rope.cos, rope.neg_sin)  # undo the rotation V carried on its rope channels
         mixed = ops.grouped_linear(out.view(rows, self.o_groups, -1), self.w_o_a, bi).reshape(rows, -1)
         return ops.linear(mixed, self.o_b_proj.weight, bi)
