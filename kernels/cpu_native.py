@@ -5,8 +5,10 @@ weights (two sigmoids, a softmax and 20 Sinkhorn rounds on an N x N matrix per t
 weighted collapse of the N streams) cost ~130 torch/numpy calls per block in the reference,
 RMSNorm ~15 internal ops, RoPE ~8, the clamped SwiGLU ~7, attention over a gathered key set
 and the mHC stream update ~10 each; here each is one C call, and the MoE dispatch plan is built
-in C too. The C source (kernels/cpu_native_src.py) is compiled with the system C compiler on
-first use into the cache directory (keyed by a hash of the source) and loaded with ctypes.
+in C too. The C sources (kernels/cpu_native_src.py, plus the AVX2 attention and row copies of
+cpu_attention_src.py, the fixed-order GEMM and fused blocks of cpu_gemm_src.py and the one-call
+MoE of cpu_moe_src.py) are compiled together with the system C compiler on first use into the
+cache directory (keyed by a hash of the source) and loaded with ctypes.
 Without a compiler, or for tensors that are not contiguous CPU float32, callers get the torch
 reference instead (``hc_pre`` here falls back by itself).
 
