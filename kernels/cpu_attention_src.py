@@ -133,12 +133,13 @@ static void weigh_keys2(const float* p, int64_t hp, const float* const* keys, in
     _mm256_storeu_ps(o1, b0); _mm256_storeu_ps(o1 + 8, b1); _mm256_storeu_ps(o1 + 16, b2); _mm256_storeu_ps(o1 + 24, b3);
 }
 
-/* scratch: (np + ne) * (hp + 3) + d * hp floats, hp = h rounded up to 8 */
+/* scratch: (np + ne) * (hp + 3) + d * hp floats, hp = h rounded up to 8. Pool row r is
+   pool + r * d, or row_ptrs[r] when row_ptrs is given (a pool that is never materialised). */
 __attribute__((target("avx2,fma")))
-void gathered_attention_avx2(const float* q, const float* pool, const int64_t* pool_rows, const float* pool_bias,
-                             int64_t np, const float* extra, const int64_t* extra_rows, const float* extra_bias,
-                             int64_t ne, const float* sinks, int64_t g, int64_t h, int64_t d, float scale,
-                             float* scratch, float* out) {
+static void attention_core(const float* q, const float* pool, const float* const* row_ptrs, const int64_t* pool_rows,
+                           const float* pool_bias, int64_t np, const float* extra, const int64_t* extra_rows,
+                           const float* extra_bias, int64_t ne, const float* sinks, int64_t g, int64_t h, int64_t d,
+                           float scale, float* scratch, float* out) {
     int64_t n_all = np + ne, hp = (h + 7) / 8 * 8;
     const float** keys = (const float**)scratch;  /* [n_all] key row pointers (2 floats each) */
     float* sc = scratch + 2 * n_all;               /* [n_all][hp] scores, then probabilities */
@@ -154,7 +155,8 @@ void gathered_attention_avx2(const float* q, const float* pool, const int64_t* p
             if (n == np - 1) { num_window = nv; continue; }
             float b = n < np ? pool_bias[i * np + n] : extra_bias[i * ne + (n - np)];
             if (b == -INFINITY) continue;
-            keys[nv] = n < np ? pool + pool_rows[i * np + n] * d : extra + extra_rows[i * ne + (n - np)] * d;
+            if (n >= np) keys[nv] = extra + extra_rows[i * ne + (n - np)] * d;
+            else keys[nv] = row_ptrs ? row_ptrs[pool_rows[i * np + n]] : pool + pool_rows[i * np + n] * d;
             bias[nv++] = b;
         }
         const float* qi = q + i * h * d;
@@ -200,6 +202,36 @@ void gathered_attention_avx2(const float* q, const float* pool, const int64_t* p
                 }
         }
     }
+}
+__attribute__((target("avx2,fma")))
+void gathered_attention_avx2(const float* q, const float* pool, const int64_t* pool_rows, const float* pool_bias,
+                             int64_t np, const float* extra, const int64_t* extra_rows, const float* extra_bias,
+                             int64_t ne, const float* sinks, int64_t g, int64_t h, int64_t d, float scale,
+                             float* scratch, float* out) {
+    attention_core(q, pool, 0, pool_rows, pool_bias, np, extra, extra_rows, extra_bias, ne, sinks, g, h, d, scale,
+                   scratch, out);
+}
+
+/* gathered_attention_avx2 over the window pool of window_pool() without building it: pool row r
+   is ring row ring_rows[r] (r < nr), fresh row r - nr (r < nr + nf), or the zero sink row. The
+   caller writes the fresh rows to the ring afterwards. Returns -1 when memory ran out. */
+__attribute__((target("avx2,fma")))
+int64_t window_attention_avx2(const float* q, const float* ring, const int64_t* ring_rows, int64_t nr,
+                              const float* fresh, int64_t nf, const int64_t* pool_rows, const float* pool_bias,
+                              int64_t np, const float* extra, const int64_t* extra_rows, const float* extra_bias,
+                              int64_t ne, const float* sinks, int64_t g, int64_t h, int64_t d, float scale,
+                              float* scratch, float* out) {
+    const float** ptrs = malloc(sizeof(float*) * (size_t)(nr + nf + 1));
+    float* zero = calloc((size_t)d, sizeof(float));
+    if (!ptrs || !zero) { free(ptrs); free(zero); return -1; }
+    for (int64_t r = 0; r < nr; ++r) ptrs[r] = ring + ring_rows[r] * d;
+    for (int64_t r = 0; r < nf; ++r) ptrs[nr + r] = fresh + r * d;
+    ptrs[nr + nf] = zero;
+    attention_core(q, 0, ptrs, pool_rows, pool_bias, np, extra, extra_rows, extra_bias, ne, sinks, g, h, d, scale,
+                   scratch, out);
+    free(ptrs);
+    free(zero);
+    return 0;
 }
 #endif
 """

@@ -89,6 +89,9 @@ def _build() -> ctypes.CDLL | None:
     if hasattr(lib, "gathered_attention_avx2"):  # x86-64 builds only
         lib.gathered_attention_avx2.argtypes = lib.gathered_attention.argtypes
         lib.gathered_attention_avx2.restype = None
+        lib.window_attention_avx2.argtypes = [f32p, f32p, f32p, i64, f32p, i64, f32p, f32p, i64, f32p, f32p, f32p, i64,
+                                              f32p, i64, i64, i64, ctypes.c_float, f32p, f32p]  # fmt: skip
+        lib.window_attention_avx2.restype = i64
     lib.hc_post.argtypes = [f32p, f32p, f32p, f32p, i64, i64, i64, f32p]
     lib.hc_post.restype = None
     lib.moe_dispatch.argtypes = [f32p, i64, i64, i64, i64, i64, f32p, f32p, f32p, f32p, f32p, f32p]
@@ -355,3 +358,36 @@ def window_pool(ring: torch.Tensor, ring_rows: torch.Tensor, fresh: torch.Tensor
     lib.window_pool(ring.data_ptr(), ring_rows.data_ptr(), nr, fresh.data_ptr(), nf, width, rows.data_ptr(),
                     src.data_ptr(), rows.shape[0], pool.data_ptr())  # fmt: skip
     return pool
+
+
+def window_attention(q, ring, ring_rows, fresh, pool_rows, pool_bias, extra, extra_rows, extra_bias, sinks, scale):
+    """``gathered_attention`` over the window pool ``cat([ring[ring_rows], fresh, zero row])``
+    without building it (the SIMD kernel reads ring and fresh rows in place); the caller writes
+    ``fresh`` to the ring afterwards. None when it does not apply."""
+    from deepinfer.kernels import cpu_gemm
+
+    tensors = (q, ring, fresh, pool_bias, sinks) + (() if extra is None else (extra, extra_bias))
+    index = (ring_rows, pool_rows) + (() if extra is None else (extra_rows,))
+    lib = _native_f32(*tensors) if _host_rows(*index) and cpu_gemm.usable(q) else None
+    if lib is None or q.dim() != 3 or q.shape[-1] % 8 or not (ring.is_contiguous() and fresh.is_contiguous()):
+        return None
+    g, h, d = q.shape
+    if ring.shape[-1] != d or fresh.shape[-1] != d:
+        return None
+    q, sinks, pool_bias = q.contiguous(), sinks.contiguous(), pool_bias.contiguous()
+    np_, ne = pool_rows.shape[1], 0 if extra is None else extra_rows.shape[1]
+    extra_ptr = rows_ptr = bias_ptr = 0
+    if extra is not None:
+        extra, extra_bias = extra.contiguous(), extra_bias.contiguous()
+        extra_ptr, rows_ptr, bias_ptr = extra.data_ptr(), extra_rows.data_ptr(), extra_bias.data_ptr()
+    hp = -(-h // 8) * 8
+    out = torch.empty(g, h, d, dtype=torch.float32)
+    scratch = torch.empty((np_ + ne) * (hp + 3) + d * hp, dtype=torch.float32)
+    status = lib.window_attention_avx2(
+        q.data_ptr(), ring.data_ptr(), ring_rows.data_ptr(), ring_rows.shape[0], fresh.data_ptr(), fresh.shape[0],
+        pool_rows.data_ptr(), pool_bias.data_ptr(), np_, extra_ptr, rows_ptr, bias_ptr, ne, sinks.data_ptr(), g, h, d,
+        scale, scratch.data_ptr(), out.data_ptr(),
+    )  # fmt: skip
+    if status:
+        raise MemoryError("window_attention: out of host memory for the row table")
+    return out

@@ -36,6 +36,7 @@ def test_fused_cpu_calls_match_the_staged_native_ops(name, monkeypatch):
     for fn in FUSED:
         monkeypatch.setattr(cpu_gemm, fn, lambda *a, **k: None)
     monkeypatch.setattr(cpu_native, "window_pool", lambda *a: None)
+    monkeypatch.setattr(cpu_native, "window_attention", lambda *a: None)
     monkeypatch.setattr(cpu_native, "ring_write", lambda *a: False)
     staged = _run(ref, prompts)
     for a, b in zip(fused, staged):

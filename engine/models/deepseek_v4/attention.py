@@ -115,11 +115,15 @@ class Attention(nn.Module):
             groups = ctx.window.groups
 
         window_ring, win = swa.flat(layer, "window"), ctx.window
-        # pool = [ring rows before each step | fresh rows | zero row for the sink]
-        pool = cpu_native.window_pool(window_ring, win.ring_rows, kv, win.ring_write.rows, win.ring_write.src)
-        if pool is None:
-            pool = torch.cat([window_ring.index_select(0, win.ring_rows), kv, kv.new_zeros(1, hd)])
-            _write_ring(window_ring, kv, win.ring_write)
+        # pool = [ring rows before each step | fresh rows | zero row for the sink]; the SIMD CPU
+        # kernel reads it in place (the fresh rows reach the ring after the last group), else
+        # it is built before the ring write
+        in_place = ring_pending = cpu_gemm.usable(q, window_ring)
+        if not in_place:
+            pool = cpu_native.window_pool(window_ring, win.ring_rows, kv, win.ring_write.rows, win.ring_write.src)
+            if pool is None:
+                pool = torch.cat([window_ring.index_select(0, win.ring_rows), kv, kv.new_zeros(1, hd)])
+                _write_ring(window_ring, kv, win.ring_write)
 
         whole = len(groups) == 1 and groups[0].token_index is None
         out = None if whole and rows == t else q.new_zeros(rows, nh, hd)
@@ -138,9 +142,17 @@ class Attention(nn.Module):
                     cand_rows, cand_bias = g.cand_rows, g.cand_bias
                 compressed = blocks.flat(layer, "compressed")
             win_rows = g.win_index.view(num, g.window_len + 1)
-            part = ops.gathered_attention(
-                qg, pool, win_rows, g.win_bias, compressed, cand_rows, cand_bias, self.sinks, hd**-0.5, bi
-            )
+            part = None
+            if in_place:
+                part = cpu_native.window_attention(qg, window_ring, win.ring_rows, kv, win_rows, g.win_bias, compressed,
+                                                   cand_rows, cand_bias, self.sinks, hd**-0.5)  # fmt: skip
+                if part is None:  # a layout the kernel does not take: build the pool after all
+                    in_place = False
+                    pool = torch.cat([window_ring.index_select(0, win.ring_rows), kv, kv.new_zeros(1, hd)])
+            if part is None:
+                part = ops.gathered_attention(
+                    qg, pool, win_rows, g.win_bias, compressed, cand_rows, cand_bias, self.sinks, hd**-0.5, bi
+                )
             if out is None:
                 out = part
             elif sel is None:
@@ -148,6 +160,8 @@ class Attention(nn.Module):
             else:
                 out.index_copy_(0, sel, part)
 
+        if ring_pending:
+            _write_ring(window_ring, kv, win.ring_write)
         fused_out = cpu_gemm.attention_outputs(out, rope.cos, rope.neg_sin, self.w_o_a, self.o_b_proj.weight)
         if fused_out is not None:
             return fused_out
