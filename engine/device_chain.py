@@ -9,9 +9,10 @@ executor round trip in between:
 
     device: | fwd N | sample N | fill N+1 | publish N | fwd N+1 | sample N+1 | fill N+2 | ...
 
-When no slot is waiting the chain publishes and ends; the next ``submit`` starts a new job on
-the same executor, so other device jobs (KV-tier copies, a no-op used to wait for the device)
-still run in submission order between chains. Publishing releases a plain lock (and, for
+When no slot is waiting the chain publishes, waits up to ``LINGER_S`` for a late hand-over,
+then ends; the next ``submit`` starts a new job on the same executor, so other device jobs
+(KV-tier copies, a no-op used to wait for the device) still run in submission order between
+chains. Publishing releases a plain lock (and, for
 asyncio callers, schedules a wake-up on their loop); plain locks cost a few microseconds where
 a ``concurrent.futures.Future`` round trip costs ~0.1 ms of the device thread's time.
 
@@ -30,11 +31,16 @@ from concurrent.futures import Executor
 from deepinfer.engine.engine_core import EngineCore, PlaceholderRows, SampledStep, SamplingPrep, StepPlan
 
 
+# How long a chain whose next step is not handed over yet waits for it before ending its job
+# (other jobs on the executor wait at most this long behind it).
+LINGER_S = 0.002
+
+
 class StepSlot:
     """One step between the caller's thread and the device thread."""
 
     __slots__ = ("plan", "prev", "rows", "_prep", "_prep_error", "_prep_ready", "sampled", "error", "_done",
-                 "_loop", "_waiter")
+                 "_is_published", "_loop", "_waiter")
 
     def __init__(self, plan: StepPlan, prev: StepSlot | None, rows: PlaceholderRows | None = None,
                  loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -49,6 +55,7 @@ class StepSlot:
         self.error: BaseException | None = None
         self._done = threading.Lock()
         self._done.acquire()
+        self._is_published = False
         self._loop = loop
         self._waiter: asyncio.Future | None = loop.create_future() if loop is not None else None
 
@@ -92,6 +99,9 @@ class StepSlot:
         return self._prep
 
     def publish(self) -> None:
+        if self._is_published:
+            return
+        self._is_published = True
         self._done.release()
         if self._loop is not None:
             try:
@@ -111,6 +121,7 @@ class DeviceChain:
         self.core = core
         self.executor = executor
         self._lock = threading.Lock()
+        self._handed_over = threading.Condition(self._lock)
         self._pending: deque[StepSlot] = deque()
         self._is_running = False
 
@@ -118,45 +129,76 @@ class DeviceChain:
         with self._lock:
             self._pending.append(slot)
             if self._is_running:
+                self._handed_over.notify()  # (a chain lingering for a late hand-over)
                 return  # the running chain takes it after the slot in front of it
             self._is_running = True
         try:
             self.executor.submit(self._run)
         except BaseException as e:  # executor shut down: fail the slot instead of hanging
-            with self._lock:
-                self._is_running = False
-                stranded = list(self._pending)
-                self._pending.clear()
-            for s in stranded:
-                s.error = e
-                s.publish()
+            self._fail_all(None, e)
             raise
 
-    def _take(self) -> StepSlot | None:
+    def _fail_all(self, current: StepSlot | None, error: BaseException) -> None:
+        """End the chain, failing ``current`` (unless published) and every slot handed over."""
         with self._lock:
+            self._is_running = False
+            stranded = list(self._pending)
+            self._pending.clear()
+        for s in ([current] if current is not None else []) + stranded:
+            if s.error is None and s.sampled is None:
+                s.error = error
+            s.publish()
+
+    def _take(self, linger_s: float = 0.0) -> StepSlot | None:
+        """The next slot handed over, waiting up to ``linger_s`` for it; None ends the chain."""
+        with self._lock:
+            if not self._pending and linger_s > 0:
+                self._handed_over.wait(linger_s)
             if self._pending:
                 return self._pending.popleft()
             self._is_running = False
             return None
 
+    def _peek_take(self) -> StepSlot | None:
+        """The next slot if it is already handed over (the chain goes on either way)."""
+        with self._lock:
+            return self._pending.popleft() if self._pending else None
+
     def _run(self) -> None:
         """The chain: one executor job for as many steps as are handed over in time."""
+        slot = None
+        try:
+            slot = self._take()
+            if slot is not None:
+                self._fill(slot)  # a chain's first slot: its predecessor ran in an earlier job
+            while slot is not None:
+                slot = self._run_one(slot)
+        except BaseException as e:  # a bug here must never leave a caller waiting forever
+            self._fail_all(slot, e)
+            raise
+
+    def _run_one(self, slot: StepSlot) -> StepSlot | None:
+        """Forward and sample ``slot``, fill the next one, publish; returns the next one."""
         core = self.core
-        slot = self._take()
-        if slot is not None:
-            self._fill(slot)  # a chain's first slot: its predecessor ran in an earlier job
-        while slot is not None:
-            if slot.error is None:
-                try:
-                    logits = core.execute(slot.plan)
-                    slot.sampled = core.run_sampling(slot.take_prep(), logits)
-                except BaseException as e:
-                    slot.error = e
-            nxt = self._take()
-            if nxt is not None:
-                self._fill(nxt)  # its predecessor is `slot`: fill before publishing: nothing stands between the forwards
+        if slot.error is None:
+            try:
+                logits = core.execute(slot.plan)
+                slot.sampled = core.run_sampling(slot.take_prep(), logits)
+            except BaseException as e:
+                slot.error = e
+        nxt = self._peek_take()
+        if nxt is not None:
+            self._fill(nxt)  # before publishing: nothing stands between the two forwards
             slot.publish()
-            slot = nxt
+        else:
+            # The caller is late (busy machine) or idle: publish, then wait a little for
+            # the next step here rather than ending the job (a new job costs the device
+            # thread ~0.1 ms of executor and Future bookkeeping).
+            slot.publish()
+            nxt = self._take(LINGER_S)
+            if nxt is not None:
+                self._fill(nxt)
+        return nxt
 
     def _fill(self, slot: StepSlot) -> None:
         prev, slot.prev = slot.prev, None  # dropped: a slot must not keep the whole history alive

@@ -195,3 +195,54 @@ async def test_async_forward_failure_raises_in_the_loop():
             for _ in range(10):
                 await pipe.step()
         await asyncio.wrap_future(ex.submit(lambda: None))
+
+
+class CountingExecutor(ThreadPoolExecutor):
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.num_submits = 0
+
+    def submit(self, fn, /, *args, **kwargs):
+        self.num_submits += 1
+        return super().submit(fn, *args, **kwargs)
+
+
+def test_chain_lingers_for_a_slightly_late_hand_over():
+    """A caller a little late (well under LINGER_S) keeps one chain job running: no executor
+    round trip per step. Idle gaps longer than the linger end the job; the next step starts one."""
+    reqs = requests([SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)] * 4)
+    ref = run_sync(reqs)
+    core = make(HashRunner(delay=0.002))
+    for r in reqs:
+        core.add_request(*r)
+    acc = {}
+    with CountingExecutor() as ex:
+        pipe = StepPipeline(core, ex)
+        num_steps = 0
+        while pipe.has_work():
+            num_steps += 1
+            for o in pipe.step():
+                acc[o.request_id] = merge_output(acc.get(o.request_id), o)
+        assert ex.num_submits < num_steps // 3, (ex.num_submits, num_steps)
+        time.sleep(0.02)  # longer than the linger: the chain job has ended
+        ex.submit(lambda: None).result(timeout=1)
+    assert {k: (v.outputs[0].token_ids, None) for k, v in acc.items()} == ref
+
+
+@pytest.mark.timeout(60)
+def test_a_bug_in_the_chain_fails_the_step_instead_of_hanging(monkeypatch):
+    from deepinfer.engine.device_chain import DeviceChain
+
+    core = make(HashRunner(delay=0.001))
+    for r in requests([SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * 2):
+        core.add_request(*r)
+
+    def broken(self):
+        raise RuntimeError("chain bug")
+
+    monkeypatch.setattr(DeviceChain, "_peek_take", broken)
+    with ThreadPoolExecutor(1) as ex:
+        pipe = StepPipeline(core, ex)
+        with pytest.raises(RuntimeError, match="chain bug"):
+            for _ in range(5):
+                pipe.step()
