@@ -49,6 +49,7 @@ static void tile_scalar(int64_t rows, const float* x, int64_t ldx, const float* 
 #define ACC(i) __m256 c##i##0 = _mm256_setzero_ps(), c##i##1 = _mm256_setzero_ps();
 #define FMA_ROW(i) a = _mm256_broadcast_ss(x + (i) * ldx + kk); \
     c##i##0 = _mm256_fmadd_ps(a, w0, c##i##0); c##i##1 = _mm256_fmadd_ps(a, w1, c##i##1);
+#define FMA_HALF(i) a = _mm256_broadcast_ss(x + (i) * ldx + kk); c##i##0 = _mm256_fmadd_ps(a, w0, c##i##0);
 #define STORE_ROW(i) if (ncols == PANEL) { \
         _mm256_storeu_ps(y + (i) * ldy, c##i##0); _mm256_storeu_ps(y + (i) * ldy + 8, c##i##1); \
     } else { \
@@ -59,10 +60,18 @@ static void tile_scalar(int64_t rows, const float* x, int64_t ldx, const float* 
 __attribute__((target("avx2,fma")))
 static void tile4(const float* x, int64_t ldx, const float* w, int64_t k, float* y, int64_t ldy, int64_t ncols) {
     ACC(0) ACC(1) ACC(2) ACC(3)
-    for (int64_t kk = 0; kk < k; ++kk) {
-        _mm_prefetch((const char*)(w + (kk + PREFETCH_AHEAD) * PANEL), _MM_HINT_T0);
-        __m256 w0 = _mm256_loadu_ps(w + kk * PANEL), w1 = _mm256_loadu_ps(w + kk * PANEL + 8), a;
-        FMA_ROW(0) FMA_ROW(1) FMA_ROW(2) FMA_ROW(3)
+    if (ncols <= 8) {  /* a half panel (N % 16 <= 8): the zero columns cost nothing */
+        for (int64_t kk = 0; kk < k; ++kk) {
+            _mm_prefetch((const char*)(w + (kk + PREFETCH_AHEAD) * PANEL), _MM_HINT_T0);
+            __m256 w0 = _mm256_loadu_ps(w + kk * PANEL), a;
+            FMA_HALF(0) FMA_HALF(1) FMA_HALF(2) FMA_HALF(3)
+        }
+    } else {
+        for (int64_t kk = 0; kk < k; ++kk) {
+            _mm_prefetch((const char*)(w + (kk + PREFETCH_AHEAD) * PANEL), _MM_HINT_T0);
+            __m256 w0 = _mm256_loadu_ps(w + kk * PANEL), w1 = _mm256_loadu_ps(w + kk * PANEL + 8), a;
+            FMA_ROW(0) FMA_ROW(1) FMA_ROW(2) FMA_ROW(3)
+        }
     }
     STORE_ROW(0) STORE_ROW(1) STORE_ROW(2) STORE_ROW(3)
 }
@@ -70,10 +79,18 @@ static void tile4(const float* x, int64_t ldx, const float* w, int64_t k, float*
 __attribute__((target("avx2,fma")))
 static void tile6(const float* x, int64_t ldx, const float* w, int64_t k, float* y, int64_t ldy, int64_t ncols) {
     ACC(0) ACC(1) ACC(2) ACC(3) ACC(4) ACC(5)
-    for (int64_t kk = 0; kk < k; ++kk) {
-        _mm_prefetch((const char*)(w + (kk + PREFETCH_AHEAD) * PANEL), _MM_HINT_T0);
-        __m256 w0 = _mm256_loadu_ps(w + kk * PANEL), w1 = _mm256_loadu_ps(w + kk * PANEL + 8), a;
-        FMA_ROW(0) FMA_ROW(1) FMA_ROW(2) FMA_ROW(3) FMA_ROW(4) FMA_ROW(5)
+    if (ncols <= 8) {  /* a half panel (N % 16 <= 8): the zero columns cost nothing */
+        for (int64_t kk = 0; kk < k; ++kk) {
+            _mm_prefetch((const char*)(w + (kk + PREFETCH_AHEAD) * PANEL), _MM_HINT_T0);
+            __m256 w0 = _mm256_loadu_ps(w + kk * PANEL), a;
+            FMA_HALF(0) FMA_HALF(1) FMA_HALF(2) FMA_HALF(3) FMA_HALF(4) FMA_HALF(5)
+        }
+    } else {
+        for (int64_t kk = 0; kk < k; ++kk) {
+            _mm_prefetch((const char*)(w + (kk + PREFETCH_AHEAD) * PANEL), _MM_HINT_T0);
+            __m256 w0 = _mm256_loadu_ps(w + kk * PANEL), w1 = _mm256_loadu_ps(w + kk * PANEL + 8), a;
+            FMA_ROW(0) FMA_ROW(1) FMA_ROW(2) FMA_ROW(3) FMA_ROW(4) FMA_ROW(5)
+        }
     }
     STORE_ROW(0) STORE_ROW(1) STORE_ROW(2) STORE_ROW(3) STORE_ROW(4) STORE_ROW(5)
 }
@@ -81,10 +98,18 @@ static void tile6(const float* x, int64_t ldx, const float* w, int64_t k, float*
 __attribute__((target("avx2,fma")))
 static void tile1(const float* x, int64_t ldx, const float* w, int64_t k, float* y, int64_t ldy, int64_t ncols) {
     ACC(0)
-    for (int64_t kk = 0; kk < k; ++kk) {
-        _mm_prefetch((const char*)(w + (kk + PREFETCH_AHEAD) * PANEL), _MM_HINT_T0);
-        __m256 w0 = _mm256_loadu_ps(w + kk * PANEL), w1 = _mm256_loadu_ps(w + kk * PANEL + 8), a;
-        FMA_ROW(0)
+    if (ncols <= 8) {  /* a half panel (N % 16 <= 8): the zero columns cost nothing */
+        for (int64_t kk = 0; kk < k; ++kk) {
+            _mm_prefetch((const char*)(w + (kk + PREFETCH_AHEAD) * PANEL), _MM_HINT_T0);
+            __m256 w0 = _mm256_loadu_ps(w + kk * PANEL), a;
+            FMA_HALF(0)
+        }
+    } else {
+        for (int64_t kk = 0; kk < k; ++kk) {
+            _mm_prefetch((const char*)(w + (kk + PREFETCH_AHEAD) * PANEL), _MM_HINT_T0);
+            __m256 w0 = _mm256_loadu_ps(w + kk * PANEL), w1 = _mm256_loadu_ps(w + kk * PANEL + 8), a;
+            FMA_ROW(0)
+        }
     }
     STORE_ROW(0)
 }
