@@ -12,9 +12,9 @@ executor round trip in between:
 When no slot is waiting the chain publishes, waits up to ``LINGER_S`` for a late hand-over,
 then ends; the next ``submit`` starts a new job on the same executor, so other device jobs
 (KV-tier copies, a no-op used to wait for the device) still run in submission order between
-chains. Publishing releases a plain lock (and, for
-asyncio callers, schedules a wake-up on their loop); plain locks cost a few microseconds where
-a ``concurrent.futures.Future`` round trip costs ~0.1 ms of the device thread's time.
+chains. Publishing releases a plain lock (and, for asyncio callers, schedules a wake-up on
+their loop); plain locks cost a few microseconds where a ``concurrent.futures.Future`` round
+trip costs ~0.1 ms of the device thread's time.
 
 A slot whose predecessor failed fails with the same error without running (its placeholders
 would be unknown); a failure in the caller's bookkeeping reaches the device thread through
@@ -29,7 +29,6 @@ from collections import deque
 from concurrent.futures import Executor
 
 from deepinfer.engine.engine_core import EngineCore, PlaceholderRows, SampledStep, SamplingPrep, StepPlan
-
 
 # How long a chain whose next step is not handed over yet waits for it before ending its job
 # (other jobs on the executor wait at most this long behind it).
