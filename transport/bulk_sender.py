@@ -67,7 +67,11 @@ class BulkSender:
         self._side: asyncio.StreamWriter | None = None
         self._side_task: asyncio.Task | None = None
         self._side_retry_at = 0.0
-        self._side_tids: set[int] = set()
+        # One side link at a time: concurrent first sends used to open one each, orphaning the
+        # earlier link's ack reader (its acks were never read) and letting its end fail and
+        # close the newer link's transfers. Each transfer remembers the link it went out on.
+        self._side_lock = asyncio.Lock()
+        self._tid2side: dict[int, asyncio.StreamWriter] = {}
         self._sock: zmq.asyncio.Socket | None = None
         self._recv_task: asyncio.Task | None = None
         self._pending: dict[int, asyncio.Future] = {}
@@ -107,7 +111,7 @@ class BulkSender:
                 ack = await self._transfer(views, specs, meta, side=side)
                 if ack.code == ErrorCode.UNAVAILABLE and side is not None:
                     self.is_cma = False
-                    self._close_side()
+                    self._close_side(side)
                     log.warning("%s: receiver cannot read our memory (%s); sending frames from now on",
                                 self.name, ack.message)
                     ack = await self._transfer(views, specs, meta, side=None)
@@ -126,7 +130,7 @@ class BulkSender:
         self._pending[tid] = ack_future
         try:
             if side is not None:
-                self._side_tids.add(tid)
+                self._tid2side[tid] = side
                 source = CmaSource(addresses=[cma.address_of(v) for v in views])
                 cma.write_frame(side, self._codec.encode(BulkBegin(tid, specs, self.chunk_bytes, meta, source)))
                 self.stats.num_sent += 1
@@ -146,7 +150,7 @@ class BulkSender:
             raise
         finally:
             self._pending.pop(tid, None)
-            self._side_tids.discard(tid)
+            self._tid2side.pop(tid, None)
 
     def _abort(self, tid: int, reason: str, side: asyncio.StreamWriter | None) -> None:
         body = self._codec.encode(BulkAbort(tid, reason))
@@ -165,33 +169,37 @@ class BulkSender:
             return None
         if self._side is not None and not self._side.is_closing():
             return self._side
-        loop = asyncio.get_running_loop()
-        if loop.time() < self._side_retry_at:
-            return None
-        try:
-            reader, self._side = await asyncio.open_unix_connection(cma.side_path(self.address))
-        except OSError:  # no receiver yet, or one that only takes frames
-            self._side_retry_at = loop.time() + 1.0
-            return None
-        self._side_task = asyncio.create_task(self._recv_side_acks(reader), name=f"{self.name}-side-acks")
-        return self._side
+        async with self._side_lock:  # one connect at a time; later callers reuse its link
+            if self._side is not None and not self._side.is_closing():
+                return self._side
+            loop = asyncio.get_running_loop()
+            if not self.is_cma or loop.time() < self._side_retry_at:
+                return None
+            try:
+                reader, writer = await asyncio.open_unix_connection(cma.side_path(self.address))
+            except OSError:  # no receiver yet, or one that only takes frames
+                self._side_retry_at = loop.time() + 1.0
+                return None
+            self._side = writer
+            self._side_task = asyncio.create_task(self._recv_side_acks(reader, writer), name=f"{self.name}-side-acks")
+            return writer
 
-    async def _recv_side_acks(self, reader: asyncio.StreamReader) -> None:
+    async def _recv_side_acks(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
                 self._resolve(await cma.read_frame(reader, 1 << 20))
         except (asyncio.IncompleteReadError, ConnectionError, ValueError):
             pass
         # the receiver went away: transfers waiting on this link will never be acknowledged
-        for tid in list(self._side_tids):
+        for tid, side in list(self._tid2side.items()):
             future = self._pending.get(tid)
-            if future is not None and not future.done():
+            if side is writer and future is not None and not future.done():
                 future.set_exception(TransferFailed(f"{self.address}: receiver closed the side channel"))
-        self._close_side()
+        self._close_side(writer)
 
-    def _close_side(self) -> None:
-        if self._side is not None:
-            self._side.close()
+    def _close_side(self, writer: asyncio.StreamWriter) -> None:
+        writer.close()
+        if self._side is writer:
             self._side = None
 
     def _resolve(self, frame: bytes) -> None:
@@ -220,7 +228,8 @@ class BulkSender:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._recv_task = self._side_task = None
-        self._close_side()
+        if self._side is not None:
+            self._close_side(self._side)
         for future in self._pending.values():
             if not future.done():
                 future.set_exception(ChannelClosed(f"{self.name} to {self.address} closed"))

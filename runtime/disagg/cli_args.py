@@ -13,3 +13,6 @@ def add_disagg_arguments(parser) -> None:
                    help="when an engine dies mid-request: recompute elsewhere (default) or fail it")
     g.add_argument("--pd-transport", choices=["ipc", "tcp"], default="ipc",
                    help="engine sockets: ipc (default) or tcp on 127.0.0.1 (the cross-host code path)")
+    g.add_argument("--pd-decode-silence", type=float, default=15.0, metavar="S",
+                   help="seconds a decode engine may stay silent after acknowledging a handoff before the "
+                        "request is treated as lost there and recomputed/failed by --failure-policy (default 15)")

@@ -15,6 +15,10 @@ prefill reports a failed handoff, or when the decode engine reports a failed req
 - ``FAIL``: ``EngineLostError`` naming the lost engine (the gateway turns it into an error).
 
 No request outlives ``request_timeout_s``: every wait is bounded by the request's deadline.
+A decode that acknowledged a handoff sends the request's first delta at once (before the ack),
+so an attempt whose decode stays silent for ``decode_silence_s`` after the prefill's
+``HANDED_OFF`` reply is lost too (the KV or the stream went astray while the engine looks
+alive): it is recomputed or failed by the same policy instead of hanging until the deadline.
 """
 
 from __future__ import annotations
@@ -76,7 +80,8 @@ class _Attempt:
 class PdEngineClient:
     def __init__(self, cluster: ClusterConfig, *, gateway_name: str, model_info: ModelInfo,
                  tokenizer: GatewayTokenizer | None = None, failure_policy: FailurePolicy = FailurePolicy.RECOMPUTE,
-                 request_timeout_s: float = 300.0, max_attempts: int = 4, ctx=None, seed: int | None = None):
+                 request_timeout_s: float = 300.0, max_attempts: int = 4, decode_silence_s: float = 15.0,
+                 ctx=None, seed: int | None = None):
         spec = cluster.node(gateway_name)
         if not spec.data:
             raise ValueError(f"nodes.{gateway_name}.data: the gateway needs a data address for the engines' streams")
@@ -84,6 +89,9 @@ class PdEngineClient:
         self.instance_id = secrets.randbits(63)
         self.failure_policy = FailurePolicy(failure_policy)
         self.request_timeout_s = request_timeout_s
+        if decode_silence_s <= 0:
+            raise ValueError(f"decode_silence_s must be > 0, got {decode_silence_s}")
+        self.decode_silence_s = decode_silence_s
         self.max_attempts = max_attempts
         self._model_info = model_info
         self._tokenizer = tokenizer
@@ -251,15 +259,19 @@ class PdEngineClient:
         if reply.status == HandoffStatus.FINISHED:
             yield decode_output(reply.output)
             return
+        # until the decode's first message: alive engines that lost the request must not hang it
+        silence_deadline: float | None = loop.time() + self.decode_silence_s
         while True:
             getter = asyncio.ensure_future(attempt.queue.get())
+            wait_until = deadline if silence_deadline is None else min(deadline, silence_deadline)
             try:
-                await asyncio.wait([getter, attempt.lost], timeout=max(0.0, deadline - loop.time()),
+                await asyncio.wait([getter, attempt.lost], timeout=max(0.0, wait_until - loop.time()),
                                    return_when=asyncio.FIRST_COMPLETED)
             finally:
                 if not getter.done():
                     getter.cancel()
             if getter.done() and not getter.cancelled():
+                silence_deadline = None
                 msg = getter.result()
                 if isinstance(msg, PdFailed):
                     raise _AttemptLost(f"decode {decode.name}: {msg.message}", decode.name)
@@ -272,6 +284,9 @@ class PdEngineClient:
                 if attempt.lost.result() is None:
                     return
                 raise _AttemptLost(attempt.lost.result(), decode.name)
+            if silence_deadline is not None and loop.time() < deadline:
+                raise _AttemptLost(f"decode {decode.name} acknowledged the handoff but sent no output within "
+                                   f"{self.decode_silence_s:g}s", decode.name)
             raise EngineLostError(f"request {attempt.request_id}: no output from decode {decode.name} before the "
                                   f"{self.request_timeout_s:g}s request deadline")
 

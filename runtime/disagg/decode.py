@@ -56,6 +56,10 @@ log = logging.getLogger(__name__)
 
 _ARRIVAL_WAIT_S = 5.0  # a ready may overtake its transfer's last bytes by this much at most
 
+# A handoff is named by its prefill *instance* and that prefill's handoff counter: every prefill
+# counts from 1, so the counter alone collides as soon as two prefills hand off to one decode.
+HandoffKey = tuple[int, int]  # (prefill instance id, handoff id)
+
 
 @dataclass(slots=True)
 class _Arrival:
@@ -100,8 +104,8 @@ class DecodeService(DisaggEngineService):
             raise ValueError("a decode engine needs a data address (NodeSpec.data) to receive KV")
         self.receiver: BulkReceiver | None = None
         self._codec = Codec(PdKvPush)
-        self._arrived: dict[int, _Arrival] = {}
-        self._arrival_events: dict[int, asyncio.Event] = {}
+        self._arrived: dict[HandoffKey, _Arrival] = {}
+        self._arrival_events: dict[HandoffKey, asyncio.Event] = {}
         self._streams: dict[str, _GatewayStream] = {}
         self._erids: set[str] = set()
         # (request id, attempt or -1) -> until when a late transfer of an aborted attempt is dropped
@@ -150,8 +154,12 @@ class DecodeService(DisaggEngineService):
                             push.request_id, push.decode_instance_id, self.instance_id)
                 transfer.release()
                 continue
-            self._arrived[push.handoff_id] = _Arrival(push, transfer, time.monotonic())
-            event = self._arrival_events.pop(push.handoff_id, None)
+            key = (push.prefill.instance_id, push.handoff_id)
+            old = self._arrived.pop(key, None)
+            if old is not None:  # a resent transfer (the first one's ack was lost): keep the newest
+                old.transfer.release()
+            self._arrived[key] = _Arrival(push, transfer, time.monotonic())
+            event = self._arrival_events.pop(key, None)
             if event is not None:
                 event.set()
 
@@ -167,19 +175,19 @@ class DecodeService(DisaggEngineService):
                     del self._arrived[hid]
                     arrival.transfer.release()
 
-    async def _wait_arrival(self, handoff_id: int) -> _Arrival | None:
-        if handoff_id not in self._arrived:
-            event = self._arrival_events.setdefault(handoff_id, asyncio.Event())
+    async def _wait_arrival(self, key: HandoffKey) -> _Arrival | None:
+        if key not in self._arrived:
+            event = self._arrival_events.setdefault(key, asyncio.Event())
             try:
                 await asyncio.wait_for(event.wait(), _ARRIVAL_WAIT_S)
             except TimeoutError:
-                self._arrival_events.pop(handoff_id, None)
-        return self._arrived.pop(handoff_id, None)
+                self._arrival_events.pop(key, None)
+        return self._arrived.pop(key, None)
 
     # ---- import -------------------------------------------------------------------------------
     async def _import(self, msg: PdKvReady) -> PdHandoffAck:
         self.check_instance(msg.decode_instance_id, f"handoff of {msg.request_id!r}")
-        arrival = await self._wait_arrival(msg.handoff_id)
+        arrival = await self._wait_arrival((msg.prefill_instance_id, msg.handoff_id))
         if arrival is None:
             self.metrics.fail(FailureKind.TRANSFER)
             return PdHandoffAck(msg.handoff_id, msg.request_id, ErrorCode.NOT_FOUND,

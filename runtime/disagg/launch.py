@@ -58,7 +58,8 @@ class LocalPdCluster:
                  engine_options: Mapping[str, Any] | None = None, transport: str = "ipc",
                  failure_policy: FailurePolicy = FailurePolicy.RECOMPUTE, request_timeout_s: float = 300.0,
                  lease_s: float = 5.0, heartbeat_interval_s: float = 0.2, served_model_name: str | None = None,
-                 log_dir: str | Path | None = None, env: Mapping[str, str] | None = None):
+                 log_dir: str | Path | None = None, env: Mapping[str, str] | None = None,
+                 decode_silence_s: float = 15.0):
         self.model_dir = Path(model_dir)
         self.num_prefill, self.num_decode = num_prefill, num_decode
         self.engine_options = {k: v for k, v in dict(engine_options or {}).items() if v is not None}
@@ -69,6 +70,7 @@ class LocalPdCluster:
         self.transport = transport
         self.failure_policy = failure_policy
         self.request_timeout_s = request_timeout_s
+        self.decode_silence_s = decode_silence_s
         self.lease_s = lease_s
         self.heartbeat_interval_s = heartbeat_interval_s
         self.served_model_name = served_model_name or self.engine_options.get("served_model_name") or self.model_dir.name
@@ -117,7 +119,8 @@ class LocalPdCluster:
             await self.supervisor.start()
             info, tokenizer = _model_info(self.model_dir, self.engine_options, self.served_model_name)
             self.client = PdEngineClient(self.config, gateway_name="gateway-0", model_info=info, tokenizer=tokenizer,
-                                         failure_policy=self.failure_policy, request_timeout_s=self.request_timeout_s)
+                                         failure_policy=self.failure_policy, request_timeout_s=self.request_timeout_s,
+                                         decode_silence_s=self.decode_silence_s)
             if self.swa_directory is not None:  # a prefill engine that went down takes its slots with it
                 self.client.directory.add_listener(self.swa_directory.directory.on_peer_event)
             await self.client.start()
@@ -169,7 +172,8 @@ async def launch_disaggregated(spec, args, *, print_fn: Callable[[str], None] = 
     stop = stop or asyncio.Event()
     policy = FailurePolicy.FAIL if args.failure_policy == "fail" else FailurePolicy.RECOMPUTE
     cluster = LocalPdCluster(spec.model_dir, num_prefill=args.prefill, num_decode=args.decode,
-                             engine_options=spec.engine_options, transport=args.pd_transport, failure_policy=policy)
+                             engine_options=spec.engine_options, transport=args.pd_transport, failure_policy=policy,
+                             decode_silence_s=args.pd_decode_silence)
     with stop_on_signals(stop):
         print_fn(f"Starting {args.prefill} prefill + {args.decode} decode engines on {spec.model_dir} ...")
         starting = asyncio.ensure_future(cluster.start())

@@ -260,3 +260,35 @@ def test_sigkill_a_prefill_mid_handoff_then_restart_serves_new_work(cluster, mod
     st = loop.run_until_complete(_status(pd, "prefill-0"))
     assert st.instance_id != old_instance and st.num_handoffs > 0  # the new instance took new work
     assert not st.failures, st.failures
+
+
+class _SilenceFirstAttemptOf(dict):
+    """The gateway's attempt table with the decode streams of ``request_id``'s first attempt
+    going nowhere: a decode that acknowledged the handoff and then never reached the gateway."""
+
+    def __init__(self, request_id: str):
+        super().__init__()
+        self.silenced = (request_id, 0)
+
+    def get(self, key, default=None):
+        return default if key == self.silenced else super().get(key, default)
+
+
+def test_decode_silent_after_handoff_is_recomputed_well_before_the_deadline(cluster, model_dir):
+    pd, loop = cluster
+    (rid, prompt, params), = _requests(1, seed=7, max_tokens=8)
+    want = _colocated(model_dir, [(rid, prompt, params)])[rid]
+    silence_s, lost_before = pd.client.decode_silence_s, pd.client.num_attempts_lost
+    attempts, pd.client._attempts = pd.client._attempts, _SilenceFirstAttemptOf(rid)
+    pd.client.decode_silence_s = 2.0
+    try:
+        t0 = time.monotonic()
+        got = loop.run_until_complete(asyncio.wait_for(_generate(pd.client, rid, prompt, params), 60))
+        elapsed = time.monotonic() - t0
+    finally:
+        pd.client._attempts, pd.client.decode_silence_s = attempts, silence_s
+    assert got == want
+    assert pd.client.num_attempts_lost == lost_before + 1
+    assert 2.0 <= elapsed < 30.0 < DEADLINE_S, elapsed  # not the 120 s deadline
+    statuses = loop.run_until_complete(_settled_statuses(pd))
+    assert all(s.num_held_handoffs == 0 and s.num_pending_imports == 0 for s in statuses)
