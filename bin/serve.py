@@ -96,7 +96,7 @@ def add_swa_arguments(p, *, is_node: bool = False) -> None:
                    help="tokens a bounded replay recomputes (default 128)")
     s.add_argument("--swa-store-slots", type=int, default=None, metavar="N",
                    help="host slots saving finished/preempted sequences' window state, so a continued "
-                        "conversation restores it without replay (default 4 x --max-num-seqs; 0: none). One "
+                        "conversation restores it without replay (default 0: none, every rebuild exact). One "
                         "slot is layers x (window + lookahead) rows x (head_dim x 33/32) bytes (MXFP8) plus "
                         "compressor carry rows: ~1.4 MB for V4-Flash's 20 persisted layers. MXFP8 window rows make "
                         "a restored state approximate; 0 keeps every rebuild exact")

@@ -78,9 +78,10 @@ class EngineOptions:
     swa_replay: str = "exact"
     swa_replay_tokens: int = 128
     # host slot store: a finished or preempted sequence's state at its last block boundary, so a
-    # continued conversation restores it instead of replaying (window rows in MXFP8). Slots;
-    # None: 4 x max_num_seqs; 0: no store
-    swa_store_slots: int | None = None
+    # continued conversation restores it instead of replaying (window rows in MXFP8, as in
+    # DeepSeek's system: a restored state is approximate, so outputs after a restore may differ
+    # from a cold run). Slots; 0 (default): no store, every rebuild exact; None: 4 x max_num_seqs
+    swa_store_slots: int | None = 0
     # end each prompt's last chunk at its last block boundary, so its slot is saved even when
     # decoding never crosses one (one more step for the prompt's tail; P/D prefill engines: on)
     swa_snapshot_prompts: bool = False

@@ -7,7 +7,7 @@
 The engines are separate ``deepinfer node --role prefill|decode`` processes under a
 ``Supervisor`` (restarted when they die; a restart is a new instance to everyone); the gateway
 and its ``PdEngineClient`` run in this process, and so does the SWA slot directory
-(``cluster.swa_directory``) unless ``swa_store_slots=0``: the prefill engines list and fetch
+(``cluster.swa_directory``) when ``swa_store_slots`` > 0: the prefill engines list and fetch
 their slots through it, and a prefill engine's PeerDown drops its slots. bin/serve.py calls ``launch_disaggregated`` when
 ``--disaggregated`` is given (``add_disagg_arguments`` adds the flags).
 """
@@ -99,7 +99,7 @@ class LocalPdCluster:
 
     def _swa_directory_address(self) -> str | None:
         """Where the SWA directory binds: None when the prefill engines keep no slot store."""
-        if self.engine_options.get("swa_store_slots") == 0:
+        if not self.engine_options.get("swa_store_slots"):  # no store (the default): nothing to share
             return None
         if self.transport == "tcp":
             return "tcp://127.0.0.1:*"

@@ -111,11 +111,12 @@ async def test_snapshot_prompts_saves_the_slot_of_a_prompt_that_ends_mid_block(m
 
 
 async def test_swa_options_reach_the_engine_and_bad_ones_are_one_line(model_dir):
-    engine = await AsyncEngine.start(model=str(model_dir), swa_replay="bounded", swa_replay_tokens=32, **BASE)
+    engine = await AsyncEngine.start(model=str(model_dir), swa_replay="bounded", swa_replay_tokens=32,
+                                     swa_store_slots=None, **BASE)
     try:
         sched = engine.core.scheduler
         assert sched.config.max_replay_tokens == 32
-        assert engine.swa_slots.store.num_slots == 4 * BASE["max_num_seqs"]  # the default store size
+        assert engine.swa_slots.store.num_slots == 4 * BASE["max_num_seqs"]  # None: 4 x max_num_seqs
         assert engine.swa_peer is None and engine.swa_slots.fetcher is None
     finally:
         await engine.shutdown()

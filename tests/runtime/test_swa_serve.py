@@ -4,9 +4,11 @@ its own process hosts (--swa-directory-bind)."""
 
 import asyncio
 import importlib.util
+import re
 import signal
 import socket
 import sys
+import urllib.request
 from pathlib import Path
 
 import openai
@@ -43,9 +45,9 @@ def test_swa_and_kv_tier_flags_reach_engine_options():
                            kv_host_tier_bytes=1048576, kv_store_dir="/tmp/kv", kv_load_deadline_s=0.5)
     opts = EngineOptions.from_kwargs(**options)
     assert (opts.swa_replay, opts.num_swa_store_slots) == ("bounded", 12)
-    # flags not given keep the engine's defaults: exact replay, 4 x max_num_seqs slots
+    # flags not given keep the engine's defaults: exact replay, no slot store (every rebuild exact)
     defaults = EngineOptions.from_kwargs(**serve.engine_options(cli.build_parser().parse_args(["serve"])))
-    assert (defaults.swa_replay, defaults.num_swa_store_slots, defaults.swa_directory) == ("exact", 32, None)
+    assert (defaults.swa_replay, defaults.num_swa_store_slots, defaults.swa_directory) == ("exact", 0, None)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -104,6 +106,10 @@ def test_served_engine_saves_slots_into_the_directory_it_hosts(port):
         extend_block_hashes(hashes, prompt[:128], 128, root_hash("tiny", ""))
         where = asyncio.run(_locate(directory, hashes[0]))
         assert where.node_name == "served-0" and where.num_tokens == 128
+        with urllib.request.urlopen(f"{served.url}/metrics", timeout=30) as r:
+            metrics = r.read().decode()
+        assert re.search(r"^deepinfer_swa_slots_saved_total [1-9]", metrics, re.M), metrics
+        assert re.search(r"^deepinfer_swa_slots_restored_total 0", metrics, re.M), metrics
         code, out, err, _ = served.stop(signal.SIGTERM)
     assert code == 0, err
     assert f"SWA slot directory on {directory}" in out and "Traceback" not in err
