@@ -59,7 +59,8 @@ class BlockCache:
             (s.layer, s.name): torch.zeros(num_blocks, block_size // s.ratio, s.width, dtype=dtype, device=device)
             for s in self.specs
         }
-        self._flat: dict[tuple[int, str], torch.Tensor] = {}
+        # flat row views, made once (a forward asks for them ~40 times per step)
+        self._flat = {key: t.view(-1, t.shape[-1]) for key, t in self._tensors.items()}
 
     def tensor(self, layer: int, name: str) -> torch.Tensor:
         """``[num_blocks, rows_per_block, width]``."""
@@ -67,12 +68,7 @@ class BlockCache:
 
     def flat(self, layer: int, name: str) -> torch.Tensor:
         """``[num_blocks * rows_per_block, width]`` view addressed by flat row ids."""
-        key = (layer, name)
-        view = self._flat.get(key)
-        if view is None:  # one view per tensor, made once: a forward asks ~40 times per step
-            t = self._tensors[key]
-            view = self._flat[key] = t.view(-1, t.shape[-1])
-        return view
+        return self._flat[(layer, name)]
 
     @property
     def bytes_per_block(self) -> int:

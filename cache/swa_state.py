@@ -57,7 +57,8 @@ class SwaArena:
             (s.layer, s.name): torch.zeros(num_slots, s.capacity, s.width, dtype=dtype, device=device)
             for s in self.specs
         }
-        self._flat: dict[tuple[int, str], torch.Tensor] = {}
+        # flat row views, made once (a forward asks for them ~40 times per step)
+        self._flat = {key: t.view(-1, t.shape[-1]) for key, t in self._rings.items()}
 
     def ring(self, layer: int, name: str) -> torch.Tensor:
         """``[num_slots, capacity, width]``."""
@@ -65,12 +66,7 @@ class SwaArena:
 
     def flat(self, layer: int, name: str) -> torch.Tensor:
         """``[num_slots * capacity, width]`` view: row id = slot * capacity + position % capacity."""
-        key = (layer, name)
-        view = self._flat.get(key)
-        if view is None:  # one view per tensor, made once: a forward asks ~40 times per step
-            t = self._rings[key]
-            view = self._flat[key] = t.view(-1, t.shape[-1])
-        return view
+        return self._flat[(layer, name)]
 
     @property
     def bytes_per_slot(self) -> int:

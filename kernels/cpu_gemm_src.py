@@ -168,26 +168,6 @@ void hc_pre(const float* mixes, const float* streams, const float* pp_scale, con
             float comb_scale, const float* comb_base, int64_t rows, int64_t n, int64_t d,
             int64_t iters, float hc_eps, float* post, float* comb, float* collapsed);
 
-/* Sinkhorn-Knopp of one row's n x n matrix, the arithmetic of hc_pre's loop (columns first) */
-static void sinkhorn_row(float* c, int64_t n, int64_t iters, float eps) {
-    for (int64_t it = 0; it < iters; ++it) {
-        if (it > 0) {
-            for (int64_t i = 0; i < n; ++i) {
-                float s = c[i * n];
-                for (int64_t j = 1; j < n; ++j) s = s + c[i * n + j];
-                s = s + eps;
-                for (int64_t j = 0; j < n; ++j) c[i * n + j] = c[i * n + j] / s;
-            }
-        }
-        for (int64_t j = 0; j < n; ++j) {
-            float s = c[j];
-            for (int64_t i = 1; i < n; ++i) s = s + c[i * n + j];
-            s = s + eps;
-            for (int64_t i = 0; i < n; ++i) c[i * n + j] = c[i * n + j] / s;
-        }
-    }
-}
-
 #ifdef HAVE_AVX2_GEMM
 /* the same loop on 8 rows at once (row r in lane r): per lane the very same adds and divisions */
 __attribute__((target("avx2,fma")))

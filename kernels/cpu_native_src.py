@@ -18,6 +18,26 @@ C_SOURCE = r"""
 #define MULTIVERSION
 #endif
 
+/* Sinkhorn-Knopp of one row's n x n matrix (columns first): hc_pre's, and the GEMM part's mHC */
+static void sinkhorn_row(float* c, int64_t n, int64_t iters, float eps) {
+    for (int64_t it = 0; it < iters; ++it) {
+        if (it > 0) {
+            for (int64_t i = 0; i < n; ++i) {
+                float s = c[i * n];
+                for (int64_t j = 1; j < n; ++j) s = s + c[i * n + j];
+                s = s + eps;
+                for (int64_t j = 0; j < n; ++j) c[i * n + j] = c[i * n + j] / s;
+            }
+        }
+        for (int64_t j = 0; j < n; ++j) {
+            float s = c[j];
+            for (int64_t i = 1; i < n; ++i) s = s + c[i * n + j];
+            s = s + eps;
+            for (int64_t i = 0; i < n; ++i) c[i * n + j] = c[i * n + j] / s;
+        }
+    }
+}
+
 /* mixes [rows, (2+n)*n]: pre | post | comb logits (before scale and bias); streams [rows, n, d].
    Outputs: post [rows, n], comb [rows, n, n], collapsed [rows, d]. */
 MULTIVERSION
@@ -51,22 +71,7 @@ void hc_pre(const float* mixes, const float* streams, const float* pp_scale, con
             }
             for (int64_t j = 0; j < n; ++j) c[i * n + j] = c[i * n + j] / sum + hc_eps;
         }
-        for (int64_t it = 0; it < iters; ++it) {
-            if (it > 0) {
-                for (int64_t i = 0; i < n; ++i) {
-                    float s = c[i * n];
-                    for (int64_t j = 1; j < n; ++j) s = s + c[i * n + j];
-                    s = s + hc_eps;
-                    for (int64_t j = 0; j < n; ++j) c[i * n + j] = c[i * n + j] / s;
-                }
-            }
-            for (int64_t j = 0; j < n; ++j) {
-                float s = c[j];
-                for (int64_t i = 1; i < n; ++i) s = s + c[i * n + j];
-                s = s + hc_eps;
-                for (int64_t i = 0; i < n; ++i) c[i * n + j] = c[i * n + j] / s;
-            }
-        }
+        sinkhorn_row(c, n, iters, hc_eps);
         const float* x = streams + r * n * d;
         float* out = collapsed + r * d;
         for (int64_t k = 0; k < d; ++k) out[k] = pre[0] * x[k];
