@@ -27,7 +27,6 @@ import torch
 
 from deepinfer import envs
 from deepinfer.cache.block_cache import BlockCache
-from deepinfer.engine.batch import ForwardBatch
 from deepinfer.engine.engine_core import EngineCore, EngineCoreConfig
 from deepinfer.engine.model_config import ModelConfig
 from deepinfer.engine.model_runner import ModelRunner
@@ -250,7 +249,7 @@ def build_engine(model_dir: str | Path, options: EngineOptions) -> EngineParts:
 
     offload = _build_kv_offload(runner, options)
     try:
-        core = EngineCore(_AnyBatchRunner(runner), core_cfg, detokenizer_factory=detok_factory,
+        core = EngineCore(runner, core_cfg, detokenizer_factory=detok_factory,
                           decode_token=decode_token, structured_output=backend, seed_rng=random.Random(options.seed),
                           kv_offload=offload)
         swa = None
@@ -284,26 +283,3 @@ def _build_kv_offload(runner: ModelRunner, options: EngineOptions) -> KVOffload 
         store = FsStore(Path(options.kv_store_dir).expanduser())
     return KVOffload.build(runner, host_capacity_bytes=host_bytes, store=store,
                            config=KVOffloadConfig(load_deadline_s=float(deadline)))
-
-
-class _AnyBatchRunner:
-    """The runner as EngineCore sees it: also accepts a batch of middle prefill chunks only
-    (no logit rows), which the V4 head does not take yet."""
-
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
-
-    def __getattr__(self, name: str):
-        return getattr(self.runner, name)
-
-    def execute(self, batch: ForwardBatch) -> torch.Tensor:
-        if batch.num_logits == 0:
-            # TODO(model): the V4 head fails on 0 rows; compute one throwaway row meanwhile.
-            last = batch.steps[-1]
-            last.num_logits = 1
-            try:
-                self.runner.execute(batch)
-            finally:
-                last.num_logits = 0
-            return torch.zeros(0, self.runner.config.vocab_size, device=self.runner.device)
-        return self.runner.execute(batch)
