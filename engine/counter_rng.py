@@ -91,6 +91,7 @@ class GumbelNoise:
 
     def __init__(self) -> None:
         self._token_hash: torch.Tensor | None = None
+        self._token_hash32: torch.Tensor | None = None
 
     def token_hash(self, vocab_size: int, device: torch.device) -> torch.Tensor:
         th = self._token_hash
@@ -98,6 +99,14 @@ class GumbelNoise:
             ids = torch.arange(vocab_size, dtype=torch.int64, device=device)
             th = mix32_tensor((ids + _TOKEN_SALT) & M32)
             self._token_hash = th
+        return th
+
+    def token_hash32(self, vocab_size: int, device: torch.device) -> torch.Tensor:
+        """``token_hash`` as int32 bit patterns (values >= 2^31 wrap), for fused GPU kernels."""
+        th = self._token_hash32
+        if th is None or th.numel() != vocab_size or th.device != device:
+            h = self.token_hash(vocab_size, device)
+            th = self._token_hash32 = torch.where(h >= 1 << 31, h - (1 << 32), h).to(torch.int32)
         return th
 
     def uniform(self, keys: torch.Tensor, token_ids: torch.Tensor | None, vocab_size: int) -> torch.Tensor:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from deepinfer.engine.counter_rng import GumbelNoise
+from deepinfer.kernels import gpu_sampling
 from deepinfer.engine.sampling_metadata import PenaltyTensors, SamplingMetadata
 
 _NEG_INF = float("-inf")
@@ -86,6 +87,9 @@ class Sampler:
         if meta.min_p is None and meta.top_p is None and (top_k is None or not bool((top_k < logits.shape[1]).any())):
             # temperature only (the common sampled case): one fused pass, noise usually drawn ahead
             noise = meta.noise
+            if noise is None and gpu_sampling.available(logits):  # one fused kernel, same tokens
+                return gpu_sampling.gumbel_argmax(logits, temperature, keys,
+                                                  self.noise.token_hash32(logits.shape[1], logits.device))
             if noise is None or tuple(noise.shape) != tuple(logits.shape):
                 noise = self.noise.gumbel(keys, logits.shape[1])
             return noisy_argmax(logits, temperature, noise)
@@ -119,6 +123,10 @@ class Sampler:
             if top_p is not None:
                 sub = apply_top_k_top_p(sub, None, top_p[rest])
             noise = meta.noise
+            if noise is None and gpu_sampling.available(sub):  # sub is already divided: T = 1
+                out[rest] = gpu_sampling.gumbel_argmax(sub, torch.ones(rest.numel(), device=sub.device), keys[rest],
+                                                       self.noise.token_hash32(sub.shape[1], sub.device))
+                return out
             if noise is None or tuple(noise.shape) != tuple(sub.shape):
                 noise = self.noise.gumbel(keys[rest], sub.shape[1])
             out[rest] = argmax_rows(sub.add_(noise))  # (same bits as sub + noise)

@@ -16,6 +16,22 @@ from deepinfer.engine.counter_rng import row_key, row_keys, seed_key
 from deepinfer.engine.sampling_params import SamplingParams
 
 
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on ``device`` without blocking the caller's thread: on CUDA it is staged in
+    pinned memory and copied asynchronously in stream order. (A copy from pageable memory can
+    block the caller until the stream drains, i.e. until the forward in flight ends, holding the
+    GIL the device thread then needs: sampled steps lost ~0.6 ms per step to it.)"""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def host_tensor(data, dtype: torch.dtype | None, device: torch.device | str) -> torch.Tensor:
+    """``torch.tensor(data, dtype=dtype, device=device)`` through ``to_device``."""
+    return to_device(torch.tensor(data, dtype=dtype), device)
+
+
 @dataclass(slots=True)
 class SampleRow:
     params: SamplingParams
@@ -99,22 +115,22 @@ class SamplingMetadata:
         if any_suppress:
             ri = [i for i, r in enumerate(rows) for _ in r.suppress_token_ids]
             ti = [t for r in rows for t in r.suppress_token_ids]
-            suppress = (torch.tensor(ri, dtype=torch.int64, device=device), torch.tensor(ti, dtype=torch.int64, device=device))
+            suppress = (host_tensor(ri, torch.int64, device), host_tensor(ti, torch.int64, device))
 
         wanted = [n for n in nlp if n is not None]
         all_greedy = all(greedy)
         return cls(
             num_rows=b,
-            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            is_greedy=host_tensor(greedy, torch.bool, device),
             all_greedy=all_greedy,
-            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
-            keys=torch.tensor(keys, dtype=torch.int64, device=device),
-            top_k=top_k.to(device) if top_k is not None else None,
-            top_p=top_p.to(device) if top_p is not None else None,
-            min_p=min_p.to(device) if min_p is not None else None,
+            temperature=host_tensor(temps, torch.float32, device),
+            keys=host_tensor(keys, torch.int64, device),
+            top_k=to_device(top_k, device) if top_k is not None else None,
+            top_p=to_device(top_p, device) if top_p is not None else None,
+            min_p=to_device(min_p, device) if min_p is not None else None,
             penalties=penalties,
             suppress=suppress,
-            bitmask=bitmask.to(device) if bitmask is not None else None,
+            bitmask=to_device(bitmask, device) if bitmask is not None else None,
             num_logprobs=nlp,
             max_num_logprobs=max(wanted) if wanted else None,
             is_plain_greedy=all_greedy and not wanted and penalties is None and suppress is None and bitmask is None,
@@ -144,14 +160,14 @@ class SamplingMetadata:
         any_min_p = any(s.min_p > 0.0 for s in sampled)
         return cls(
             num_rows=b,
-            is_greedy=torch.tensor([s.is_greedy for s in specs], dtype=torch.bool, device=device),
+            is_greedy=host_tensor([s.is_greedy for s in specs], torch.bool, device),
             all_greedy=False,
             is_all_sampled=not any(s.is_greedy for s in specs),
-            temperature=torch.tensor([s.temperature for s in specs], dtype=torch.float32, device=device),
-            keys=keys.to(device),
-            top_k=torch.tensor([s.top_k for s in specs], dtype=torch.int64, device=device) if any_k else None,
-            top_p=torch.tensor([s.top_p for s in specs], dtype=torch.float32, device=device) if any_p else None,
-            min_p=torch.tensor([s.min_p for s in specs], dtype=torch.float32, device=device) if any_min_p else None,
+            temperature=host_tensor([s.temperature for s in specs], torch.float32, device),
+            keys=to_device(keys, device),
+            top_k=host_tensor([s.top_k for s in specs], torch.int64, device) if any_k else None,
+            top_p=host_tensor([s.top_p for s in specs], torch.float32, device) if any_p else None,
+            min_p=host_tensor([s.min_p for s in specs], torch.float32, device) if any_min_p else None,
             penalties=None, suppress=None, bitmask=None, num_logprobs=none, max_num_logprobs=None,
         )  # fmt: skip
 
@@ -196,13 +212,13 @@ def _build_penalties(rows: Sequence[SampleRow], vocab_size: int, device) -> Pena
             seen_toks += r.prompt_token_ids
     counts = torch.zeros(b, vocab_size, dtype=torch.float32, device=device)
     if out_toks:
-        idx = (torch.tensor(out_rows, device=device), torch.tensor(out_toks, device=device))
+        idx = (host_tensor(out_rows, None, device), host_tensor(out_toks, None, device))
         counts.index_put_(idx, torch.ones(len(out_toks), device=device), accumulate=True)
     seen = counts > 0
     if seen_toks:
-        seen[torch.tensor(seen_rows, device=device), torch.tensor(seen_toks, device=device)] = True
+        seen[host_tensor(seen_rows, None, device), host_tensor(seen_toks, None, device)] = True
 
     def col(name: str) -> torch.Tensor:
-        return torch.tensor([float(getattr(r.params, name)) for r in rows], device=device).unsqueeze(1)
+        return host_tensor([float(getattr(r.params, name)) for r in rows], None, device).unsqueeze(1)
 
     return PenaltyTensors(counts, seen, col("repetition_penalty"), col("frequency_penalty"), col("presence_penalty"))

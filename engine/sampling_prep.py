@@ -22,7 +22,7 @@ import torch
 
 from deepinfer.engine.request import Request
 from deepinfer.engine.sampler import LogprobsTensors, Sampler, SamplerOutput, gather_logprobs
-from deepinfer.engine.sampling_metadata import RowSpec, SampleRow, SamplingMetadata, has_penalties
+from deepinfer.engine.sampling_metadata import RowSpec, SampleRow, SamplingMetadata, has_penalties, host_tensor
 from deepinfer.engine.sched_types import SchedulerOutput
 from deepinfer.engine.structured_output import GrammarState, StructuredOutputBackend
 
@@ -175,10 +175,10 @@ class SamplingPreparer:
             prep.meta = SamplingMetadata.build(rows, self.vocab_size, device, bitmask)
             self.sampler.precompute_noise(prep.meta, self.vocab_size)
             if len(row_index) != offset or row_index[-1] != offset - 1:  # not simply every row
-                prep.row_index = torch.tensor(row_index, dtype=torch.int64, device=device)
+                prep.row_index = host_tensor(row_index, torch.int64, device)
         if prompt_index:
-            prep.prompt_index = torch.tensor(prompt_index, dtype=torch.int64, device=device)
-            prep.prompt_targets = torch.tensor(prompt_targets, dtype=torch.int64, device=device)
+            prep.prompt_index = host_tensor(prompt_index, torch.int64, device)
+            prep.prompt_targets = host_tensor(prompt_targets, torch.int64, device)
         return prep
 
     # ---- device thread ------------------------------------------------------------------

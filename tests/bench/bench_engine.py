@@ -54,20 +54,47 @@ HIDDEN_COEF = np.array([3e-3, 2e-5, 4e-6, 1e-9, 2e-9])
 
 
 class FixedCostRunner:
-    """Sleeps ``step_s`` per forward; records each forward's wall (start, end) and the calling
-    thread's CPU time at both ends (the CPU its thread spends between forwards)."""
+    """A forward of fixed cost ``step_s``; records each forward's wall (start, end) and the calling
+    thread's CPU time at both ends (the CPU its thread spends between forwards).
 
-    def __init__(self, vocab: int, step_s: float) -> None:
+    On the CPU the thread sleeps (releasing the GIL, like a native forward). On CUDA the forward
+    is a GPU kernel that spins for ``step_s`` (``torch.cuda._sleep``, calibrated at start) and the
+    logits live on the device, so sampling runs there as in a real GPU engine; the runner
+    synchronises before returning, as ``ModelRunner.execute`` requires."""
+
+    def __init__(self, vocab: int, step_s: float, device: str = "cpu") -> None:
         self.step_s = step_s
-        self.logits = torch.randn(4096, vocab, generator=torch.Generator().manual_seed(0))
+        self.device = torch.device(device)
+        self.logits = torch.randn(4096, vocab, generator=torch.Generator().manual_seed(0)).to(self.device)
         self.intervals: list[tuple[float, float, float, float]] = []
+        self._cycles = _gpu_sleep_cycles(step_s) if self.device.type == "cuda" else 0
 
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
         t0, c0 = time.perf_counter(), time.thread_time()
         logits = self.logits[: batch.num_logits]  # reading the batch is part of the forward
-        time.sleep(self.step_s)
+        if self._cycles:
+            torch.cuda._sleep(self._cycles)
+            torch.cuda.current_stream().synchronize()  # (releases the GIL while it waits)
+        else:
+            time.sleep(self.step_s)
         self.intervals.append((t0, time.perf_counter(), c0, time.thread_time()))
         return logits
+
+
+def _gpu_sleep_cycles(seconds: float) -> int:
+    """GPU clock cycles ``torch.cuda._sleep`` needs to spin for ``seconds`` (timed with events)."""
+    probe = 10_000_000
+    torch.cuda._sleep(probe)  # warm-up (module load, clocks)
+    torch.cuda.synchronize()
+    rates = []
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(probe)
+        end.record()
+        end.synchronize()
+        rates.append(probe / (start.elapsed_time(end) / 1e3))
+    return max(1, int(seconds * statistics.median(rates)))
 
 
 class QuadraticCostRunner:
@@ -86,13 +113,15 @@ class QuadraticCostRunner:
         return torch.zeros(batch.num_logits, self.vocab)
 
 
-def _core(runner, batch: int, vocab: int, cost_model=None, target=None, step_timer=time.perf_counter) -> EngineCore:
+def _core(runner, batch: int, vocab: int, cost_model=None, target=None, step_timer=time.perf_counter,
+          device: str = "cpu") -> EngineCore:
     cfg = EngineCoreConfig(
         scheduler=SchedulerConfig(block_size=64, max_num_seqs=batch, max_num_batched_tokens=32768,
                                   model_id="bench", step_time_target_s=target),
         num_blocks=batch * 8 + 64,
         vocab_size=vocab,
         eos_token_ids=(0,),
+        device=device,
     )
     return EngineCore(runner, cfg, cost_model=cost_model, seed_rng=random.Random(0), step_timer=step_timer)
 
@@ -103,9 +132,10 @@ def _fill(core: EngineCore, batch: int, greedy: bool) -> None:
         core.add_request(f"b{i}", [1 + (i + j) % 97 for j in range(32)], params)
 
 
-def _time_steps(batch: int, step_ms: float, vocab: int, num_steps: int, greedy: bool, pipelined: bool) -> dict:
-    runner = FixedCostRunner(vocab, step_ms / 1e3)
-    core = _core(runner, batch, vocab)
+def _time_steps(batch: int, step_ms: float, vocab: int, num_steps: int, greedy: bool, pipelined: bool,
+                device: str = "cpu") -> dict:
+    runner = FixedCostRunner(vocab, step_ms / 1e3, device)
+    core = _core(runner, batch, vocab, device=device)
     _fill(core, batch, greedy)
     with ThreadPoolExecutor(1) as ex:
         pipe = StepPipeline(core, ex)
@@ -124,12 +154,13 @@ def _time_steps(batch: int, step_ms: float, vocab: int, num_steps: int, greedy: 
             "gap_cpu_s": statistics.median(b[2] - a[3] for a, b in zip(iv, iv[1:]))}  # fmt: skip
 
 
-def measure_overhead(batch: int, step_ms: float, vocab: int, num_steps: int, greedy: bool, repeats: int) -> dict:
+def measure_overhead(batch: int, step_ms: float, vocab: int, num_steps: int, greedy: bool, repeats: int,
+                     device: str = "cpu") -> dict:
     """Sync and pipelined runs alternate; the best (least disturbed) run of each counts."""
     sync = pipe = None
     for _ in range(repeats):
-        s = _time_steps(batch, step_ms, vocab, num_steps, greedy, False)
-        p = _time_steps(batch, step_ms, vocab, num_steps, greedy, True)
+        s = _time_steps(batch, step_ms, vocab, num_steps, greedy, False, device)
+        p = _time_steps(batch, step_ms, vocab, num_steps, greedy, True, device)
         sync = s if sync is None or s["step_s"] < sync["step_s"] else sync
         pipe = p if pipe is None or p["step_s"] < pipe["step_s"] else pipe
     overhead = max(sync["step_s"] - sync["forward_s"], 1e-9)
@@ -174,6 +205,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=40, help="measured steps per configuration")
     p.add_argument("--batches", default="1,64,256")
     p.add_argument("--sampled", action="store_true", help="temperature 0.8 instead of greedy")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where the fake model's logits live and sampling runs (cuda: the forward is a "
+                        "fixed-length GPU kernel; part 1 only)")
     p.add_argument("--repeats", type=int, default=5, help="sync/pipelined run pairs per batch; the best of each counts")
     p.add_argument("--tiny-batches", default="1,8", help="batch sizes of the transformers comparison")
     p.add_argument("--prompt-len", type=int, default=256)
@@ -186,15 +220,17 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="few steps and a smaller real model (for tests)")
     p.add_argument("--default-interpreter", action="store_true", help="skip tune_interpreter_for_serving()")
     args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is available")
     torch.set_num_threads(1)
     if not args.default_interpreter:
         tune_interpreter_for_serving()
     steps = 5 if args.quick else args.steps
-    rep = Report(f"engine overhead per step (fake model {args.step_ms} ms, vocab {args.vocab}, "
+    rep = Report(f"engine overhead per step (fake model {args.step_ms} ms on {args.device}, vocab {args.vocab}, "
                  f"{'temperature 0.8' if args.sampled else 'greedy'}); then the tiny V4 model")
     for b in [int(x) for x in args.batches.split(",")]:
         r = measure_overhead(b, args.step_ms, args.vocab, steps, greedy=not args.sampled,
-                             repeats=1 if args.quick else args.repeats)
+                             repeats=1 if args.quick else args.repeats, device=args.device)
         rep.row(part="fake", batch=b, sync_ms=r["sync_ms"], pipelined_ms=r["pipelined_ms"], forward_ms=r["forward_ms"],
                 overhead_ms=r["overhead_ms"], device_gap_ms=r["device_gap_ms"], hidden=r["hidden"],
                 overhead_cpu_ms=r["overhead_cpu_ms"], device_gap_cpu_ms=r["device_gap_cpu_ms"], hidden_cpu=r["hidden_cpu"])

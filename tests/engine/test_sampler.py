@@ -256,3 +256,11 @@ def test_noise_drawn_ahead_gives_the_same_tokens():
         assert ahead.noise is not None
         assert torch.equal(Sampler()(logits, ahead).token_ids, Sampler()(logits, plain).token_ids)
         assert plain.is_all_sampled == (chosen[0].temperature > 0 and all(p.temperature > 0 for p in chosen))
+
+
+def test_token_hash32_holds_the_same_bits_as_token_hash():
+    noise = GumbelNoise()
+    for vocab in (5, 4096, 129_280):
+        th, th32 = noise.token_hash(vocab, torch.device("cpu")), noise.token_hash32(vocab, torch.device("cpu"))
+        assert th32.dtype == torch.int32 and bool((th32 < 0).any()) == bool((th >= 1 << 31).any())
+        assert torch.equal(th32.to(torch.int64) & 0xFFFFFFFF, th)
