@@ -36,6 +36,11 @@ class Envs:
     kv_host_tier_bytes: int = 0
     # Seconds a prefix-block read from the KV store may take before the rest is recomputed.
     kv_load_deadline_s: float = 0.25
+    # The erasure-coded KV storage cluster, unless --kv-store-nodes is given: storage node
+    # addresses (tcp://HOST:PORT,...) or a cluster config file ("" = none).
+    kv_store_nodes: str = ""
+    # K+M erasure coding of a KV store address list, unless --kv-store-ec is given ("" = 10+2).
+    kv_store_ec: str = ""
 
 
 _ENV_NAMES = {
@@ -48,6 +53,8 @@ _ENV_NAMES = {
     "max_bulk_bytes": "DEEPINFER_MAX_BULK_BYTES",
     "kv_host_tier_bytes": "DEEPINFER_KV_HOST_TIER_BYTES",
     "kv_load_deadline_s": "DEEPINFER_KV_LOAD_DEADLINE_S",
+    "kv_store_nodes": "DEEPINFER_KV_STORE_NODES",
+    "kv_store_ec": "DEEPINFER_KV_STORE_EC",
 }
 
 

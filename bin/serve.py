@@ -22,7 +22,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ENGINE_FLAGS = ("dtype", "device", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks",
                 "block_size", "max_num_waiting", "seed", "num_threads", "swa_replay", "swa_replay_tokens",
                 "swa_store_slots", "swa_snapshot_prompts", "swa_fetch_deadline_s", "swa_directory", "swa_node_name",
-                "swa_peer_host", "kv_host_tier_bytes", "kv_store_dir", "kv_load_deadline_s")
+                "swa_peer_host", "kv_host_tier_bytes", "kv_store_dir", "kv_store_nodes", "kv_store_ec",
+                "kv_load_deadline_s")
 
 
 def add_parser(subparsers, name):
@@ -121,6 +122,17 @@ def add_swa_arguments(p, *, is_node: bool = False) -> None:
                    help=f"host-memory KV tier size (default ${env['kv_host_tier_bytes']}, else 0: none)")
     k.add_argument("--kv-store-dir", default=None, metavar="DIR",
                    help="filesystem KV store shared by the engines of this host (default: none)")
+    k.add_argument("--kv-store-nodes", default=None, metavar="ADDRS|FILE",
+                   help="erasure-coded storage cluster (`deepinfer storage` daemons) for KV blocks: comma-separated "
+                        "node addresses tcp://HOST:PORT (NAME=tcp://... to use the nodes' names; engines sharing a "
+                        "cluster must list the same nodes, as objects are placed by name), or a cluster config file "
+                        "whose role = \"storage\" nodes and [storage] ec_k/ec_m are used. A dead or slow cluster "
+                        "only costs recomputation. Not with --kv-store-dir "
+                        f"(default ${env['kv_store_nodes']}, else none)")
+    k.add_argument("--kv-store-ec", default=None, metavar="K+M",
+                   help="erasure coding of a --kv-store-nodes address list: K data + M parity fragments per block, "
+                        "K+M <= the node count; every engine sharing the cluster must use the same "
+                        f"(default ${env['kv_store_ec']}, else 10+2)")
     k.add_argument("--kv-load-deadline", dest="kv_load_deadline_s", type=float, default=None, metavar="S",
                    help=f"seconds a prefix-block read from the KV store may take before recomputing "
                         f"(default ${env['kv_load_deadline_s']}, else 0.25)")
@@ -158,15 +170,31 @@ def _check_args(args) -> None:
         if args.swa_directory is not None:
             raise CliError("give --swa-directory-bind (host the directory here) or --swa-directory (join one), "
                            "not both", code=2)
+    if args.kv_store_dir is not None and args.kv_store_nodes is not None:
+        raise CliError("give --kv-store-dir (a filesystem store) or --kv-store-nodes (a storage cluster), not both",
+                       code=2)
+    if args.kv_store_ec is not None and args.kv_store_nodes is None and not envs.get().kv_store_nodes:
+        raise CliError("--kv-store-ec needs --kv-store-nodes (the cluster it describes)", code=2)
     if args.disaggregated:
         given = [f"--{f.replace('_', '-')}" for f in ("swa_directory_bind", "swa_directory", "swa_node_name",
-                                                      "swa_peer_host", "kv_host_tier_bytes", "kv_store_dir")
+                                                      "swa_peer_host", "kv_host_tier_bytes", "kv_store_dir",
+                                                      "kv_store_nodes", "kv_store_ec")
                  if getattr(args, f) is not None]
         if given:
             raise CliError(f"{given[0]} is not used with --disaggregated (the gateway hosts the SWA directory; "
                            "the engines keep no KV tiers yet)", code=2)
     if args.served_model_name is not None and not all(n.strip() for n in args.served_model_name):
         raise CliError("--served-model-name must not be blank", code=2)
+
+
+# EngineOptions field names in validation messages -> the flags a serve user typed
+_FLAG_NAMES = {"kv_store_nodes": "--kv-store-nodes", "kv_store_ec": "--kv-store-ec", "kv_store_dir": "--kv-store-dir"}
+
+
+def _flag_message(message: str) -> str:
+    for field_name, flag in _FLAG_NAMES.items():
+        message = message.replace(field_name, flag)
+    return message
 
 
 def _model_dir(args) -> tuple[Path, bool]:
@@ -216,7 +244,7 @@ def run(args) -> int:
 
 
 def _run(args) -> int:
-    from deepinfer.engine.engine_factory import EngineOptions, EngineOptionsError
+    from deepinfer.engine.engine_factory import EngineOptions, EngineOptionsError, kv_store_cluster
     from deepinfer.runtime import loop
     from deepinfer.runtime.gateway.config import GatewayConfig
     from deepinfer.runtime.gateway.launcher import LaunchSpec, launch
@@ -231,13 +259,14 @@ def _run(args) -> int:
         options["show_progress"] = not args.no_progress
     try:
         # bad values fail here, before anything loads (a directory hosted here is joined like any)
-        EngineOptions.from_kwargs(**options, **({"swa_directory": args.swa_directory_bind}
-                                                if args.swa_directory_bind else {}))
+        checked = EngineOptions.from_kwargs(**options, **({"swa_directory": args.swa_directory_bind}
+                                                          if args.swa_directory_bind else {}))
+        kv_store_cluster(checked)  # with DEEPINFER_KV_STORE_NODES / _EC applied
         gateway = GatewayConfig(served_model_names=names, api_key=args.api_key,
                                 max_concurrent_requests=args.max_concurrent_requests,
                                 shutdown_grace_s=args.shutdown_grace)
     except (EngineOptionsError, ValueError) as exc:
-        raise CliError(str(exc), code=2) from None
+        raise CliError(_flag_message(str(exc)), code=2) from None
     logging.basicConfig(level=envs.get().log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     spec = LaunchSpec(model_dir, args.host, args.port, gateway, options, swa_directory_bind=args.swa_directory_bind)
     try:

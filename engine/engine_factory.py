@@ -12,7 +12,8 @@ SWA slots: ``swa_replay`` sets how a prefix hit's sliding-window state is replay
 store (``swa_store_slots``) saves finished sequences' states so a continuation restores them
 (engine/swa_slots.py). With ``swa_directory`` the engine also shares slots with other engines;
 the sockets for that start on the serving loop (AsyncEngine, engine/swa_peer.py). KV tiers
-(``kv_host_tier_bytes``, ``kv_store_dir``) extend the prefix cache past the device pool.
+(``kv_host_tier_bytes``, ``kv_store_dir`` or the storage cluster ``kv_store_nodes``) extend the prefix
+cache past the device pool.
 """
 
 from __future__ import annotations
@@ -94,6 +95,12 @@ class EngineOptions:
     # the device pool. None: DEEPINFER_KV_HOST_TIER_BYTES (0 = none) / DEEPINFER_KV_LOAD_DEADLINE_S
     kv_host_tier_bytes: int | None = None
     kv_store_dir: str | None = None  # a filesystem KV store shared by the engines of this host
+    # the erasure-coded storage cluster (engine/kv_store_cluster.py): storage node addresses
+    # ("tcp://H:P,tcp://H:P,..." or a list) or a cluster config file with storage nodes; None:
+    # DEEPINFER_KV_STORE_NODES ("" = none). Not with kv_store_dir. kv_store_ec: "K+M" of an
+    # address list (None: DEEPINFER_KV_STORE_EC, else 10+2); a config file carries its own
+    kv_store_nodes: str | tuple[str, ...] | list[str] | None = None
+    kv_store_ec: str | None = None
     kv_load_deadline_s: float | None = None
 
     def __post_init__(self) -> None:
@@ -144,6 +151,13 @@ class EngineOptions:
         path = self.kv_store_dir
         _require(path is None or (isinstance(path, str) and bool(path.strip())),
                  f"kv_store_dir must be a directory path, got {path!r}")
+        if self.kv_store_nodes is not None:
+            _require(path is None, "give kv_store_dir (a filesystem store) or kv_store_nodes (a storage cluster), "
+                                   "not both")
+            _store_cluster(self.kv_store_nodes, self.kv_store_ec)  # raises for a bad value, before any load
+        elif self.kv_store_ec is not None:
+            _require(isinstance(self.kv_store_ec, str), f"kv_store_ec must be K+M, got {self.kv_store_ec!r}")
+            _store_cluster_ec(self.kv_store_ec)
 
     @property
     def num_swa_store_slots(self) -> int:
@@ -161,6 +175,24 @@ class EngineOptions:
 def _require(is_ok: bool, message: str) -> None:
     if not is_ok:
         raise EngineOptionsError(message)
+
+
+def _store_cluster(nodes, ec):
+    from deepinfer.engine.kv_store_cluster import StoreClusterError, resolve_store_cluster
+
+    try:
+        return resolve_store_cluster(nodes, ec)
+    except StoreClusterError as exc:
+        raise EngineOptionsError(str(exc)) from None
+
+
+def _store_cluster_ec(ec: str) -> None:
+    from deepinfer.engine.kv_store_cluster import StoreClusterError, parse_ec
+
+    try:
+        parse_ec(ec)
+    except StoreClusterError as exc:
+        raise EngineOptionsError(str(exc)) from None
 
 
 def _is_int(v) -> bool:
@@ -271,7 +303,8 @@ def build_engine(model_dir: str | Path, options: EngineOptions) -> EngineParts:
 def _build_kv_offload(runner: ModelRunner, options: EngineOptions) -> KVOffload | None:
     env = envs.get()
     host_bytes = env.kv_host_tier_bytes if options.kv_host_tier_bytes is None else options.kv_host_tier_bytes
-    if not host_bytes and not options.kv_store_dir:
+    cluster = kv_store_cluster(options)
+    if not host_bytes and not options.kv_store_dir and cluster is None:
         return None
     deadline = env.kv_load_deadline_s if options.kv_load_deadline_s is None else options.kv_load_deadline_s
     if not deadline > 0:
@@ -281,5 +314,32 @@ def _build_kv_offload(runner: ModelRunner, options: EngineOptions) -> KVOffload 
         from deepinfer.cache.store.fs_backend import FsStore
 
         store = FsStore(Path(options.kv_store_dir).expanduser())
+    elif cluster is not None:
+        from deepinfer.engine.kv_store_cluster import build_cluster_store
+
+        store = build_cluster_store(cluster)
+        log.info("KV store: %s", cluster.describe())
+    # the cluster store's sockets start on KVOffload's I/O loop, which serves every store call
+    # (the serving loop never decodes fragments); KVOffload.close closes them
     return KVOffload.build(runner, host_capacity_bytes=host_bytes, store=store,
                            config=KVOffloadConfig(load_deadline_s=float(deadline)))
+
+
+def kv_store_cluster(options: EngineOptions):
+    """The storage cluster ``options`` (or DEEPINFER_KV_STORE_NODES / _EC) name; None: no cluster.
+    The environment applies only when the options name no store; naming both is an error."""
+    env = envs.get()
+    nodes, ec = options.kv_store_nodes, options.kv_store_ec
+    if nodes is None and env.kv_store_nodes:
+        if options.kv_store_dir:
+            raise EngineOptionsError("DEEPINFER_KV_STORE_NODES and kv_store_dir both name a KV store; unset one")
+        nodes = env.kv_store_nodes
+    if nodes is None:
+        return None
+    if ec is None and env.kv_store_ec and not _is_config_path(nodes):
+        ec = env.kv_store_ec
+    return _store_cluster(nodes, ec)
+
+
+def _is_config_path(nodes) -> bool:
+    return isinstance(nodes, str) and "://" not in nodes

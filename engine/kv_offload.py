@@ -42,6 +42,7 @@ from deepinfer.cache.block_pool import BlockPool
 from deepinfer.cache.kv_block_codec import BlockCodec, BlockCodecError
 from deepinfer.cache.kv_tiers import TIER_DEVICE, TIER_HOST, TIER_STORE, KVTiers, StoreRead
 from deepinfer.cache.store.api import GetStatus, deadline_after
+from deepinfer.engine.kv_store_health import StoreHealth
 from deepinfer.engine.request import Request
 
 log = logging.getLogger(__name__)
@@ -69,13 +70,14 @@ class KVOffloadStats:
     num_store_blocks_hit: int = 0
     num_deadline_misses: int = 0  # store reads that missed their deadline (the rest recomputed)
     num_store_unavailable: int = 0
+    num_store_reads_skipped: int = 0  # lookups that did not ask the store: it failed recently (kv_store_health.py)
     num_bad_payloads: int = 0  # blocks whose bytes did not fit the layout (treated as misses)
     num_loaded_host: int = 0  # blocks written into the device from the host tier
     num_loaded_store: int = 0  # ... from the store
     num_copied_out: int = 0  # blocks read from the device for write-behind
     num_written_store: int = 0
     num_store_write_failures: int = 0
-    num_store_writes_dropped: int = 0  # blocks not written: too many batches in flight
+    num_store_writes_dropped: int = 0  # blocks not written: too many batches in flight, or the store is out
 
 
 @dataclass(slots=True)
@@ -107,13 +109,15 @@ class KVOffload:
         self._load_done = threading.Event()
         self._copy_out: list[tuple[int, BlockHash]] = []  # registered, not yet read from the device
         self._device_writes: dict[int, tuple[BlockHash, dict[str, torch.Tensor]]] = {}  # block id -> rows
-        self._store_writes: set[Future] = set()
+        self._store_writes: dict[Future, int] = {}  # write-behind in flight -> its number of blocks
         self._store_lock = threading.Lock()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-write-behind")
         self._loop = asyncio.new_event_loop()
         self._io_thread = threading.Thread(target=self._loop.run_forever, name="kv-tiers-io", daemon=True)
         self._io_thread.start()
         self._closed = False
+        self.store_health = StoreHealth()
+        self._probe: Future | None = None
         store_start = getattr(tiers.store, "start", None)
         if store_start is not None:  # e.g. ClusterStore: its sockets live on the I/O loop
             try:
@@ -121,6 +125,23 @@ class KVOffload:
             except BaseException:
                 self.close()
                 raise
+        if hasattr(tiers.store, "node_stats"):  # a cluster: say at once which nodes do not answer
+            self._probe = self._run_io(self._probe_cluster())
+
+    async def _probe_cluster(self) -> None:
+        from deepinfer.cache.store.probe import probe_cluster
+
+        try:
+            probe = await probe_cluster(self.tiers.store)
+        except Exception as exc:  # noqa: BLE001 - a probe is advice; reads and writes judge the store anyway
+            log.debug("kv store probe failed: %s", exc)
+            return
+        if not probe.is_usable:
+            self.store_health.on_failure(f"at start, {probe.describe()}")
+        elif probe.silent:
+            log.warning("kv store at start: %s; objects are read from the others", probe.describe())
+        else:
+            log.info("kv store: %s", probe.describe())
 
     @classmethod
     def build(cls, runner, *, host_capacity_bytes: int = 0, store=None,
@@ -142,6 +163,8 @@ class KVOffload:
         with self._store_lock:
             pending = list(self._store_writes)
         pending += [load.future for load in self._loads.values() if load.future is not None]
+        if self._probe is not None:
+            pending.append(self._probe)
         for fut in pending:
             fut.cancel()
         close = getattr(self.tiers.store, "close", None)
@@ -170,6 +193,10 @@ class KVOffload:
             if not rest or not self.tiers.has_store:
                 load.is_done = True
                 return True
+            if not self.store_health.can_try():  # it failed a moment ago: recompute, do not wait on it
+                load.is_done = True
+                self.stats.num_store_reads_skipped += 1
+                return True
             load.hashes = list(rest)
             load.give_up_at = time.monotonic() + self.config.load_deadline_s * 1.5 + 0.05
             load.future = self._run_io(self.tiers.read_store(load.hashes, deadline_after(self.config.load_deadline_s)))
@@ -193,24 +220,36 @@ class KVOffload:
             try:
                 read = fut.result()
             except Exception as exc:  # noqa: BLE001 - a broken store must never fail the request
-                log.warning("request %s: store read failed (%s); recomputing", request_id, exc)
+                log.debug("request %s: store read failed (%s); recomputing", request_id, exc)
                 self.stats.num_store_unavailable += 1
+                self.store_health.on_failure(f"a read raised {type(exc).__name__}: {exc}")
                 return
             load.staged = dict(zip(load.hashes, read.blocks))
             self.stats.num_store_blocks_hit += len(read.blocks)
             if read.is_deadline_miss:
                 self.stats.num_deadline_misses += 1
-                log.info("request %s: store read missed its %.0f ms deadline after %d of %d blocks; recomputing the rest",
-                         request_id, self.config.load_deadline_s * 1e3, len(read.blocks), len(load.hashes))
+                log.debug("request %s: store read missed its %.0f ms deadline after %d of %d blocks; recomputing the rest",
+                          request_id, self.config.load_deadline_s * 1e3, len(read.blocks), len(load.hashes))
             elif read.end_status == GetStatus.UNAVAILABLE:
                 self.stats.num_store_unavailable += 1
+            self._judge_read(read, len(load.hashes))
         elif time.monotonic() >= load.give_up_at:  # the store call itself overran: never wait on it
             fut.cancel()
             load.is_done = True
             self._num_pending_loads -= 1
             self.stats.num_deadline_misses += 1
-            log.info("request %s: store read of %d blocks still running past its deadline; recomputing",
-                     request_id, len(load.hashes))
+            self.store_health.on_failure(f"a read of {len(load.hashes)} blocks was still running "
+                                         f"{self.config.load_deadline_s * 1.5 + 0.05:.2f} s after it started")
+
+    def _judge_read(self, read: StoreRead, num_asked: int) -> None:
+        """A read that got any answer (a block, or a plain miss) shows the store is up."""
+        if read.blocks or read.end_status in (None, GetStatus.MISS):
+            self.store_health.on_answer()
+        elif read.is_deadline_miss:
+            self.store_health.on_failure(f"no block of a {num_asked}-block read arrived within its "
+                                         f"{self.config.load_deadline_s * 1e3:.0f} ms deadline")
+        else:
+            self.store_health.on_failure(f"a read of {num_asked} blocks found too few storage nodes up")
 
     def extend_hits(self, req: Request, pool: BlockPool, hits: list[int], hashes: Sequence[BlockHash]) -> list[int]:
         """``hits`` (device blocks of ``hashes``' leading run) extended by blocks the host tier
@@ -323,29 +362,35 @@ class KVOffload:
         if not (self.config.write_to_store and self.tiers.has_store):
             return
         with self._store_lock:
-            if len(self._store_writes) >= self.config.max_store_writes_in_flight:
+            if len(self._store_writes) >= self.config.max_store_writes_in_flight or not self.store_health.can_try():
                 self.stats.num_store_writes_dropped += len(hashes)
                 return
             fut = self._run_io(self.tiers.write_store(list(zip(hashes, payloads)), traffic_class=self.config.traffic_class,
                                                       deadline=deadline_after(self.config.write_deadline_s)))
-            self._store_writes.add(fut)
+            self._store_writes[fut] = len(hashes)
         fut.add_done_callback(self._on_store_written)
 
     def _on_store_written(self, fut: Future) -> None:
         with self._store_lock:
-            self._store_writes.discard(fut)
-        if fut.cancelled():
+            num_blocks = self._store_writes.pop(fut, 0)
+        if fut.cancelled():  # abandoned by close(): not written, and counted so
+            self.stats.num_store_writes_dropped += num_blocks
             return
         exc = fut.exception()
         if exc is not None:
-            log.warning("kv write-behind to the store failed: %s", exc)
             self.stats.num_store_write_failures += 1
+            self.store_health.on_failure(f"a write-behind raised {type(exc).__name__}: {exc}")
             return
         res = fut.result()
         self.stats.num_written_store += res.num_ok
         self.stats.num_store_write_failures += res.num_failed
-        if res.num_failed:
-            log.info("kv write-behind: %d blocks not stored (%s)", res.num_failed, res.first_error)
+        if res.num_ok:
+            self.store_health.on_answer()
+        elif res.num_failed:
+            self.store_health.on_failure(f"no block of a {res.num_failed}-block write-behind was stored "
+                                         f"({res.first_error})")
+        if res.num_failed and res.num_ok:
+            log.debug("kv write-behind: %d blocks not stored (%s)", res.num_failed, res.first_error)
 
     # ---- waiting (engine loops and tests) -------------------------------------------------
     @property
