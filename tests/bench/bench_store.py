@@ -13,6 +13,13 @@
    - SIGKILL two daemons (the client is not told: hedging and suspicion alone route around
      them) and get everything again; count reads that did not return byte-identical data.
 
+3. ``--engine-ttft``: an AsyncEngine on the built-in tiny model started with
+   ``kv_store_nodes`` = those daemons (``deepinfer serve --kv-store-nodes``): per repetition a
+   fresh ``--engine-prompt-len``-token prompt is computed (TTFT "computed"), its blocks are
+   written behind to the cluster, the device prefix cache is dropped (as eviction by other
+   prompts would), and the same prompt is asked again (TTFT "store": blocks read from the
+   cluster, then the exact SWA replay of sliding_window x layers tokens and the prompt's tail).
+
 GB/s = object (logical) bytes / wall time. Every daemon and this process share the machine's
 cores: on a small machine this measures the software path under CPU contention, not disks.
 
@@ -20,7 +27,9 @@ JSON keys: ``ec_encode_GBps``, ``pyeclib_encode_GBps``, ``ec_decode_GBps``, ``py
 (2 data fragments missing), ``ec_decode_verify_GBps`` (with the CRC pass),
 ``ec_decode_all_data_GBps``/``pyeclib_decode_all_data_GBps`` (every data fragment at hand),
 ``cluster_put_GBps``, ``cluster_get_GBps``, ``cluster_get_GBps_2_down``, ``reads_failed_2_down``,
-``hedged_read_p99_ratio_one_slow`` (+ the two p99s in ms), ``num_cpus``, ``num_nodes``, ``k``, ``m``.
+``hedged_read_p99_ratio_one_slow`` (+ the two p99s in ms), ``num_cpus``, ``num_nodes``, ``k``, ``m``;
+with ``--engine-ttft``: ``engine_ttft_ms_computed``, ``engine_ttft_ms_store`` (medians),
+``engine_store_cached_tokens``, ``engine_prompt_len``.
 """
 
 from __future__ import annotations
@@ -56,7 +65,14 @@ def parse_args(argv):
     p.add_argument("--codec-repeat", type=int, default=20, help="encode/decode samples per path")
     p.add_argument("--slow-reads", type=int, default=240, help="single-object reads per side of the p99 comparison")
     p.add_argument("--slow-delay-ms", type=float, default=200.0, help="delay of the slow daemon")
+    p.add_argument("--engine-ttft", action="store_true",
+                   help="also measure an engine's TTFT of a prompt served from the cluster vs computed")
+    p.add_argument("--engine-prompt-len", type=int, default=4000, help="prompt tokens of --engine-ttft")
+    p.add_argument("--engine-reps", type=int, default=3, help="prompts measured by --engine-ttft")
+    p.add_argument("--skip-throughput", action="store_true", help="skip the codec and get/put figures")
     args = p.parse_args(argv)
+    if args.engine_prompt_len < 256 or args.engine_reps < 1:
+        p.error("--engine-prompt-len must be >= 256 and --engine-reps >= 1")
     if args.nodes < args.k + args.m:
         p.error(f"--nodes {args.nodes} cannot hold a coding group of k+m = {args.k + args.m}")
     if args.m < 2:
@@ -165,6 +181,55 @@ async def bench_cluster(args, cluster: LocalCluster, report: Report) -> None:
         report.figure("client_hedged_reads", store.stats.num_hedged)
 
 
+async def bench_engine_ttft(args, cluster: LocalCluster, report: Report) -> None:
+    from deepinfer.engine.async_engine import AsyncEngine
+    from deepinfer.engine.sampling_params import SamplingParams
+    from deepinfer.runtime.gateway.builtin_model import ensure_builtin_model
+
+    model_dir, _ = ensure_builtin_model(show_progress=False)
+    engine = await AsyncEngine.start(
+        model=str(model_dir), device="cpu", max_num_seqs=1, max_model_len=args.engine_prompt_len + 64,
+        kv_store_nodes=",".join(cluster.addresses.values()), kv_store_ec=f"{args.k}+{args.m}", kv_load_deadline_s=30.0)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+
+    async def ttft(ids):
+        t0, first, tokens, last = time.perf_counter(), None, [], None
+        async for out in engine.generate({"prompt_token_ids": ids}, params):
+            first = first if first is not None else time.perf_counter() - t0
+            tokens += out.outputs[0].token_ids
+            last = out
+        return first, tokens, last
+
+    try:
+        offload = engine.core.kv_offload
+        computed, from_store, cached = [], [], []
+        for rep in range(args.engine_reps):
+            rng = random.Random(1000 + rep)
+            ids = [rng.randrange(10, 4000) for _ in range(args.engine_prompt_len)]
+            seconds, want, out = await ttft(ids)
+            assert out.num_cached_tokens == 0
+            computed.append(seconds)
+            num_blocks = (len(ids) - 1) // engine.options.block_size
+            written = offload.stats.num_written_store + num_blocks
+            while offload.stats.num_written_store < written:  # write-behind reaches the cluster
+                await asyncio.sleep(0.05)
+            engine.core.scheduler.pool.evict_all_unreferenced()  # as other prompts would
+            seconds, got, out = await ttft(ids)
+            assert got == want, "a store hit changed the tokens"
+            from_store.append(seconds)
+            cached.append(out.metrics.cached_tokens_by_tier.get("store", 0))
+    finally:
+        await engine.shutdown()
+    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    note = f"{args.engine_prompt_len}-token prompt, tiny model, median of {args.engine_reps}"
+    report.row(measure="engine_ttft_computed", ms=median(computed) * 1e3, note=note)
+    report.row(measure="engine_ttft_store", ms=median(from_store) * 1e3, note=f"{median(cached)} tokens from the cluster")
+    report.figure("engine_ttft_ms_computed", median(computed) * 1e3)
+    report.figure("engine_ttft_ms_store", median(from_store) * 1e3)
+    report.figure("engine_store_cached_tokens", median(cached))
+    report.figure("engine_prompt_len", args.engine_prompt_len)
+
+
 def main(argv) -> int:
     args = parse_args(argv)
     report = Report(f"store: k={args.k} m={args.m}, {args.nodes} local daemons, {os.cpu_count()} CPUs shared by all")
@@ -172,10 +237,15 @@ def main(argv) -> int:
     report.figure("num_nodes", args.nodes)
     report.figure("k", args.k)
     report.figure("m", args.m)
-    bench_codec(args, report)
-    capacity = f"{max(1, 4 * args.object_size * args.num_objects // args.k // MiB)}MiB"
+    if not args.skip_throughput:
+        bench_codec(args, report)
+    floor_mib = 256 if args.engine_ttft else 1  # the engine writes every prompt block behind
+    capacity = f"{max(floor_mib, 4 * args.object_size * args.num_objects // args.k // MiB)}MiB"
     with tempfile.TemporaryDirectory(prefix="bench-store-") as root:
         with LocalCluster(root, args.nodes, capacity=capacity, extra_args=["--debug-hooks"]) as cluster:
-            runtime_loop.run(bench_cluster(args, cluster, report))
+            if args.engine_ttft:  # first: the throughput part kills two daemons
+                runtime_loop.run(bench_engine_ttft(args, cluster, report))
+            if not args.skip_throughput:
+                runtime_loop.run(bench_cluster(args, cluster, report))
     report.finish(args.json)
     return 0
