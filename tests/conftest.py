@@ -2,9 +2,34 @@
 
 from __future__ import annotations
 
+import importlib.util
 import socket
+import sys
+from pathlib import Path
+from types import ModuleType
 
 import pytest
+
+TESTS_DIR = Path(__file__).parent
+
+
+def load_test_helper(path: str) -> ModuleType:
+    """Import ``tests/<path>.py`` once, under its file name as the module name.
+
+    tests/ has no packages (pytest's importlib import mode), so a test cannot import a sibling
+    helper by name; test modules call this at import time:
+    ``harness = load_test_helper("runtime/gateway_harness")`` (import it with
+    ``from tests.conftest import load_test_helper``: pytest registers this file as tests.conftest)."""
+    file = TESTS_DIR / f"{path}.py"
+    name = file.stem
+    if name not in sys.modules:
+        if not file.is_file():
+            raise FileNotFoundError(f"no test helper {file}")
+        spec = importlib.util.spec_from_file_location(name, file)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # before running it, so its own imports of it resolve
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 def free_port() -> int:

@@ -5,10 +5,6 @@ blocks load."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
@@ -18,19 +14,12 @@ from deepinfer.cache.kv_tiers import TIER_DEVICE, TIER_HOST, TIER_STORE
 from deepinfer.cache.store.fs_backend import FsStore
 from deepinfer.engine.kv_offload import KVOffload, KVOffloadConfig
 from deepinfer.engine.kv_tier_metrics import KVTierCollector
+from tests.conftest import load_test_helper
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def _helper(name):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-h = _helper("kv_tiers_harness")
+h = load_test_helper("engine/kv_tiers_harness")
 PROMPT_LEN = 600  # 4 full blocks can hit ((600 - 1) // 128), 5 blocks with the outputs
 
 

@@ -5,8 +5,6 @@ them and streams the same greedy tokens."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import sys
 import time
 from pathlib import Path
 
@@ -17,19 +15,12 @@ from deepinfer.cache.store.fs_backend import FsStore
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.engine.engine_factory import EngineOptions, EngineParts
 from deepinfer.engine.kv_offload import KVOffload, KVOffloadConfig
+from tests.conftest import load_test_helper
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def _helper(name):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-h = _helper("kv_tiers_harness")
+h = load_test_helper("engine/kv_tiers_harness")
 NUM_BLOCKS = 16
 
 

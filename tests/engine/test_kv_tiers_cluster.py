@@ -5,7 +5,6 @@ identical greedy tokens), and a slow or dead store falls back to recompute with 
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from deepinfer.cache.store.ec import ECConfig
 from deepinfer.cache.store.local_cluster import LocalCluster
 from deepinfer.engine.kv_offload import KVOffload, KVOffloadConfig
 from deepinfer.transport.protocol import DebugSet
+from tests.conftest import load_test_helper
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 
@@ -26,15 +26,7 @@ NUM_NODES, K, M = 6, 4, 2
 HARNESS = Path(__file__).with_name("kv_tiers_harness.py")
 
 
-def _helper(name):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, HARNESS.with_name(f"{name}.py"))
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-h = _helper("kv_tiers_harness")
+h = load_test_helper("engine/kv_tiers_harness")
 
 
 @pytest.fixture(scope="module")

@@ -9,14 +9,12 @@ transformers itself makes in bfloat16.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 from deepinfer.engine.model_runner import ModelRunner
 from deepinfer.engine.models.deepseek_v4.testing import SeqDriver, hf_prompt_logprobs, hf_reference
+from tests.conftest import load_test_helper
 
 pytestmark = [
     pytest.mark.gpu,
@@ -24,14 +22,7 @@ pytestmark = [
 ]
 
 
-def _cpu_suite():
-    spec = importlib.util.spec_from_file_location("v4_parity_cpu", Path(__file__).with_name("test_v4_parity.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-CPU = _cpu_suite()
+CPU = load_test_helper("engine/test_v4_parity")
 BLOCK_SIZE = 16
 
 

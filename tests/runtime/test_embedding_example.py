@@ -3,10 +3,7 @@ inside its own event loop, streams from it in its own handler, and can mount the
 OpenAI-compatible gateway next to its routes. Nothing owns the loop but the user's app."""
 
 import asyncio
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import aiohttp
 import openai
@@ -16,17 +13,10 @@ from aiohttp import web
 from deepinfer import AsyncEngine, SamplingParams
 from deepinfer.engine.async_engine import EngineDeadError
 from deepinfer.runtime.gateway import GatewayConfig, build_app
+from tests.conftest import load_test_helper
 
 
-def _helper(name):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-harness = _helper("gateway_harness")
+harness = load_test_helper("runtime/gateway_harness")
 MODEL_DIR = str(harness.tiny_model_dir())  # any HF-style model directory
 
 # ---- the user's application (what the README shows) ------------------------------------------

@@ -1,26 +1,16 @@
 """`deepinfer bench serve` against a FakeEngine gateway: figures are right, errors are counted."""
 
 import importlib
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from deepinfer.bin.bench import load_bench_module
 from deepinfer.runtime.gateway.config import STATE_KEY
+from tests.conftest import load_test_helper
 
 
-def _helper(name):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-harness = _helper("gateway_harness")
+harness = load_test_helper("runtime/gateway_harness")
 bench = load_bench_module("serve")
 loadgen = importlib.import_module("deepinfer_bench.serve_loadgen")
 

@@ -1,27 +1,17 @@
 """Bad input, limits, auth, aborts and the operational endpoints, against the FakeEngine."""
 
 import asyncio
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import aiohttp
 import pytest
 
 from deepinfer.runtime.gateway import EngineOverloadedError, EngineStats, GatewayConfig
 from deepinfer.runtime.gateway.config import STATE_KEY
+from tests.conftest import load_test_helper
 
 
-def _helper(name):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-harness = _helper("gateway_harness")
+harness = load_test_helper("runtime/gateway_harness")
 CHAT = "/v1/chat/completions"
 CMPL = "/v1/completions"
 HI = [{"role": "user", "content": "hi"}]

@@ -11,10 +11,7 @@ refused by aiohttp's parser with its own plain-text 400 before any application c
 """
 
 import http.client
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import msgspec
 import pytest
@@ -23,17 +20,10 @@ from hypothesis import strategies as st
 
 from deepinfer.runtime.gateway import GatewayConfig
 from deepinfer.runtime.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
+from tests.conftest import load_test_helper
 
 
-def _helper(name):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-harness = _helper("gateway_harness")
+harness = load_test_helper("runtime/gateway_harness")
 
 BODY_LIMIT = 64 * 1024
 PATHS = ["/v1/completions", "/v1/chat/completions"]

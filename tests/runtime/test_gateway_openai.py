@@ -4,23 +4,13 @@ Every test here runs once per engine in ENGINE_FACTORIES (the FakeEngine now; th
 the real tiny-model engine), so they assert only what any engine must satisfy.
 """
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import openai
 import pytest
 
-
-def _helper(name):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+from tests.conftest import load_test_helper
 
 
-harness = _helper("gateway_harness")
+harness = load_test_helper("runtime/gateway_harness")
 
 LONG_PROMPT = " ".join(["the model cache of the server keeps every prefix block"] * 12)
 

@@ -1,12 +1,9 @@
 """Pure pieces of the gateway: parameter mapping, logprob formats, error translation, embedding."""
 
 import asyncio
-import importlib.util
 import json
 import math
 import shlex
-import sys
-from pathlib import Path
 
 import aiohttp
 import msgspec
@@ -19,17 +16,10 @@ from deepinfer.runtime.gateway.openai_protocol import ChatCompletionRequest, Com
 from deepinfer.runtime.gateway.openai_responses import LOGPROB_FLOOR, chat_logprobs, completion_logprobs
 from deepinfer.runtime.gateway.prompts import decide_max_tokens, template_messages
 from deepinfer.runtime.gateway.request_params import json_depth, structured_spec
+from tests.conftest import load_test_helper
 
 
-def _helper(name):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-harness = _helper("gateway_harness")
+harness = load_test_helper("runtime/gateway_harness")
 
 
 def _chat(**fields):

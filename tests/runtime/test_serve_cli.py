@@ -1,28 +1,19 @@
 """`deepinfer serve` as a user runs it: a real process on a free loopback port, the tiny model,
 the official openai client, then SIGTERM / SIGINT -> exit status 0 within seconds."""
 
-import importlib.util
 import signal
 import sys
 import time
-from pathlib import Path
 
 import openai
 import pytest
 
 from deepinfer.bin import cli
+from tests.conftest import load_test_helper
 
 
-def _helper(name):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-harness = _helper("gateway_harness")
-proc = _helper("gateway_process")
+harness = load_test_helper("runtime/gateway_harness")
+proc = load_test_helper("runtime/gateway_process")
 Served = proc.Served
 
 

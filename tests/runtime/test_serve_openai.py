@@ -7,12 +7,9 @@ One engine + gateway serves the whole module (loop scope "module") to keep it fa
 """
 
 import asyncio
-import importlib.util
 import json
 import math
 import re
-import sys
-from pathlib import Path
 
 import aiohttp
 import jsonschema
@@ -20,16 +17,10 @@ import openai
 import pytest
 import pytest_asyncio
 
-
-def _helper(name):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+from tests.conftest import load_test_helper
 
 
-harness = _helper("gateway_harness")
+harness = load_test_helper("runtime/gateway_harness")
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(240)]
 MODEL = "deepinfer-tiny"
 

@@ -10,12 +10,10 @@ last third of the run is within a bound of the first third (no leak proportional
 
 import asyncio
 import importlib
-import importlib.util
 import os
 import re
 import signal
 import statistics
-import sys
 import threading
 import time
 import urllib.request
@@ -24,18 +22,11 @@ from pathlib import Path
 import pytest
 
 from deepinfer.bin.bench import load_bench_module
+from tests.conftest import load_test_helper
 
 
-def _helper(name):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-harness = _helper("gateway_harness")
-proc = _helper("gateway_process")
+harness = load_test_helper("runtime/gateway_harness")
+proc = load_test_helper("runtime/gateway_process")
 load_bench_module("serve")
 loadgen = importlib.import_module("deepinfer_bench.serve_loadgen")
 

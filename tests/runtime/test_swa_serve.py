@@ -3,13 +3,11 @@ errors, and a served engine saves a finished request's slot and lists it in the 
 its own process hosts (--swa-directory-bind)."""
 
 import asyncio
-import importlib.util
 import re
 import signal
 import socket
 import sys
 import urllib.request
-from pathlib import Path
 
 import openai
 import pytest
@@ -19,18 +17,11 @@ from deepinfer.cache.block_hash import extend_block_hashes, root_hash
 from deepinfer.engine.engine_factory import EngineOptions
 from deepinfer.transport.channels import RequestClient
 from deepinfer.transport.protocol import SwaDirectoryReply, SwaLocate
+from tests.conftest import load_test_helper
 
 
-def _helper(name):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-harness = _helper("gateway_harness")
-proc = _helper("gateway_process")
+harness = load_test_helper("runtime/gateway_harness")
+proc = load_test_helper("runtime/gateway_process")
 
 
 def test_swa_and_kv_tier_flags_reach_engine_options():
