@@ -132,16 +132,9 @@ class KVOffload:
         from deepinfer.cache.store.probe import probe_cluster
 
         try:
-            probe = await probe_cluster(self.tiers.store)
+            self.store_health.on_probe(await probe_cluster(self.tiers.store))
         except Exception as exc:  # noqa: BLE001 - a probe is advice; reads and writes judge the store anyway
             log.debug("kv store probe failed: %s", exc)
-            return
-        if not probe.is_usable:
-            self.store_health.on_failure(f"at start, {probe.describe()}")
-        elif probe.silent:
-            log.warning("kv store at start: %s; objects are read from the others", probe.describe())
-        else:
-            log.info("kv store: %s", probe.describe())
 
     @classmethod
     def build(cls, runner, *, host_capacity_bytes: int = 0, store=None,
@@ -232,7 +225,7 @@ class KVOffload:
                           request_id, self.config.load_deadline_s * 1e3, len(read.blocks), len(load.hashes))
             elif read.end_status == GetStatus.UNAVAILABLE:
                 self.stats.num_store_unavailable += 1
-            self._judge_read(read, len(load.hashes))
+            self.store_health.on_read(read, len(load.hashes), self.config.load_deadline_s)
         elif time.monotonic() >= load.give_up_at:  # the store call itself overran: never wait on it
             fut.cancel()
             load.is_done = True
@@ -240,16 +233,6 @@ class KVOffload:
             self.stats.num_deadline_misses += 1
             self.store_health.on_failure(f"a read of {len(load.hashes)} blocks was still running "
                                          f"{self.config.load_deadline_s * 1.5 + 0.05:.2f} s after it started")
-
-    def _judge_read(self, read: StoreRead, num_asked: int) -> None:
-        """A read that got any answer (a block, or a plain miss) shows the store is up."""
-        if read.blocks or read.end_status in (None, GetStatus.MISS):
-            self.store_health.on_answer()
-        elif read.is_deadline_miss:
-            self.store_health.on_failure(f"no block of a {num_asked}-block read arrived within its "
-                                         f"{self.config.load_deadline_s * 1e3:.0f} ms deadline")
-        else:
-            self.store_health.on_failure(f"a read of {num_asked} blocks found too few storage nodes up")
 
     def extend_hits(self, req: Request, pool: BlockPool, hits: list[int], hashes: Sequence[BlockHash]) -> list[int]:
         """``hits`` (device blocks of ``hashes``' leading run) extended by blocks the host tier

@@ -23,6 +23,10 @@ import threading
 import time
 from collections.abc import Callable
 
+from deepinfer.cache.kv_tiers import StoreRead
+from deepinfer.cache.store.api import GetStatus
+from deepinfer.cache.store.probe import ClusterProbe
+
 log = logging.getLogger(__name__)
 
 
@@ -71,3 +75,21 @@ class StoreHealth:
                         self.max_backoff_s)
         else:
             log.debug("kv store still unavailable: %s", what)
+
+    def on_read(self, read: StoreRead, num_asked: int, deadline_s: float) -> None:
+        """A read that got any answer (a block, or a plain miss) shows the store is up."""
+        if read.blocks or read.end_status in (None, GetStatus.MISS):
+            self.on_answer()
+        elif read.is_deadline_miss:
+            self.on_failure(f"no block of a {num_asked}-block read arrived within its {deadline_s * 1e3:.0f} ms deadline")
+        else:
+            self.on_failure(f"a read of {num_asked} blocks found too few storage nodes up")
+
+    def on_probe(self, probe: ClusterProbe) -> None:
+        """The start-up probe (cache/store/probe.py): an outage when fewer than k nodes answer."""
+        if not probe.is_usable:
+            self.on_failure(f"at start, {probe.describe()}")
+        elif probe.silent:
+            log.warning("kv store at start: %s; objects are read from the others", probe.describe())
+        else:
+            log.info("kv store: %s", probe.describe())

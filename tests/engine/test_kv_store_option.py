@@ -115,6 +115,9 @@ async def test_prompt_evicted_from_the_device_comes_back_from_the_cluster(cluste
     tasks_before = asyncio.all_tasks()
     engine = await _start(",".join(cluster.addresses.values()))
     try:
+        deadline = time.monotonic() + 10  # zmq connects in the background
+        while _connections_to(_ports(cluster)) < NUM_NODES and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
         assert _connections_to(_ports(cluster)) == NUM_NODES  # one DEALER per storage node
         long_prompt = _prompt(1, 1000)  # (1000 - 1) // 128 = 7 full blocks can hit
         first, out, ttft_computed = await _generate(engine, long_prompt)
