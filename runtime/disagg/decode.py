@@ -4,7 +4,9 @@ Handoffs arrive in two parts: the bulk transfer (KV buffers, ``PdKvPush`` as its
 data address, then ``PdKvReady`` on the engine RPC. On ``PdKvReady`` the engine imports the KV
 between two steps (engine/handoff.py ``admit_prefilled``: own blocks + slot, straight into
 RUNNING) and answers ``PdHandoffAck``; from then on every delta of the request goes to the
-gateway's stream (``PdOutput``), the first one being the token the prefill sampled.
+gateway's stream (``PdOutput``), the first one being the token the prefill sampled. The step
+loop is pipelined (engine_loop.py): an import stops it at the next step boundary, so the
+import is queued only once the engine has room for it.
 
 While no slot or blocks are free it keeps the transfer and renews the prefill's lease
 (``PdLeaseRenew``) until the handoff deadline, then refuses (the prefill frees its copy and the
@@ -30,6 +32,7 @@ from deepinfer.engine.handoff import (
     decode_params,
     decode_prompt_logprobs,
     encode_output,
+    has_room,
 )
 from deepinfer.runtime.disagg.engine_service import DisaggEngineService
 from deepinfer.runtime.disagg.handoff_metrics import FailureKind
@@ -97,6 +100,7 @@ class _GatewayStream:
 
 class DecodeService(DisaggEngineService):
     wire_role = WireRole.DECODE
+    is_pipelined = True
 
     def __init__(self, parts, config):
         super().__init__(parts, config)
@@ -208,6 +212,9 @@ class DecodeService(DisaggEngineService):
             deadline = time.monotonic() + self.config.handoff_timeout_s
             while True:
                 try:
+                    if not has_room(self.core, pre.num_computed_tokens):
+                        # checked here, not in the job: a queued job drains the step pipeline
+                        raise NoRoom(f"no free slot or blocks for {push.request_id!r} before the handoff deadline")
                     delta = await self.loop.between_steps(lambda: admit_prefilled(self.core, pre))
                     break
                 except NoRoom as exc:
@@ -237,11 +244,17 @@ class DecodeService(DisaggEngineService):
             if out.finished:
                 self._erids.discard(erid)
 
+        is_live = erid in self.core.scheduler.requests
+        if is_live and self._is_aborted(push):  # the abort came while the import waited for a step boundary
+            self.loop.abort(erid)
+            return PdHandoffAck(msg.handoff_id, msg.request_id, ErrorCode.NOT_FOUND, f"{push.request_id!r} was aborted")
         if delta is not None:
             to_gateway(delta)
-        if erid in self.core.scheduler.requests:
+        if is_live:
             self._erids.add(erid)
             self.loop.add_sink(erid, to_gateway)
+        elif delta is None or not delta.finished:  # a failed step ended it before its sink was added
+            to_gateway(RuntimeError(f"engine {self.node_name} dropped {push.request_id!r} right after importing it"))
         return PdHandoffAck(msg.handoff_id, msg.request_id, ErrorCode.OK)
 
     async def _renew_lease(self, push: PdKvPush) -> None:

@@ -57,6 +57,8 @@ class EngineServiceConfig:
     # prefill: the SWA slot directory (in the gateway) this engine shares its slot store through
     swa_directory: str = ""
     swa_peer_host: str = "127.0.0.1"  # where other engines reach this one's slot sockets
+    # a pipelined engine's GIL switch interval (EngineOptions.switch_interval_s; None: leave it)
+    switch_interval_s: float | None = 0.0005
 
 
 class PeerLinks:
@@ -106,6 +108,8 @@ class DisaggEngineService:
     """Base of PrefillService / DecodeService (runtime/disagg/prefill.py, decode.py)."""
 
     wire_role: WireRole
+    # step overlap (engine_loop.py): a decode pipelines; a prefill keeps commit -> export adjacent
+    is_pipelined: bool = False
 
     def __init__(self, parts: EngineParts, config: EngineServiceConfig):
         self.parts = parts
@@ -125,7 +129,9 @@ class DisaggEngineService:
     async def start(self, node) -> None:
         self.node, self.node_name, self.instance_id = node, node.name, node.instance_id
         self.metrics = HandoffMetrics(node.metrics)
-        self.loop = EngineLoop(self.core, on_scheduled=self._on_scheduled, name=node.name)
+        on_scheduled = None if self.is_pipelined else self._on_scheduled
+        self.loop = EngineLoop(self.core, on_scheduled=on_scheduled, name=node.name, is_pipelined=self.is_pipelined,
+                               switch_interval_s=self.config.switch_interval_s)
         self.loop.start()
         self.links = PeerLinks(node.ctx, node.name)
         self.server = RequestServer(self.config.engine_address, PdEngineRequest, self._handle, ctx=node.ctx,

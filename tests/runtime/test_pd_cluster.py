@@ -1,7 +1,9 @@
 """Disaggregated serving with real processes on loopback: a gateway client + 2 prefill + 2 decode
 engines (``deepinfer node`` processes under the supervisor), tiny float32 DeepSeek-V4 on CPU.
 
-Outputs must equal a co-located engine's exactly (greedy and seeded), and losing an engine
+Outputs must equal a co-located engine's exactly (greedy and seeded; the decode engines run the
+pipelined step loop, requests arrive together or at random times), aborts free the decode
+engines' requests at once, and losing an engine
 (SIGKILL / SIGSTOP) mid-stream or mid-handoff must end every request within its deadline —
 completed elsewhere with the same tokens (recompute) or with a clear error (fail) — while the
 prefill frees KV held for a dead decode instance at once. A restarted engine is a new instance
@@ -23,7 +25,9 @@ from deepinfer.engine.output_processor import merge_output
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.tiny_model import write_tiny_model
 from deepinfer.runtime.disagg.client import EngineLostError
+from deepinfer.runtime.disagg.decode import DecodeService
 from deepinfer.runtime.disagg.launch import LocalPdCluster
+from deepinfer.runtime.disagg.prefill import PrefillService
 from deepinfer.transport.protocol import FailurePolicy, PdEngineStatus, PdStatusRequest
 
 ENGINE = dict(dtype="float32", block_size=128, max_model_len=1024, num_blocks=64, max_num_seqs=16, num_threads=1)
@@ -132,6 +136,66 @@ def test_outputs_equal_colocated_for_32_mixed_requests(cluster, model_dir):
     assert handoffs["decode-0"] > 0 and handoffs["decode-1"] > 0, handoffs  # the balancer used both
     assert all(s.num_held_handoffs == 0 and s.num_pending_imports == 0 for s in statuses)
     assert all(s.handoff_bytes > 0 for s in statuses)
+
+
+def test_pipelined_decode_equals_colocated_for_32_requests_arriving_at_random_times(cluster, model_dir):
+    """The decode engines run the pipelined loop (engine_loop.py): imports land between steps
+    while other requests decode, and nothing may change a token (greedy and seeded)."""
+    pd, loop = cluster
+    reqs = _requests(32, seed=8, max_tokens=16)
+    want = _colocated(model_dir, reqs)
+    rng = random.Random(9)
+    delays = [rng.uniform(0.0, 3.0) for _ in reqs]
+
+    async def arrive(rid, prompt, params, delay_s):
+        await asyncio.sleep(delay_s)
+        return await asyncio.wait_for(_generate(pd.client, rid, prompt, params), DEADLINE_S + 10)
+
+    async def go():
+        return await asyncio.gather(*(arrive(*req, d) for req, d in zip(reqs, delays)))
+
+    assert DecodeService.is_pipelined and not PrefillService.is_pipelined
+    got = loop.run_until_complete(go())
+    assert dict(zip([r[0] for r in reqs], got)) == want
+    statuses = loop.run_until_complete(_settled_statuses(pd))
+    assert all(s.num_requests == 0 and s.num_held_handoffs == 0 and s.num_pending_imports == 0 for s in statuses)
+    assert not any(s.failures for s in statuses), [s.failures for s in statuses]
+
+
+def test_aborts_mid_decode_free_the_decode_engines_requests(cluster):
+    pd, loop = cluster
+    reqs = _requests(6, seed=10, max_tokens=700)  # ~700 steps: far longer than the test waits
+    rid2num = {rid: 0 for rid, *_ in reqs}
+
+    async def consume(rid, prompt, params):
+        async for out in pd.client.generate({"prompt_token_ids": prompt}, params, request_id=rid):
+            rid2num[rid] += len(out.outputs[0].token_ids)
+
+    async def go():
+        tasks = [asyncio.ensure_future(consume(*req)) for req in reqs]
+        try:
+            end = time.monotonic() + 60
+            while min(rid2num.values()) < 3:  # every request is decoding
+                assert time.monotonic() < end, rid2num
+                await asyncio.sleep(0.02)
+            busy = sum(s.num_requests for s in await _statuses(pd, ["decode-0", "decode-1"]))
+            t_abort = time.monotonic()
+            for rid in rid2num:
+                await pd.client.abort(rid)
+            while True:
+                sts = await _statuses(pd, ["decode-0", "decode-1"])
+                if all(s.num_requests == 0 for s in sts) or time.monotonic() - t_abort > 10:
+                    return busy, time.monotonic() - t_abort, sts
+                await asyncio.sleep(0.05)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    busy, freed_after, sts = loop.run_until_complete(go())
+    assert busy == len(reqs)
+    assert all(s.num_requests == 0 for s in sts) and freed_after < 5.0, (freed_after, [s.num_requests for s in sts])
+    assert max(rid2num.values()) < 700
 
 
 def _kill_during_streams(pd, loop, victim, reqs, *, sig=signal.SIGKILL):
