@@ -20,6 +20,8 @@ from deepinfer.engine.sched_types import PLACEHOLDER_TOKEN_ID, ScheduledSeq, Sch
 if TYPE_CHECKING:
     from deepinfer.engine.scheduler import Scheduler
 
+_by_priority = attrgetter("sort_key")  # (priority, arrival): max() is the worst
+
 
 def schedule_running(sched: Scheduler, out: SchedulerOutput, budget: StepBudget) -> None:
     # sched.running is kept in (priority, arrival) order: decodes first, then chunks
@@ -114,6 +116,3 @@ def schedule_one_running(sched: Scheduler, req: Request, out: SchedulerOutput, b
             break
     if req.status == RequestStatus.RUNNING:
         emit_chunk(req, n, drafts[: max(0, n - num_new)], out, budget)
-
-
-_by_priority = attrgetter("sort_key")  # (priority, arrival): max() is the worst
