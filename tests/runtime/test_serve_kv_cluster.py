@@ -5,10 +5,8 @@ tokens cached from the cluster and the same text."""
 
 from __future__ import annotations
 
-import importlib.util
 import signal
 import sys
-from pathlib import Path
 
 import openai
 import pytest
@@ -16,18 +14,10 @@ import pytest
 from deepinfer.bin import cli, serve
 from deepinfer.cache.store.local_cluster import LocalCluster
 from deepinfer.engine.engine_factory import EngineOptions
+from tests.conftest import load_test_helper
 
-
-def _helper(name):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-        sys.modules[name] = module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
-harness = _helper("gateway_harness")
-proc = _helper("gateway_process")
+harness = load_test_helper("runtime/gateway_harness")
+proc = load_test_helper("runtime/gateway_process")
 
 
 def test_kv_store_cluster_flags_reach_engine_options():
