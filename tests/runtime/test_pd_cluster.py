@@ -29,6 +29,9 @@ from deepinfer.runtime.disagg.decode import DecodeService
 from deepinfer.runtime.disagg.launch import LocalPdCluster
 from deepinfer.runtime.disagg.prefill import PrefillService
 from deepinfer.transport.protocol import FailurePolicy, PdEngineStatus, PdStatusRequest
+from tests.conftest import load_test_helper
+
+run_to_end = load_test_helper("runtime/pd_core_helpers").run_to_end
 
 ENGINE = dict(dtype="float32", block_size=128, max_model_len=1024, num_blocks=64, max_num_seqs=16, num_threads=1)
 DEADLINE_S = 120.0
@@ -62,12 +65,7 @@ def _colocated(model_dir, reqs):
     core = build_engine(model_dir, EngineOptions(**{k: v for k, v in ENGINE.items() if k != "num_threads"})).core
     for rid, prompt, params in reqs:
         add_resumed(core, rid, prompt, params, params.seed if params.seed is not None else 0, [])
-    acc = {}
-    for _ in range(5000):
-        if not core.has_unfinished_requests():
-            break
-        for out in core.step():
-            acc[out.request_id] = merge_output(acc.get(out.request_id), out)
+    acc = run_to_end(core)
     return {rid: acc[rid].outputs[0].token_ids for rid, *_ in reqs}
 
 

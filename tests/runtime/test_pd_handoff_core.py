@@ -4,7 +4,6 @@ text and logprobs a single co-located core produces — greedy, seeded, penaltie
 
 from __future__ import annotations
 
-import random
 
 import pytest
 
@@ -24,6 +23,10 @@ from deepinfer.engine.handoff import (
 from deepinfer.engine.output_processor import merge_output
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.tiny_model import write_tiny_model
+from tests.conftest import load_test_helper
+
+helpers = load_test_helper("runtime/pd_core_helpers")
+assert_same_outputs, mixed_requests, run_to_end = helpers.assert_same_outputs, helpers.mixed_requests, helpers.run_to_end
 
 
 @pytest.fixture(scope="module")
@@ -37,22 +40,6 @@ def _core(model_dir, **kw):
     opts = EngineOptions(dtype="float32", device="cpu", max_num_seqs=kw.pop("max_num_seqs", 8), block_size=128,
                          max_model_len=1024, num_blocks=kw.pop("num_blocks", 64), **kw)
     return build_engine(model_dir, opts).core
-
-
-def _run_to_end(core, on_step=None, max_steps=500):
-    acc = {}
-    for _ in range(max_steps):
-        if not core.has_unfinished_requests():
-            break
-        plan = core.schedule_step()
-        if on_step is not None:
-            on_step(plan)
-        if plan.is_empty:
-            continue
-        for out in core.commit_step(plan, core.sample_step(plan, core.execute(plan))):
-            acc[out.request_id] = merge_output(acc.get(out.request_id), out)
-        core.check_integrity()
-    return acc
 
 
 def _prefill(core, capture, rid, prompt, params, seed, resumed=()):
@@ -76,33 +63,15 @@ def _prefill(core, capture, rid, prompt, params, seed, resumed=()):
     raise AssertionError("prefill did not finish")
 
 
-def _requests(vocab, num):
-    rng = random.Random(11)
-    reqs = []
-    for i in range(num):
-        prompt = [rng.randrange(3, vocab) for _ in range(rng.choice([rng.randint(5, 60), rng.randint(120, 300)]))]
-        kind = i % 4
-        if kind == 0:
-            params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-        elif kind == 1:
-            params = SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=8, ignore_eos=True)
-        elif kind == 2:
-            params = SamplingParams(temperature=0.7, seed=7 + i, max_tokens=7, presence_penalty=0.5,
-                                    frequency_penalty=0.3, repetition_penalty=1.2, logprobs=2, ignore_eos=True)
-        else:
-            params = SamplingParams(temperature=0.0, max_tokens=6, min_tokens=3, prompt_logprobs=1, logprobs=1)
-        reqs.append((f"r{i}", prompt, params, 1000 + i))
-    return reqs
-
-
 @pytest.mark.timeout(300)
 def test_prefill_then_decode_equals_colocated(model_dir):
     colocated, prefill, decode = _core(model_dir), _core(model_dir), _core(model_dir)
     vocab = colocated.config.vocab_size
-    reqs = _requests(vocab, 8)
+    reqs = mixed_requests(8, seed=11, vocab=vocab, prompt_lens=((5, 60), (120, 300)), max_tokens=(6, 8),
+                          prompt_logprobs=True)
     for rid, prompt, params, seed in reqs:
         add_resumed(colocated, rid, prompt, params, seed, [])
-    want = _run_to_end(colocated)
+    want = run_to_end(colocated)
 
     capture = KvCapture()
     got = {}
@@ -120,20 +89,11 @@ def test_prefill_then_decode_equals_colocated(model_dir):
         delta = admit_prefilled(decode, pre)
         assert delta is not None and delta.outputs[0].token_ids == toks
         got[rid] = delta
-    for rid, out in _run_to_end(decode).items():
+    for rid, out in run_to_end(decode).items():
         got[rid] = merge_output(got[rid], out)
     prefill.check_integrity()
     assert not prefill.has_unfinished_requests()
-    for rid, *_ in reqs:
-        w, g = want[rid].outputs[0], got[rid].outputs[0]
-        assert g.token_ids == w.token_ids, rid
-        assert g.text == w.text, rid
-        assert g.finish_reason == w.finish_reason, rid
-        if w.logprobs is not None:
-            assert [sorted(p) for p in g.logprobs] == [sorted(p) for p in w.logprobs], rid
-            assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-5), rid
-        if want[rid].prompt_logprobs is not None:
-            assert got[rid].prompt_logprobs == want[rid].prompt_logprobs, rid
+    assert_same_outputs(got, want, [r[0] for r in reqs])
 
 
 @pytest.mark.timeout(300)
@@ -144,7 +104,7 @@ def test_resumed_request_continues_the_same_stream(model_dir):
     prompt = list(range(40, 75))
     params = SamplingParams(temperature=0.8, seed=3, max_tokens=10, frequency_penalty=0.4, ignore_eos=True)
     add_resumed(colocated, "a", prompt, params, 3, [])
-    want = _run_to_end(colocated)["a"].outputs[0]
+    want = run_to_end(colocated)["a"].outputs[0]
     k = 4
     capture = KvCapture()
     first, kv, payload = _prefill(prefill, capture, "a", prompt, params, 3, resumed=want.token_ids[:k])
@@ -152,7 +112,7 @@ def test_resumed_request_continues_the_same_stream(model_dir):
     assert kv.num_computed_tokens == len(prompt) + k
     pre = PrefilledRequest("a", prompt, want.token_ids[: k + 1], params, 3, kv.num_computed_tokens, payload)
     delta = admit_prefilled(decode, pre)
-    rest = _run_to_end(decode)["a"]
+    rest = run_to_end(decode)["a"]
     assert delta.outputs[0].token_ids + rest.outputs[0].token_ids == want.token_ids[k:]
 
 

@@ -33,9 +33,12 @@ from deepinfer.engine.handoff import (
     prefill_params,
 )
 from deepinfer.engine.output_processor import merge_output
-from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.tiny_model import write_tiny_model
 from deepinfer.runtime.disagg.engine_loop import EngineLoop
+from tests.conftest import load_test_helper
+
+helpers = load_test_helper("runtime/pd_core_helpers")
+assert_same_outputs, mixed_requests, run_to_end = helpers.assert_same_outputs, helpers.mixed_requests, helpers.run_to_end
 
 ENGINE = dict(dtype="float32", device="cpu", block_size=128, max_model_len=1024, num_threads=1)
 
@@ -114,37 +117,11 @@ class ForwardSpy:
         return getattr(self._runner, name)
 
 
-def _requests(num: int, seed: int, *, prompt_lens=((5, 60), (60, 260)), max_tokens=(6, 24)):
-    rng = random.Random(seed)
-    reqs = []
-    for i in range(num):
-        prompt = [rng.randrange(3, 4000) for _ in range(rng.randint(*rng.choice(prompt_lens)))]
-        num_tokens = rng.randint(*max_tokens)
-        kind = i % 4
-        if kind == 0:
-            params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
-        elif kind == 1:
-            params = SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=num_tokens, ignore_eos=True)
-        elif kind == 2:
-            params = SamplingParams(temperature=0.7, seed=7 + i, max_tokens=num_tokens, presence_penalty=0.5,
-                                    frequency_penalty=0.3, repetition_penalty=1.2, logprobs=2, ignore_eos=True)
-        else:
-            params = SamplingParams(temperature=0.0, max_tokens=num_tokens, min_tokens=3, logprobs=1)
-        reqs.append((f"r{seed}-{i}", prompt, params, 1000 + i))
-    return reqs
-
-
 def _colocated(model_dir, reqs) -> dict:
     core = _core(model_dir)
     for rid, prompt, params, seed in reqs:
         add_resumed(core, rid, prompt, params, seed, [])
-    acc = {}
-    for _ in range(5000):
-        if not core.has_unfinished_requests():
-            break
-        for out in core.step():
-            acc[out.request_id] = merge_output(acc.get(out.request_id), out)
-    return acc
+    return run_to_end(core)
 
 
 def _prefilled(model_dir, reqs) -> dict[str, PrefilledRequest]:
@@ -232,20 +209,9 @@ class Decode:
         assert sched.slots.num_free_slots == sched.config.max_num_seqs
 
 
-def _assert_same(got, want, rids) -> None:
-    for rid in rids:
-        g, w = got[rid].outputs[0], want[rid].outputs[0]
-        assert g.token_ids == w.token_ids, rid
-        assert g.text == w.text, rid
-        assert g.finish_reason == w.finish_reason, rid
-        if w.logprobs is not None:
-            assert [sorted(p) for p in g.logprobs] == [sorted(p) for p in w.logprobs], rid
-            assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-5), rid
-
-
 @pytest.mark.timeout(300)
 async def test_pipelined_decode_equals_colocated_for_32_requests_at_random_times(model_dir):
-    reqs = _requests(32, seed=1)
+    reqs = mixed_requests(32, seed=1)
     want = _colocated(model_dir, reqs)
     pres = _prefilled(model_dir, reqs)
     decode = Decode(_core(model_dir, max_num_seqs=8))  # 32 requests, 8 slots: imports wait for room
@@ -258,7 +224,7 @@ async def test_pipelined_decode_equals_colocated_for_32_requests_at_random_times
         await decode.wait_idle()
     finally:
         await decode.loop.stop()
-    _assert_same(got, want, [r[0] for r in reqs])
+    assert_same_outputs(got, want, [r[0] for r in reqs])
     spy, loop = decode.spy, decode.loop
     assert spy.num_writes == 2 * len(reqs) and spy.num_racy_writes == 0  # blocks + slot per import
     assert loop.num_drains >= 1  # imports arrived while steps were in flight
@@ -275,8 +241,8 @@ async def test_aborts_mid_decode_free_kv_that_new_imports_reuse_intact(model_dir
     the abort write into; they must decode exactly as co-located (the drain orders them).
     Prompt + outputs < 128: one block each for life (no preemption in a 4-block pool); the
     aborted requests are short, so a stale step's KV write lands at rows the imports read."""
-    first = _requests(4, seed=2, prompt_lens=((5, 12),), max_tokens=(60, 60))
-    second = _requests(4, seed=3, prompt_lens=((50, 60),), max_tokens=(10, 20))
+    first = mixed_requests(4, seed=2, prompt_lens=((5, 12),), max_tokens=(60, 60))
+    second = mixed_requests(4, seed=3, prompt_lens=((50, 60),), max_tokens=(10, 20))
     want = _colocated(model_dir, second)
     pres = _prefilled(model_dir, first + second)
     decode = Decode(_core(model_dir, num_blocks=4, max_num_seqs=4))
@@ -298,7 +264,7 @@ async def test_aborts_mid_decode_free_kv_that_new_imports_reuse_intact(model_dir
         await decode.wait_idle()
     finally:
         await decode.loop.stop()
-    _assert_same(got, want, [r[0] for r in second])
+    assert_same_outputs(got, want, [r[0] for r in second])
     for rid, *_ in first:  # aborted: the sink was dropped, never finished
         assert not decode.results[rid].done() and len(decode.acc[rid].outputs[0].token_ids) < 60
     assert decode.spy.num_racy_writes == 0
@@ -307,8 +273,8 @@ async def test_aborts_mid_decode_free_kv_that_new_imports_reuse_intact(model_dir
 
 @pytest.mark.timeout(300)
 async def test_failed_forward_fails_every_held_request_and_the_loop_serves_on(model_dir):
-    reqs = _requests(6, seed=4, max_tokens=(30, 30))
-    later = _requests(3, seed=5, max_tokens=(8, 12))
+    reqs = mixed_requests(6, seed=4, max_tokens=(30, 30))
+    later = mixed_requests(3, seed=5, max_tokens=(8, 12))
     want = _colocated(model_dir, later)
     pres = _prefilled(model_dir, reqs + later)
     decode = Decode(_core(model_dir))
@@ -326,14 +292,14 @@ async def test_failed_forward_fails_every_held_request_and_the_loop_serves_on(mo
         await decode.wait_idle()
     finally:
         await decode.loop.stop()
-    _assert_same(got, want, [r[0] for r in later])
+    assert_same_outputs(got, want, [r[0] for r in later])
     decode.assert_all_kv_free()
 
 
 @pytest.mark.timeout(120)
 async def test_stop_with_steps_in_flight_and_jobs_queued_strands_nothing(model_dir):
-    reqs = _requests(4, seed=6, max_tokens=(200, 200))
-    queued = _requests(1, seed=7)
+    reqs = mixed_requests(4, seed=6, max_tokens=(200, 200))
+    queued = mixed_requests(1, seed=7)
     pres = _prefilled(model_dir, reqs + queued)
     decode = Decode(_core(model_dir), name="decode-stop")
     decode.loop.start()
