@@ -20,9 +20,9 @@ engine: step N+1 is scheduled and handed to the device thread while N's forward 
 commits during N+1's forward, so the device never waits for the bookkeeping. A step is
 (almost) always in flight, so jobs need a point where none is:
 
-    device:  | fwd N | fwd N+1 |              | fwd N+2 (includes the import) | fwd N+3 ...
-    loop:     commit N-1 .. commit N .. commit N+1, import, schedule N+2 ..
-                                  ^ a job is queued: schedule nothing more (drain)
+    device: | fwd N | fwd N+1 |                                 | fwd N+2 | fwd N+3 | ...
+    loop:        commit N    commit N+1, import, schedule N+2, N+3
+                   ^ an import is queued: wait for N+1 instead of scheduling N+2 (drain)
 
 When jobs are queued the loop drains: the step in flight finishes and commits, the jobs run,
 then the pipeline restarts with a fresh schedule (imported requests join it there). Why drain
@@ -32,7 +32,9 @@ were in flight; those steps still write KV into them (their results are dropped 
 writes are not), so only a step boundary with nothing in flight makes the import's writes
 final. Steady decoding stays pipelined; each burst of imports costs one un-overlapped step, the
 cost every step paid before. A decode checks that it has room before queueing an import
-(decode.py), so a full engine waiting for room does not drain at every retry.
+(decode.py), so a full engine waiting for room does not drain at every retry. On the CPU with a
+tiny model the forward is mostly interpreter work, so the GIL caps what the overlap can hide;
+on a GPU the device thread waits on the device without holding it.
 
 Failures never strand anything: a failed step (or commit) fails every request this engine
 holds (the failed step's and the one queued behind it share positions; the device thread is

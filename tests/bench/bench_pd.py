@@ -5,7 +5,9 @@ in all, random prompts of ``--prompt-len`` tokens, ``--max-tokens`` greedy outpu
 
 - co-located: ``AsyncEngine`` in this process (what ``deepinfer serve`` mounts), and
 - disaggregated: ``LocalPdCluster`` (``deepinfer serve --disaggregated``'s engines: separate
-  ``deepinfer node`` processes, KV handed over the ipc data plane) through its gateway client.
+  ``deepinfer node`` processes, KV handed over the ipc data plane) through its gateway client;
+  the decode engine steps through the pipelined loop (runtime/disagg/engine_loop.py), the
+  prefill engine through the serial one.
 
 Measured at the client: TTFT (request sent -> first token) and ITL (gap between later token
 deltas, per token), p50/p99. Handoff figures come from the engines' own counters
