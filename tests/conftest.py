@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
-import socket
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from deepinfer.transport.ports import free_tcp_port
 
 TESTS_DIR = Path(__file__).parent
 
@@ -33,9 +34,7 @@ def load_test_helper(path: str) -> ModuleType:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_tcp_port()  # outside the ephemeral range: see transport/ports.py
 
 
 @pytest.fixture

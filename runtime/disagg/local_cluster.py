@@ -7,17 +7,15 @@ either: only the addresses differ.
 
 from __future__ import annotations
 
-import socket
 import tempfile
 from pathlib import Path
 
+from deepinfer.transport.ports import free_tcp_port
 from deepinfer.runtime.cluster_config import ClusterConfig, parse_cluster_config
 
 
 def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_tcp_port()  # outside the ephemeral range: see transport/ports.py
 
 
 def local_cluster_toml(num_prefill: int, num_decode: int, *, root: str | Path, transport: str = "ipc",

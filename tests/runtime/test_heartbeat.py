@@ -1,10 +1,10 @@
 """Failure detection: the pure peer table with a fake clock, then real nodes on loopback."""
 
 import asyncio
-import socket
 
 import pytest
 
+from deepinfer.transport.ports import free_tcp_port
 from deepinfer.runtime.heartbeat import PeerAddress
 from deepinfer.runtime.node import Node, NodeSettings
 from deepinfer.runtime.peer_table import PeerTable
@@ -72,9 +72,7 @@ def settings(name, port_of, peers=(), **kw):
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_tcp_port()  # outside the ephemeral range: see transport/ports.py
 
 
 @pytest.fixture

@@ -1,11 +1,11 @@
 """A CURVE cluster from the TOML config: nodes see each other, strangers are never answered."""
 
 import asyncio
-import socket
 
 import pytest
 import zmq.asyncio
 
+from deepinfer.transport.ports import free_tcp_port
 from deepinfer.runtime.cluster_config import parse_cluster_config
 from deepinfer.runtime.node import Node, NodeSettings
 from deepinfer.transport.channels import RequestClient
@@ -15,9 +15,7 @@ from deepinfer.transport.security import CurveClientKeys, create_keypair_files, 
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_tcp_port()  # outside the ephemeral range: see transport/ports.py
 
 
 @pytest.mark.timeout(60)

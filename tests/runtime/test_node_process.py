@@ -4,13 +4,13 @@ SIGTERM drains gracefully (in-flight work finishes, new work is refused, the pro
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
 
 import pytest
 
+from deepinfer.transport.ports import free_tcp_port
 from deepinfer.runtime.cluster_config import load_cluster_config
 from deepinfer.runtime.node import Node, NodeSettings
 from deepinfer.transport.channels import RequestClient
@@ -56,9 +56,7 @@ CHILD = textwrap.dedent('''
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_tcp_port()  # outside the ephemeral range: see transport/ports.py
 
 
 @pytest.fixture

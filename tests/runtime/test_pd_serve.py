@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import urllib.request
 
 import pytest
 
+from deepinfer.transport.ports import free_tcp_port
 from deepinfer.engine.tiny_model import write_tiny_model
 
 ENGINE_FLAGS = ["--dtype", "float32", "--block-size", "128", "--num-blocks", "64", "--max-model-len", "1024",
@@ -22,9 +22,7 @@ ENGINE_FLAGS = ["--dtype", "float32", "--block-size", "128", "--num-blocks", "64
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_tcp_port()  # outside the ephemeral range: see transport/ports.py
 
 
 def _start(model_dir, port, *extra) -> subprocess.Popen:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
+from deepinfer.transport.ports import free_tcp_port
 from deepinfer.cache.store.api import GetStatus, deadline_after
 from deepinfer.cache.store.client import ClusterStore
 from deepinfer.cache.store.node_role import make_role
@@ -13,9 +13,7 @@ from deepinfer.runtime.node import Node, NodeSettings
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_tcp_port()  # outside the ephemeral range: see transport/ports.py
 
 
 def _config():
