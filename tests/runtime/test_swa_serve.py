@@ -5,7 +5,6 @@ its own process hosts (--swa-directory-bind)."""
 import asyncio
 import re
 import signal
-import socket
 import sys
 import urllib.request
 
@@ -17,7 +16,7 @@ from deepinfer.cache.block_hash import extend_block_hashes, root_hash
 from deepinfer.engine.engine_factory import EngineOptions
 from deepinfer.transport.channels import RequestClient
 from deepinfer.transport.protocol import SwaDirectoryReply, SwaLocate
-from tests.conftest import load_test_helper
+from tests.conftest import free_port, load_test_helper
 
 
 harness = load_test_helper("runtime/gateway_harness")
@@ -79,9 +78,7 @@ async def _locate(address: str, key: bytes, timeout_s: float = 20.0):
 @pytest.mark.timeout(180)
 def test_served_engine_saves_slots_into_the_directory_it_hosts(port):
     model_dir = harness.tiny_model_dir()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        directory = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    directory = f"tcp://127.0.0.1:{free_port()}"
     argv = ["--model", str(model_dir), "--max-model-len", "1024", "--served-model-name", "tiny", "--swa-replay",
             "bounded", "--swa-store-slots", "3", "--swa-directory-bind", directory, "--swa-node-name", "served-0"]
     with proc.Served(argv, proc.serve_env(harness.TEST_CACHE_DIR), port) as served:
