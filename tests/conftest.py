@@ -9,7 +9,7 @@ from types import ModuleType
 
 import pytest
 
-from deepinfer.transport.ports import free_tcp_port
+from deepinfer.transport.ports import free_tcp_port as free_port  # below the ephemeral range
 
 TESTS_DIR = Path(__file__).parent
 
@@ -31,10 +31,6 @@ def load_test_helper(path: str) -> ModuleType:
         sys.modules[name] = module  # before running it, so its own imports of it resolve
         spec.loader.exec_module(module)
     return sys.modules[name]
-
-
-def free_port() -> int:
-    return free_tcp_port()  # outside the ephemeral range: see transport/ports.py
 
 
 @pytest.fixture

@@ -14,10 +14,6 @@ from deepinfer.transport.ports import free_tcp_port
 from deepinfer.runtime.cluster_config import ClusterConfig, parse_cluster_config
 
 
-def _free_port() -> int:
-    return free_tcp_port()  # outside the ephemeral range: see transport/ports.py
-
-
 def local_cluster_toml(num_prefill: int, num_decode: int, *, root: str | Path, transport: str = "ipc",
                        heartbeat_interval_s: float = 0.2, missed_beats: int = 3) -> str:
     if num_prefill < 1 or num_decode < 1:
@@ -27,7 +23,7 @@ def local_cluster_toml(num_prefill: int, num_decode: int, *, root: str | Path, t
 
     def address(node: str, kind: str) -> str:
         if transport == "tcp":
-            return f"tcp://127.0.0.1:{_free_port()}"
+            return f"tcp://127.0.0.1:{free_tcp_port()}"
         return f"ipc://{Path(root) / f'{node}.{kind}'}"
 
     lines = ["[cluster]", 'name = "local-pd"', f"heartbeat_interval_s = {heartbeat_interval_s}",

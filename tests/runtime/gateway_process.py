@@ -80,3 +80,17 @@ class Served:
             self.proc.wait()
         self._out.close()
         self._err.close()
+
+
+def serve_usage_error(tmp_path: Path, capsys, argv: list[str]) -> tuple[int, str]:
+    """``deepinfer serve --model <a stub model dir> *argv`` in this process, expected to be
+    refused: (exit code, its stderr stripped). argparse errors exit and CliErrors return the
+    code; ``sys.exit`` turns both into SystemExit."""
+    from deepinfer.bin import cli
+
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    with pytest.raises(SystemExit) as info:
+        sys.exit(cli.main(["serve", "--model", str(model), *argv]))
+    return info.value.code, capsys.readouterr().err.strip()

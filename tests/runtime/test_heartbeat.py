@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from deepinfer.transport.ports import free_tcp_port
+from deepinfer.transport.ports import free_tcp_port as free_port  # below the ephemeral range
 from deepinfer.runtime.heartbeat import PeerAddress
 from deepinfer.runtime.node import Node, NodeSettings
 from deepinfer.runtime.peer_table import PeerTable
@@ -69,10 +69,6 @@ def settings(name, port_of, peers=(), **kw):
                         events=f"tcp://127.0.0.1:{port_of[name][1]}",
                         peers=tuple(PeerAddress(p, f"tcp://127.0.0.1:{port_of[p][1]}") for p in peers),
                         heartbeat_interval_s=INTERVAL, missed_beats=MISSED, **kw)
-
-
-def free_port() -> int:
-    return free_tcp_port()  # outside the ephemeral range: see transport/ports.py
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from deepinfer.transport.ports import free_tcp_port
+from deepinfer.transport.ports import free_tcp_port as free_port  # below the ephemeral range
 from deepinfer.runtime.cluster_config import load_cluster_config
 from deepinfer.runtime.node import Node, NodeSettings
 from deepinfer.transport.channels import RequestClient
@@ -53,10 +53,6 @@ CHILD = textwrap.dedent('''
 
     loop.run(main(sys.argv[1]))
 ''')
-
-
-def free_port() -> int:
-    return free_tcp_port()  # outside the ephemeral range: see transport/ports.py
 
 
 @pytest.fixture

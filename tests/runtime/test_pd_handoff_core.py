@@ -4,7 +4,6 @@ text and logprobs a single co-located core produces — greedy, seeded, penaltie
 
 from __future__ import annotations
 
-
 import pytest
 
 from deepinfer.engine.engine_factory import EngineOptions, build_engine

@@ -2,7 +2,6 @@
 the official openai client, then SIGTERM / SIGINT -> exit status 0 within seconds."""
 
 import signal
-import sys
 import time
 
 import openai
@@ -82,13 +81,8 @@ def test_serve_builtin_model_sigint_mid_stream_and_api_key(port):
     (["--shutdown-grace", "-1"], "--shutdown-grace must be between 0 and 3600"),
 ])
 def test_bad_options_one_line_exit_2(tmp_path, capsys, monkeypatch, argv, message):
-    model = tmp_path / "m"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    with pytest.raises(SystemExit) as info:
-        sys.exit(cli.main(["serve", "--model", str(model), *argv]))
-    assert info.value.code == 2
-    err = capsys.readouterr().err.strip()
+    code, err = proc.serve_usage_error(tmp_path, capsys, argv)
+    assert code == 2
     assert len(err.splitlines()) == 1 and err.startswith("deepinfer serve: ") and message in err, err
 
 

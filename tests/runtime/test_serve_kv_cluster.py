@@ -6,7 +6,6 @@ tokens cached from the cluster and the same text."""
 from __future__ import annotations
 
 import signal
-import sys
 
 import openai
 import pytest
@@ -41,13 +40,8 @@ def test_kv_store_cluster_flags_reach_engine_options():
     (["--kv-store-nodes", "tcp://127.0.0.1:1", "--disaggregated"], "--kv-store-nodes is not used with --disaggregated"),
 ])
 def test_bad_kv_store_cluster_flags_one_line_exit_2(tmp_path, capsys, argv, message):
-    model = tmp_path / "m"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    with pytest.raises(SystemExit) as info:  # argparse errors exit, CliErrors return 2: sys.exit covers both
-        sys.exit(cli.main(["serve", "--model", str(model), *argv]))
-    assert info.value.code == 2
-    err = capsys.readouterr().err.strip()
+    code, err = proc.serve_usage_error(tmp_path, capsys, argv)
+    assert code == 2
     assert len(err.splitlines()) == 1 and err.startswith("deepinfer serve: ") and message in err, err
 
 

@@ -5,7 +5,6 @@ its own process hosts (--swa-directory-bind)."""
 import asyncio
 import re
 import signal
-import sys
 import urllib.request
 
 import openai
@@ -52,13 +51,8 @@ def test_swa_and_kv_tier_flags_reach_engine_options():
     (["--swa-directory-bind", "tcp://127.0.0.1:*", "--swa-store-slots", "0"], "swa_directory needs a slot store"),
 ])
 def test_bad_swa_flags_one_line_exit_2(tmp_path, capsys, argv, message):
-    model = tmp_path / "m"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    with pytest.raises(SystemExit) as info:  # argparse errors exit, CliErrors return 2: sys.exit covers both
-        sys.exit(cli.main(["serve", "--model", str(model), *argv]))
-    assert info.value.code == 2
-    err = capsys.readouterr().err.strip()
+    code, err = proc.serve_usage_error(tmp_path, capsys, argv)
+    assert code == 2
     assert len(err.splitlines()) == 1 and err.startswith("deepinfer serve: ") and message in err, err
 
 

@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
-from deepinfer.transport.ports import free_tcp_port
+from deepinfer.transport.ports import free_tcp_port as _free_port  # below the ephemeral range
 from deepinfer.cache.store.api import GetStatus, deadline_after
 from deepinfer.cache.store.client import ClusterStore
 from deepinfer.cache.store.node_role import make_role
 from deepinfer.runtime.cluster_config import NodeRole, parse_cluster_config
 from deepinfer.runtime.node import Node, NodeSettings
-
-
-def _free_port() -> int:
-    return free_tcp_port()  # outside the ephemeral range: see transport/ports.py
 
 
 def _config():
