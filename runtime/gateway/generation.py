@@ -86,7 +86,7 @@ class Generation:
         self._inbox: deque[tuple[int, object]] = deque()  # (slot, RequestOutput | exception | _END)
         self._has_mail = asyncio.Event()
         self._pumps: list[asyncio.Task] = []
-        self._buffered: list[tuple[int, RequestOutput]] = []
+        self._buffered: deque[tuple[int, object]] = deque()  # mail start() took before deltas() runs
         self._closed = False
 
     # ---- lifecycle ------------------------------------------------------------------------
@@ -99,34 +99,25 @@ class Generation:
         pending = set(range(len(self.requests)))
         while pending:
             slot, item = await self._next()
+            if slot not in pending:
+                # a choice that already started can finish (and its stream end) before the others
+                # start, e.g. a one-token request: keep its mail in order for deltas()
+                self._buffered.append((slot, item))
+                continue
             if isinstance(item, BaseException):
                 raise self._map_error(item)
             if item is _END:
                 self.choices[slot].is_done = True
-                raise EngineFailure(f"the engine ended request {self.requests[slot].request_id} without an output")
+                raise self._failure(slot, "ended request {id} without an output")
             pending.discard(slot)
             self.choices[slot].is_started = True
             self._buffered.append((slot, item))
 
     async def deltas(self) -> AsyncIterator[tuple[ChoiceState, CompletionOutput]]:
         """Each engine delta, after it was folded into its choice's state; ends when all are done."""
-        while self._buffered:
-            slot, out = self._buffered.pop(0)
-            delta = self._apply(slot, out)
-            if delta is not None:
-                yield self.choices[slot], delta
-        while not all(c.is_done for c in self.choices):
-            slot, item = await self._next()
-            if item is _END:
-                self.choices[slot].is_done = True
-                if self.choices[slot].finish_reason is None:
-                    raise EngineFailure(f"the engine ended request {self.requests[slot].request_id} before it finished")
-                continue
-            if isinstance(item, BaseException):
-                self.choices[slot].is_done = True
-                mapped = self._map_error(item)
-                raise mapped if isinstance(mapped, EngineFailure) else EngineFailure(mapped.message)
-            delta = self._apply(slot, item)
+        while self._buffered or not all(c.is_done for c in self.choices):
+            slot, item = self._buffered.popleft() if self._buffered else await self._next()
+            delta = self._receive(slot, item)
             if delta is not None:
                 yield self.choices[slot], delta
 
@@ -205,6 +196,27 @@ class Generation:
         log.error("engine error", exc_info=exc)
         return EngineFailure(f"the engine failed: {type(exc).__name__}: {exc}".splitlines()[0])
 
+    def _failure(self, slot: int, what: str) -> EngineFailure:
+        """The engine ended request ``slot`` on its own; ``what`` fills "the engine ... request
+        <id> ...". Logged, since the client only sees a 503 (and SDKs retry those)."""
+        message = "the engine " + what.replace("{id}", self.requests[slot].request_id)
+        log.error("%s", message)
+        return EngineFailure(message)
+
+    def _receive(self, slot: int, item: object) -> CompletionOutput | None:
+        """Handle one piece of mail of a started choice: a delta, its stream's end or an error."""
+        choice = self.choices[slot]
+        if item is _END:
+            choice.is_done = True
+            if choice.finish_reason is None:
+                raise self._failure(slot, "ended request {id} before it finished")
+            return None
+        if isinstance(item, BaseException):
+            choice.is_done = True
+            mapped = self._map_error(item)
+            raise mapped if isinstance(mapped, EngineFailure) else EngineFailure(mapped.message)
+        return self._apply(slot, item)
+
     def _apply(self, slot: int, out: RequestOutput) -> CompletionOutput | None:
         if not out.outputs:
             return None
@@ -226,7 +238,7 @@ class Generation:
         choice.num_cached_tokens = max(choice.num_cached_tokens, out.num_cached_tokens)
         if delta.finish_reason is not None and choice.finish_reason is None:
             if delta.finish_reason == "abort":
-                raise EngineFailure(f"the engine aborted request {self.requests[slot].request_id}")
+                raise self._failure(slot, "aborted request {id}")
             choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
             self.metrics.observe_finished(finish_reason=delta.finish_reason, e2e_seconds=now - self.arrival_time,
                                           num_prompt_tokens=choice.num_prompt_tokens,

@@ -1,0 +1,100 @@
+"""Gateway defects, each reproduced through the real server on the tiny model (CPU).
+
+- ``n`` >= 2 with ``max_tokens`` 1: the first choice finishes (and its engine stream ends)
+  before the second has started; that must not read as "ended without an output" (503).
+- a request the engine does end without an output is a 503 *and* an error in the log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import aiohttp
+import pytest
+
+from tests.conftest import load_test_helper
+
+harness = load_test_helper("runtime/gateway_harness")
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture
+async def served():
+    """(gateway url, engine) of the real tiny engine."""
+    async with harness.tiny_engine_context() as engine:
+        async with harness.running_gateway(engine) as gateway:
+            yield gateway.url, engine
+
+
+def sse_events(body: str) -> list[dict]:
+    """The JSON events of an SSE body; asserts it ended with [DONE]."""
+    lines = [ln[len("data: "):] for ln in body.split("\n") if ln.startswith("data: ")]
+    assert lines and lines[-1] == "[DONE]", body[-300:]
+    return [json.loads(x) for x in lines[:-1]]
+
+
+def request_body(endpoint: str, n: int, stream: bool) -> dict:
+    body = {"model": "deepinfer-tiny", "max_tokens": 1, "n": n, "stream": stream, "temperature": 1.0, "seed": 3,
+            "ignore_eos": True}
+    if endpoint == "completions":
+        body["prompt"] = "Hi"
+    else:
+        body["messages"] = [{"role": "user", "content": "Hi"}]
+    return body
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+async def test_one_token_with_several_choices_is_served(served, endpoint):
+    url, engine = served
+    async with aiohttp.ClientSession() as session:
+        for n in (2, 3):
+            for stream in (False, True):
+                async with session.post(f"{url}/v1/{endpoint}", json=request_body(endpoint, n, stream)) as resp:
+                    text = await resp.text()
+                    assert resp.status == 200, (n, stream, text)
+                if not stream:
+                    data = json.loads(text)
+                    assert [c["index"] for c in data["choices"]] == list(range(n))
+                    assert all(c["finish_reason"] == "length" for c in data["choices"])
+                    assert data["usage"]["completion_tokens"] == n
+                    continue
+                events = sse_events(text)
+                assert not any("error" in e for e in events), text
+                finished = {c["index"]: c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]}
+                assert finished == {i: "length" for i in range(n)}
+    assert harness.num_live_requests(engine) == 0
+
+
+class _DropsFirstRequest:
+    """The real engine, except that the stream of choice 0 ends before any output: what an
+    engine bug looks like to the gateway (the request itself still runs and is aborted)."""
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    async def generate(self, prompt, params, *, request_id):
+        if request_id.endswith("-0"):
+            return
+        async for out in self._engine.generate(prompt, params, request_id=request_id):
+            yield out
+
+
+async def test_request_ended_without_output_is_503_and_logged(caplog):
+    async with harness.tiny_engine_context() as engine:
+        async with harness.running_gateway(_DropsFirstRequest(engine)) as gateway:
+            async with aiohttp.ClientSession() as session:
+                with caplog.at_level(logging.ERROR, logger="deepinfer.runtime.gateway.generation"):
+                    async with session.post(f"{gateway.url}/v1/completions",
+                                            json=request_body("completions", 2, False)) as resp:
+                        status, data = resp.status, await resp.json()
+        assert harness.num_live_requests(engine) == 0
+    assert status == 503
+    message = data["error"]["message"]
+    assert "without an output" in message
+    logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert message in logged, logged
