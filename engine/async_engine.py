@@ -27,13 +27,15 @@ and new requests are refused.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import itertools
 import logging
 import sys
+import threading
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -274,7 +276,9 @@ class AsyncEngine:
             if self.swa_peer is not None:
                 self.swa_slots.fetcher = None
                 await self.swa_peer.close()
-            await self._loop.run_in_executor(None, self._shutdown_threads)
+            # joined from a thread of its own, not an executor: at interpreter exit (an LLM left
+            # to the garbage collector) executors refuse new work, and joining must not block the loop
+            await _run_in_new_thread(self._shutdown_threads, name="deepinfer-shutdown")
 
     def _shutdown_threads(self) -> None:
         self._device.shutdown(wait=True)
@@ -445,6 +449,20 @@ class AsyncEngine:
         if stream is not None and not stream.is_done:
             stream.is_done = True
             stream.put(error)
+
+
+async def _run_in_new_thread(fn: Callable[[], object], *, name: str) -> None:
+    """Run ``fn`` on a fresh thread and await it (works while the interpreter is exiting)."""
+    done: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            done.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
+            done.set_exception(e)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    await asyncio.wrap_future(done)
 
 
 def _one_line(e: BaseException) -> str:
