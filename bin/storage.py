@@ -53,6 +53,14 @@ def add_parser(subparsers, name):
     p.add_argument("--fsync", action="store_true", help="fsync every fragment file (slower; the cache survives power loss)")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address for the metrics endpoint")
+    p.add_argument("--admin-from", default="",
+                   help="without CURVE, also accept admin messages (RunGc, ...) from these networks, e.g. 10.0.0.0/8 "
+                        "or 'any' (default: loopback only)")
+    p.add_argument("--curve-secret-key", default="",
+                   help="this node's CURVE .key_secret file: clients must speak CURVE; only admitted keys may administer")
+    p.add_argument("--curve-client-keys", default="",
+                   help="with --curve-secret-key: a directory of client .key files (or comma-separated Z85 keys) "
+                        "admitted; default any CURVE client (then admin messages are refused)")
     p.add_argument("--debug-delay-ms", type=float, default=0.0, help=argparse.SUPPRESS)
     p.add_argument("--debug-hooks", action="store_true", help=argparse.SUPPRESS)
     return p
@@ -68,6 +76,7 @@ def _config(args):
         raise CliError(f"--ttl: {exc}") from None
     if not 0.0 < args.low_watermark <= args.high_watermark <= 1.0:
         raise CliError(f"watermarks need 0 < low <= high <= 1, got low={args.low_watermark} high={args.high_watermark}")
+    admin, curve, client_keys = _security(args)
     return StorageNodeConfig(
         dir=Path(args.dir),
         listen=args.listen,
@@ -78,9 +87,50 @@ def _config(args):
         name=args.name,
         gc_interval_s=args.gc_interval,
         fsync=args.fsync,
+        admin=admin,
+        curve=curve,
+        curve_client_keys=client_keys,
         debug_delay_ms=args.debug_delay_ms,
         debug_hooks=args.debug_hooks,
     )
+
+
+def _security(args):
+    """(AdminPolicy, CurveServerKeys | None, admitted client keys) from the command line."""
+    from deepinfer.cache.store.admin_policy import AdminPolicy, parse_networks
+    from deepinfer.transport import security
+
+    try:
+        networks = parse_networks(args.admin_from)
+    except ValueError as exc:
+        raise CliError(f"--admin-from: {exc}") from None
+    if not args.curve_secret_key:
+        if args.curve_client_keys:
+            raise CliError("--curve-client-keys needs --curve-secret-key")
+        return AdminPolicy(networks=networks), None, ()
+    try:
+        curve = security.CurveServerKeys(security.load_keypair(args.curve_secret_key))
+        keys = _client_keys(args.curve_client_keys)
+    except (OSError, ValueError) as exc:
+        raise CliError(f"CURVE keys: {exc}") from None
+    # listed keys are admitted and are the admins; with none listed any CURVE client may read and
+    # write, and nobody administers
+    return AdminPolicy(networks=networks, is_curve=True, admin_keys=frozenset(keys)), curve, keys
+
+
+def _client_keys(text: str) -> tuple[bytes, ...]:
+    from deepinfer.transport import security
+
+    if not text:
+        return ()
+    path = Path(text)
+    if path.is_dir():
+        return tuple(security.load_public_key(f) for f in sorted(path.glob("*.key")))
+    keys = tuple(k.strip().encode() for k in text.split(",") if k.strip())
+    bad = [k for k in keys if len(k) != 40]
+    if bad:
+        raise ValueError(f"{bad[0].decode()!r} is not a 40-character Z85 public key (nor a directory of .key files)")
+    return keys
 
 
 async def _serve(config, metrics_host: str, metrics_port: int) -> int:

@@ -78,6 +78,15 @@ class Incoming:
     msg: Any
     peer: bytes  # ROUTER identity of the sender
     buffers: list[memoryview]
+    body: zmq.Frame | None = None  # the received body frame: libzmq's metadata about the sender
+
+    def peer_property(self, name: str) -> str | None:
+        """Connection metadata of the sender: "Peer-Address" (tcp: its IP), "User-Id" (the
+        CURVE public key a ZAP handler admitted); None when the transport has none."""
+        try:
+            return self.body.get(name) if self.body is not None else None
+        except zmq.ZMQError:  # not set on this connection (ipc, no ZAP handler, ...)
+            return None
 
 
 class WithBuffers(NamedTuple):
@@ -110,9 +119,14 @@ class RequestServer:
         curve: CurveServerKeys | None = None,
         max_frame_bytes: int | None = None,
         max_attachment_bytes: int | None = None,
+        hard_max_bytes: int | None = None,
         name: str = "request-server",
     ):
+        """``hard_max_bytes`` (default 4x the larger soft limit): frames past it are cut off by
+        libzmq before they are buffered; a server taking big attachments sets it near their limit."""
         soft, self._max_attachment_bytes, self._hard_max_bytes = _frame_limits(max_frame_bytes, max_attachment_bytes)
+        if hard_max_bytes is not None:
+            self._hard_max_bytes = max(hard_max_bytes, soft, self._max_attachment_bytes)
         self.name = name
         self.address = address
         self.stats = ChannelStats()
@@ -143,32 +157,37 @@ class RequestServer:
                 frames = await sock.recv_multipart(copy=False)
             except (zmq.ZMQError, asyncio.CancelledError):
                 return
-            self.stats.num_received += 1
-            if len(frames) < 3 or len(frames[1]) != _RID.size:
-                err = MalformedFrame(f"request has {len(frames)} frames; expected [id, request_id(8 bytes), body, ...]")
-                self.stats.record_drop(err, log, self.name)
-                rid = frames[1].bytes if len(frames) >= 2 and len(frames[1]) == _RID.size else _NO_RID
-                await self._send(frames[0].bytes, rid, err.to_reply())
-                continue
-            peer, rid = frames[0].bytes, frames[1].bytes
-            try:
-                msg = self._codec.decode(frames[2].buffer)
-                for frame in frames[3:]:
-                    if len(frame) > self._max_attachment_bytes:
-                        raise OversizedFrame(
-                            f"attachment of {len(frame)} bytes is over the {self._max_attachment_bytes}-byte limit"
-                        )
-            except TransportError as err:
-                self.stats.record_drop(err, log, self.name)
-                await self._send(peer, rid, err.to_reply())
-                continue
-            if self.is_draining:
-                await self._send(peer, rid, ErrorReply(ErrorCode.DRAINING, f"{self.name} is draining; retry elsewhere"))
-                continue
-            incoming = Incoming(msg=msg, peer=peer, buffers=[f.buffer for f in frames[3:]])
-            task = asyncio.create_task(self._serve_one(rid, incoming))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            await self._on_frames(frames)
+            # a refused request's frames (a big attachment) must not stay alive until the next one
+            del frames
+
+    async def _on_frames(self, frames: list[zmq.Frame]) -> None:
+        self.stats.num_received += 1
+        if len(frames) < 3 or len(frames[1]) != _RID.size:
+            err = MalformedFrame(f"request has {len(frames)} frames; expected [id, request_id(8 bytes), body, ...]")
+            self.stats.record_drop(err, log, self.name)
+            rid = frames[1].bytes if len(frames) >= 2 and len(frames[1]) == _RID.size else _NO_RID
+            await self._send(frames[0].bytes, rid, err.to_reply())
+            return
+        peer, rid = frames[0].bytes, frames[1].bytes
+        try:
+            msg = self._codec.decode(frames[2].buffer)
+            oversized = [len(f) for f in frames[3:] if len(f) > self._max_attachment_bytes]
+            if oversized:
+                raise OversizedFrame(
+                    f"attachment of {oversized[0]} bytes is over the {self._max_attachment_bytes}-byte limit"
+                )
+        except TransportError as err:
+            self.stats.record_drop(err, log, self.name)
+            await self._send(peer, rid, err.to_reply())
+            return
+        if self.is_draining:
+            await self._send(peer, rid, ErrorReply(ErrorCode.DRAINING, f"{self.name} is draining; retry elsewhere"))
+            return
+        incoming = Incoming(msg=msg, peer=peer, buffers=[f.buffer for f in frames[3:]], body=frames[2])
+        task = asyncio.create_task(self._serve_one(rid, incoming))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _serve_one(self, rid: bytes, incoming: Incoming) -> None:
         buffers: Sequence[Any] = ()

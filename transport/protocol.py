@@ -51,6 +51,7 @@ class ErrorCode(enum.IntEnum):
     TRANSFER_FAILED = 8  # a bulk transfer broke off (sender gone, bad segment, idle too long)
     UNAVAILABLE = 9  # the peer is down or unknown
     NOT_FOUND = 10  # the addressed object does not exist
+    FORBIDDEN = 11  # the peer may not send this message (e.g. a storage admin message from afar)
 
 
 class Role(enum.IntEnum):

@@ -84,7 +84,7 @@ class ChannelStats:
     def record_drop(self, error: TransportError, logger: logging.Logger, channel: str) -> None:
         self.num_dropped += 1
         self.dropped_by_code[error.code] = self.dropped_by_code.get(error.code, 0) + 1
-        self.last_error = error
+        self.last_error = error.with_traceback(None)  # its traceback would keep the dropped frames alive
         if self.num_dropped <= _NUM_DROPS_LOGGED or self.num_dropped % 1000 == 0:
             logger.warning("%s: dropped frame (%s, %d dropped so far): %s",
                            channel, error.code.name, self.num_dropped, error)

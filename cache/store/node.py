@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from deepinfer.cache.store.admin_policy import AdminPolicy
 from deepinfer.cache.store.ec import FragmentHeader
 from deepinfer.cache.store.fragment_store import FragmentStore
 from deepinfer.cache.store.gc import TtlPolicy, Watermarks
@@ -44,10 +45,15 @@ from deepinfer.transport.protocol import (
 from deepinfer.transport.channels import Incoming, RequestServer, WithBuffers
 from deepinfer.transport.errors import TransportError
 from deepinfer.transport.protocol import ErrorCode
+from deepinfer.transport.security import ClientAllowList, CurveServerKeys
 
 log = logging.getLogger(__name__)
 
 MAX_FRAGMENT_BYTES = 256 * 1024 * 1024  # one attachment (a fragment of a 2.5 GB object at k=10)
+# libzmq cuts off (disconnects) a peer sending a larger frame before buffering it: a node never
+# holds more than this per frame, whatever a peer sends (the slack covers the message bodies)
+MAX_RECEIVE_FRAME_BYTES = MAX_FRAGMENT_BYTES + 1024 * 1024
+ADMIN_MESSAGES = (RunGc, DebugSet)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +69,11 @@ class StorageNodeConfig:
     flush_interval_s: float = 5.0
     num_io_threads: int = 4
     fsync: bool = False
+    admin: AdminPolicy = AdminPolicy()
+    curve: CurveServerKeys | None = None  # set: the ROUTER speaks CURVE
+    # with curve: client keys a ZAP allow list admits (empty: any CURVE client); None: the
+    # process already runs a ZAP handler (``deepinfer node`` does)
+    curve_client_keys: tuple[bytes, ...] | None = ()
     debug_delay_ms: float = 0.0  # test-only
     debug_hooks: bool = False  # test-only
 
@@ -106,8 +117,11 @@ class StorageNode:
         )
         self._pool = ThreadPoolExecutor(max_workers=config.num_io_threads, thread_name_prefix=f"store-{self.name}")
         self._server = RequestServer(
-            config.listen, StorageRequest, self._handle, max_attachment_bytes=MAX_FRAGMENT_BYTES, name=f"storage-{self.name}"
+            config.listen, StorageRequest, self._handle, curve=config.curve, max_attachment_bytes=MAX_FRAGMENT_BYTES,
+            hard_max_bytes=MAX_RECEIVE_FRAME_BYTES, name=f"storage-{self.name}",
         )
+        self._allow_list: ClientAllowList | None = None
+        self.num_admin_refused = 0
         self._timer_task: asyncio.Task | None = None
         self._started_at = time.monotonic()
         self._read_rate = RateMeter()
@@ -118,6 +132,12 @@ class StorageNode:
     async def start(self) -> str:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._pool, self.store.open)
+        if self.config.curve is not None and self.config.curve_client_keys is not None:
+            from deepinfer.transport.sockets import default_context
+
+            keys = self.config.curve_client_keys
+            self._allow_list = ClientAllowList(default_context(), keys or None)
+            await self._allow_list.start()
         self.address = await self._server.start()
         self._timer_task = asyncio.create_task(self._timer(), name=f"storage-{self.name}-gc")
         return self.address
@@ -142,6 +162,8 @@ class StorageNode:
             await asyncio.gather(self._timer_task, return_exceptions=True)
         await asyncio.get_running_loop().run_in_executor(self._pool, self.store.close)
         self._pool.shutdown(wait=True)
+        if self._allow_list is not None:
+            self._allow_list.stop()
 
     async def _timer(self) -> None:
         loop = asyncio.get_running_loop()
@@ -167,6 +189,13 @@ class StorageNode:
             await asyncio.sleep(self._delay_s)
         msg = incoming.msg
         loop = asyncio.get_running_loop()
+        if isinstance(msg, ADMIN_MESSAGES):
+            refusal = self.config.admin.refusal(incoming.peer_property("Peer-Address"), incoming.peer_property("User-Id"))
+            if refusal:
+                self.num_admin_refused += 1
+                if self.num_admin_refused <= 10 or self.num_admin_refused % 1000 == 0:  # a flood must not flood logs
+                    log.warning("%s: refused %s (%d so far): %s", self.name, type(msg).__name__, self.num_admin_refused, refusal)
+                raise TransportError(f"{type(msg).__name__} refused: {refusal}", ErrorCode.FORBIDDEN)
         match msg:
             case GetFragments():
                 return await loop.run_in_executor(self._pool, self._get, msg, time.monotonic())

@@ -15,6 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from deepinfer import envs
+from deepinfer.cache.store.admin_policy import AdminPolicy, parse_networks
 from deepinfer.cache.store.gc import TtlPolicy, parse_ttl_spec
 from deepinfer.cache.store.metrics import StorageCollector
 from deepinfer.cache.store.node import StorageNode, StorageNodeConfig
@@ -49,6 +50,9 @@ def make_role(*, role, config, node_name: str) -> StorageRole:
     base = getattr(section, "dir", "") or str(Path(envs.get().cache_dir) / "storage")
     capacity = getattr(section, "capacity_bytes", 0) or DEFAULT_CAPACITY_BYTES
     ttl_spec = getattr(section, "ttl", "")
+    # admin messages from loopback or [storage] admin_from networks; the data ROUTER stays plain
+    # even under security.curve, so engines' store clients reach it without keys
+    admin = AdminPolicy(networks=parse_networks(getattr(section, "admin_from", "") or ""))
     return StorageRole(
         StorageNodeConfig(
             dir=Path(base) / node_name,
@@ -56,5 +60,6 @@ def make_role(*, role, config, node_name: str) -> StorageRole:
             capacity_bytes=int(capacity),
             ttl=parse_ttl_spec(ttl_spec) if ttl_spec else TtlPolicy(),
             name=node_name,
+            admin=admin,
         )
     )
