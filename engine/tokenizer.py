@@ -15,6 +15,7 @@ Where things come from (transformers' conventions):
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
@@ -27,6 +28,7 @@ from deepinfer.engine.chat_template import ChatTemplateError, render_chat, selec
 from deepinfer.engine.detokenizer import ByteLevelDetokenizer, OffsetDetokenizer, token_bytes_table
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 class TokenizerError(ValueError):
@@ -145,8 +147,12 @@ class Tokenizer:
         return self._special_id("pad_token")
 
     @cached_property
+    def _added_tokens(self) -> dict[int, tokenizers.AddedToken]:
+        return self._tok.get_added_tokens_decoder()
+
+    @cached_property
     def all_special_ids(self) -> frozenset[int]:
-        return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+        return frozenset(i for i, t in self._added_tokens.items() if t.special)
 
     # ---- text <-> ids ----------------------------------------------------------------
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -161,6 +167,27 @@ class Tokenizer:
     @cached_property
     def _token_bytes(self) -> list[bytes | None] | None:
         return token_bytes_table(self._tok) if isinstance(self._tok.decoder, decoders.ByteLevel) else None
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes token ``token_id`` stands for: part of one UTF-8 character for a byte
+        fragment (whose decoded text is only U+FFFD), so the bytes of a sequence's tokens
+        concatenate to the UTF-8 of its text. Added tokens give their content."""
+        added = self._added_tokens.get(token_id)
+        if added is not None:
+            return added.content.encode("utf-8")
+        table = self._token_bytes
+        if table is not None:
+            raw = table[token_id] if 0 <= token_id < len(table) else None
+            if raw is None:
+                raise ValueError(f"token id {token_id} is outside the vocabulary ({len(table)} ids)")
+            return raw
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            raise ValueError(f"token id {token_id} is outside the vocabulary ({self.vocab_size} ids)")
+        fallback = _BYTE_FALLBACK.fullmatch(piece)  # sentencepiece's <0xE2> byte tokens
+        if fallback is not None:
+            return bytes([int(fallback.group(1), 16)])
+        return self._tok.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     def detokenizer(self, skip_special_tokens: bool = True,
                     prompt_token_ids: Sequence[int] = ()) -> ByteLevelDetokenizer | OffsetDetokenizer:

@@ -72,6 +72,10 @@ class GatewayTokenizer(Protocol):
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes of one token (a byte fragment's are part of a UTF-8 character)."""
+        ...
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],

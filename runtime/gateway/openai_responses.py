@@ -140,6 +140,14 @@ encoder = msgspec.json.Encoder()
 
 # ---- logprobs -----------------------------------------------------------------------------
 TokenText = Callable[[int, str | None], str]  # (token id, engine's decoded text or None) -> text
+# (token id, its text) -> the token's raw bytes; a byte fragment's text is only U+FFFD, so its
+# bytes must come from the tokenizer (serving_common.token_byte_namer), never from the text
+TokenBytes = Callable[[int, str], list[int]]
+
+
+def text_bytes(token_id: int, text: str) -> list[int]:
+    """Bytes from the token's text: right for whole characters only (no tokenizer at hand)."""
+    return list(text.encode("utf-8", "replace"))
 
 
 def _finite(x: float) -> float:
@@ -153,7 +161,8 @@ def _top(position: PositionLogprobs, num_top: int) -> list[tuple[int, float]]:
 
 
 def chat_logprobs(
-    token_ids: Sequence[int], positions: Sequence[PositionLogprobs], num_top: int, token_text: TokenText
+    token_ids: Sequence[int], positions: Sequence[PositionLogprobs], num_top: int, token_text: TokenText,
+    token_bytes: TokenBytes = text_bytes,
 ) -> list[ChatTokenLogprob]:
     out = []
     for tid, pos in zip(token_ids, positions):
@@ -164,8 +173,8 @@ def chat_logprobs(
         tops = []
         for top_id, top_lp in _top(pos, num_top):
             top_text = token_text(top_id, pos[top_id].decoded_token)
-            tops.append(TopLogprob(top_text, _finite(top_lp), list(top_text.encode("utf-8", "replace"))))
-        out.append(ChatTokenLogprob(text, _finite(chosen.logprob), list(text.encode("utf-8", "replace")), tops))
+            tops.append(TopLogprob(top_text, _finite(top_lp), token_bytes(top_id, top_text)))
+        out.append(ChatTokenLogprob(text, _finite(chosen.logprob), token_bytes(tid, text), tops))
     return out
 
 

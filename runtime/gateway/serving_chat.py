@@ -31,6 +31,7 @@ from deepinfer.runtime.gateway.serving_common import (
     is_silent_delta,
     new_request_id,
     served_model,
+    token_byte_namer,
     token_namer,
 )
 from deepinfer.runtime.gateway.sse import ClientGone, SSEWriter
@@ -70,11 +71,12 @@ async def _full(state: GatewayState, gen: Generation, request_id: str, model: st
     async for _ in gen.deltas():
         pass
     token_text = token_namer(state.engine.tokenizer)
+    token_bytes = token_byte_namer(state.engine.tokenizer)
     choices = []
     for c in gen.choices:
         logprobs = None
         if num_top is not None:
-            logprobs = ChatLogprobs(chat_logprobs(c.token_ids, c.logprobs, num_top, token_text))
+            logprobs = ChatLogprobs(chat_logprobs(c.token_ids, c.logprobs, num_top, token_text, token_bytes))
         choices.append(ChatChoice(c.index, AssistantMessage(c.text), logprobs, c.finish_reason, c.stop_reason))
     resp = ChatCompletionResponse(request_id, int(time.time()), model, choices, make_usage(*gen.usage_counts()))
     return web.Response(body=encoder.encode(resp), content_type="application/json")
@@ -88,6 +90,7 @@ async def _stream(request: web.Request, state: GatewayState, req: ChatCompletion
     continuous = include_usage and bool(opts and opts.continuous_usage_stats)
     created = int(time.time())
     token_text = token_namer(state.engine.tokenizer)
+    token_bytes = token_byte_namer(state.engine.tokenizer)
 
     def chunk(choices: list[ChatChunkChoice]) -> bytes:
         c = ChatCompletionChunk(request_id, created, model, choices)
@@ -106,7 +109,8 @@ async def _stream(request: web.Request, state: GatewayState, req: ChatCompletion
                 continue
             logprobs = None
             if num_top is not None:
-                logprobs = ChatLogprobs(chat_logprobs(delta.token_ids, delta.logprobs or [], num_top, token_text))
+                logprobs = ChatLogprobs(chat_logprobs(delta.token_ids, delta.logprobs or [], num_top, token_text,
+                                                      token_bytes))
             body = ChatDelta(content=delta.text) if delta.text else ChatDelta()
             sse.add(chunk([ChatChunkChoice(choice.index, body, logprobs, delta.finish_reason, delta.stop_reason)]))
             if not gen.has_ready:

@@ -13,10 +13,10 @@ from aiohttp import web
 
 from deepinfer.runtime.gateway.config import GatewayState
 from deepinfer.runtime.gateway.engine_client import GatewayTokenizer
-from deepinfer.runtime.gateway.errors import GatewayError, bad_request, from_decode_error
+from deepinfer.runtime.gateway.errors import GatewayError, bad_request, echo, from_decode_error
 from deepinfer.runtime.gateway.generation import EngineRequest
 from deepinfer.runtime.gateway.openai_protocol import SamplingRequest, decode_request, unsupported_fields
-from deepinfer.runtime.gateway.openai_responses import TokenText
+from deepinfer.runtime.gateway.openai_responses import TokenBytes, TokenText, text_bytes
 from deepinfer.runtime.gateway.prompts import decide_max_tokens
 from deepinfer.runtime.gateway.request_params import (
     StructuredSpec,
@@ -47,7 +47,7 @@ def served_model(state: GatewayState, model: str | None) -> str:
     if model is None:
         return state.model_names[0]
     if model not in state.model_names:
-        raise GatewayError(f"the model {model!r} does not exist; this server serves {', '.join(state.model_names)}",
+        raise GatewayError(f"the model {echo(model)} does not exist; this server serves {', '.join(state.model_names)}",
                            status=404, param="model", code="model_not_found")
     return model
 
@@ -127,6 +127,18 @@ def token_namer(tokenizer: GatewayTokenizer | None) -> TokenText:
         return text
 
     return token_text
+
+
+def token_byte_namer(tokenizer: GatewayTokenizer | None) -> TokenBytes:
+    """Raw bytes of a token for chat logprobs: the tokenizer's (a byte fragment has no text of
+    its own), else the bytes of its text."""
+    if tokenizer is None:
+        return text_bytes
+
+    def token_bytes(token_id: int, text: str) -> list[int]:
+        return list(tokenizer.token_bytes(token_id))
+
+    return token_bytes
 
 
 def is_silent_delta(text: str, finish_reason: str | None, num_logprob_tokens: int) -> bool:

@@ -98,3 +98,45 @@ async def test_request_ended_without_output_is_503_and_logged(caplog):
     assert "without an output" in message
     logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert message in logged, logged
+
+
+# ---- chat logprobs: raw bytes of byte-fragment tokens ---------------------------------------
+# Characters the tiny tokenizer has no merged token for: each becomes byte tokens that are only
+# part of a UTF-8 character (their decoded text alone is U+FFFD).
+FRAGMENTED = "€龍€龍"
+
+
+def _is_fragment(raw: bytes) -> bool:
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return True
+    return False
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_chat_logprob_bytes_rebuild_the_text(served, stream):
+    url, engine = served
+    body = {"model": "deepinfer-tiny", "messages": [{"role": "user", "content": "Say it"}], "max_tokens": 24,
+            "logprobs": True, "top_logprobs": 2, "stream": stream,
+            "structured_outputs": {"regex": FRAGMENTED}}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
+            text = await resp.text()
+            assert resp.status == 200, text
+    if stream:
+        events = sse_events(text)
+        content = "".join(c["delta"].get("content", "") for e in events for c in e["choices"])
+        entries = [x for e in events for c in e["choices"] if c["logprobs"] for x in c["logprobs"]["content"]]
+    else:
+        choice = json.loads(text)["choices"][0]
+        content, entries = choice["message"]["content"], choice["logprobs"]["content"]
+    assert content == FRAGMENTED
+    eos = engine.tokenizer.eos_token  # the grammar's end: listed in logprobs, not part of the text
+    assert entries[-1]["token"] == eos and bytes(entries[-1]["bytes"]) == eos.encode()
+    raw = [bytes(x["bytes"]) for x in entries[:-1]]
+    assert any(_is_fragment(r) for r in raw), raw  # the case under test occurred
+    assert b"".join(raw) == FRAGMENTED.encode("utf-8")
+    for x in entries:  # alternatives too: a fragment's bytes are never those of U+FFFD's text
+        for top in x["top_logprobs"]:
+            assert top["token"] != "\ufffd" or bytes(top["bytes"]) != "\ufffd".encode()
