@@ -4,12 +4,18 @@ A sandboxed jinja2 environment with ``trim_blocks`` and ``lstrip_blocks``, the `
 extension, a ``tojson`` filter that keeps non-ASCII text and accepts ``indent``, and the
 ``raise_exception`` / ``strftime_now`` globals that Hub templates call. Templates are untrusted
 input: the sandbox stops attribute escapes, and template errors surface as ``ChatTemplateError``.
+
+Message text is untrusted too: ``render_chat_guarded`` (what the tokenizer encodes) swaps every
+control-token string inside messages and tools for a placeholder before rendering, so that the
+control tokens left in the rendered text are exactly the template's markup.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from typing import Any
@@ -74,6 +80,91 @@ def render_chat(
         )
     except jinja2.TemplateError as exc:
         raise ChatTemplateError(f"chat template failed: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class GuardedChat:
+    """A rendered chat whose message fields had every control-token string (``controls[i]``)
+    replaced by the placeholder ``{mark}{i}{mark}``: what remains of a control token in
+    ``text`` is the template's own markup. ``restore`` puts the strings back, to be tokenized
+    as text."""
+
+    text: str
+    mark: str | None  # None: no field held a control-token string (``text`` is the plain render)
+    controls: tuple[str, ...]
+
+    def restore(self, segment: str) -> str:
+        if self.mark is None or self.mark not in segment:
+            return segment
+        return re.sub(f"{self.mark}(\\d+){self.mark}", lambda m: self.controls[int(m[1])], segment)
+
+
+def render_chat_guarded(
+    source: str,
+    messages: Sequence[Mapping[str, Any]],
+    controls: Sequence[str],
+    add_generation_prompt: bool = False,
+    special_tokens: Mapping[str, str | None] | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    **kwargs: Any,
+) -> GuardedChat:
+    """``render_chat`` for tokenizing: control-token strings (``controls``) inside messages and
+    tools become placeholders, so the caller can tell them from the template's markup (a user
+    writing ``<｜User｜>`` must not open a turn)."""
+    controls = tuple(controls)
+    pattern = _controls_pattern(controls)
+    if pattern is None or not _any_string(pattern, (messages, tools)):
+        return GuardedChat(render_chat(source, messages, add_generation_prompt, special_tokens, tools, **kwargs),
+                           None, controls)
+    mark = _unused_char((source, messages, tools, kwargs))
+    index = {c: i for i, c in enumerate(controls)}
+
+    def guard(value: Any) -> Any:
+        if isinstance(value, str):
+            return pattern.sub(lambda m: f"{mark}{index[m[0]]}{mark}", value)
+        if isinstance(value, Mapping):
+            return {k: guard(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [guard(v) for v in value]
+        return value
+
+    guarded_tools = None if tools is None else guard(tools)
+    text = render_chat(source, guard(list(messages)), add_generation_prompt, special_tokens, guarded_tools, **kwargs)
+    return GuardedChat(text, mark, controls)
+
+
+@lru_cache(maxsize=8)
+def _controls_pattern(controls: tuple[str, ...]) -> re.Pattern[str] | None:
+    """Longest first, as the tokenizer matches added tokens."""
+    if not controls:
+        return None
+    return re.compile("|".join(re.escape(c) for c in sorted(controls, key=len, reverse=True)))
+
+
+def _strings(value: Any) -> Iterator[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            yield from _strings(k)
+            yield from _strings(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _strings(v)
+
+
+def _any_string(pattern: re.Pattern[str], value: Any) -> bool:
+    return any(pattern.search(s) for s in _strings(value))
+
+
+def _unused_char(value: Any) -> str:
+    """A private-use character that occurs in no string of ``value``: it marks placeholders."""
+    strings = list(_strings(value))
+    for code in range(0x10FFFD, 0x10F000, -1):
+        mark = chr(code)
+        if not any(mark in s for s in strings):
+            return mark
+    raise ChatTemplateError("the conversation uses every private-use character; cannot guard control tokens")
 
 
 def select_template(value: Any, name: str = "default") -> str | None:

@@ -24,7 +24,13 @@ from typing import Any
 import tokenizers
 from tokenizers import decoders
 
-from deepinfer.engine.chat_template import ChatTemplateError, render_chat, select_template
+from deepinfer.engine.chat_template import (
+    ChatTemplateError,
+    GuardedChat,
+    render_chat,
+    render_chat_guarded,
+    select_template,
+)
 from deepinfer.engine.detokenizer import ByteLevelDetokenizer, OffsetDetokenizer, token_bytes_table
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
@@ -207,11 +213,58 @@ class Tokenizer:
         tools: Sequence[Mapping[str, Any]] | None = None,
         **kwargs: Any,
     ) -> str | list[int]:
-        """The prompt text for a conversation, or its token ids (``tokenize=True``; the template
-        already writes the special tokens, so none are added)."""
+        """The prompt text for a conversation (as transformers renders it), or its token ids
+        (``tokenize=True``): the template's markup gives the control tokens (none are added);
+        text from messages and tools is tokenized as text, so a control-token string a user
+        writes there (``<｜User｜>``) is never a control token."""
         template = chat_template or self.chat_template
         if template is None:
             raise TokenizerError("this tokenizer has no chat template (tokenizer_config.json 'chat_template' or "
                                  "chat_template.jinja); send a plain prompt instead")
-        text = render_chat(template, messages, add_generation_prompt, self.special_tokens, tools=tools, **kwargs)
-        return self.encode(text, add_special_tokens=False) if tokenize else text
+        if not tokenize:
+            return render_chat(template, messages, add_generation_prompt, self.special_tokens, tools=tools, **kwargs)
+        chat = render_chat_guarded(template, messages, self._control_tokens, add_generation_prompt,
+                                   self.special_tokens, tools=tools, **kwargs)
+        return self._encode_chat(chat)
+
+    @cached_property
+    def _control_tokens(self) -> tuple[str, ...]:
+        return tuple(t.content for t in self._added_tokens.values() if t.special)
+
+    @cached_property
+    def _text_only(self) -> tokenizers.Tokenizer:
+        """A copy that tokenizes control-token strings as text (a copy: the flag is tokenizer
+        state, and prompts are encoded on several threads)."""
+        tok = tokenizers.Tokenizer.from_str(self._tok.to_str())
+        tok.encode_special_tokens = True
+        return tok
+
+    def _encode_chat(self, chat: GuardedChat) -> list[int]:
+        """Token ids of a guarded render: the control tokens found in ``chat.text`` are markup;
+        each stretch between two of them that holds a placeholder is restored and re-encoded
+        as text (the others keep their ids, so a conversation without control-token strings
+        tokenizes exactly as its text does)."""
+        encoding = self._tok.encode(chat.text, add_special_tokens=False)
+        if chat.mark is None:
+            return encoding.ids
+        special = self.all_special_ids
+        ids: list[int] = []
+        stretch: list[int] = []
+        start = 0
+
+        def end_stretch(stop: int) -> None:
+            segment = chat.text[start:stop]
+            if chat.mark in segment:
+                ids.extend(self._text_only.encode(chat.restore(segment), add_special_tokens=False).ids)
+            else:
+                ids.extend(stretch)
+
+        for token_id, (begin, end) in zip(encoding.ids, encoding.offsets):
+            if token_id in special:
+                end_stretch(begin)
+                ids.append(token_id)
+                stretch, start = [], end
+            else:
+                stretch.append(token_id)
+        end_stretch(len(chat.text))
+        return ids

@@ -120,15 +120,15 @@ async def chat_prompt(
         raise bad_request(f"chat_template_kwargs may not set {reserved[0]!r}", "chat_template_kwargs")
     num_chars = sum(len(m["content"]) for m in conversation)
     try:
-        text = await _off_loop(num_chars, tok.apply_chat_template, conversation,
-                               add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs)
+        # rendered and tokenized in one call: only the tokenizer can keep the template's control
+        # tokens apart from control-token strings inside message text (those stay text)
+        ids = await _off_loop(num_chars, tok.apply_chat_template, conversation,
+                              add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs)
     except (ValueError, TypeError) as exc:  # template refused the conversation (raise_exception) or bad kwargs
         raise bad_request(f"messages could not be rendered with the chat template: {_one_line(exc)}",
                           "messages", code="invalid_chat") from None
-    if not isinstance(text, str):
-        raise GatewayError("the tokenizer's chat template returned no text", status=500)
-    # the template writes the special tokens itself (BOS, role markers): add none
-    ids = await _off_loop(len(text), tok.encode, text, add_special_tokens=False)
+    if not isinstance(ids, list):
+        raise GatewayError("the tokenizer's chat template returned no token ids", status=500)
     return _check_ids(ids, vocab_size, "messages")
 
 
