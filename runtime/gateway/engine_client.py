@@ -83,7 +83,9 @@ class GatewayTokenizer(Protocol):
         tokenize: bool = False,
         **kwargs: Any,
     ) -> str | list[int]:
-        """Render like transformers; raise ValueError (one line) when the conversation is refused."""
+        """Render like transformers; raise ValueError (one line) when the conversation is refused.
+        ``tokenize=True`` (what the gateway calls) must tokenize message text as text: a
+        control-token string a user writes is never a control token."""
         ...
 
 
