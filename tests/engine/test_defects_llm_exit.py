@@ -33,4 +33,4 @@ def test_llm_left_to_the_interpreter_exits_silently():
     proc = subprocess.run([sys.executable, "-c", SCRIPT, model_dir], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "generated 3"
-    assert "Traceback" not in proc.stderr and "Error" not in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr[-2000:]
