@@ -58,6 +58,7 @@ def add_parser(subparsers, name):
     p.add_argument("--shutdown-grace", type=float, default=5.0, metavar="S",
                    help="on SIGINT/SIGTERM, seconds requests in flight may take to finish before they are "
                         "aborted (default 5)")
+    add_http_arguments(p)
     e = p.add_argument_group("engine")
     e.add_argument("--dtype", default=None, choices=DTYPES, help="compute dtype (default auto: float32 on CPU)")
     e.add_argument("--device", default=None, help="cpu, cuda, cuda:N or auto (default auto)")
@@ -136,6 +137,52 @@ def add_swa_arguments(p, *, is_node: bool = False) -> None:
     k.add_argument("--kv-load-deadline", dest="kv_load_deadline_s", type=float, default=None, metavar="S",
                    help=f"seconds a prefix-block read from the KV store may take before recomputing "
                         f"(default ${env['kv_load_deadline_s']}, else 0.25)")
+
+
+# --- HTTP connection limits (GatewayConfig fields; runtime/gateway/connections.py) ---------------
+
+# flag dest -> (GatewayConfig field, its default: shown in --help without importing the gateway;
+# tests/runtime/test_gateway_hostile.py checks they match)
+HTTP_FLAGS = {"header_timeout": ("header_timeout_s", 30.0), "body_timeout": ("body_timeout_s", 60.0),
+              "keepalive_timeout": ("keepalive_timeout_s", 75.0), "max_connections": ("max_connections", 1000)}
+
+
+def add_http_arguments(p) -> None:
+    """Deadlines and the connection cap that keep slow or silent clients from holding the server."""
+    default = {dest: value for dest, (_, value) in HTTP_FLAGS.items()}
+    h = p.add_argument_group("HTTP connections (slow, silent or too many clients)")
+    h.add_argument("--header-timeout", type=float, default=None, metavar="S",
+                   help="seconds a connection may take, from being accepted (or from the first byte of a later "
+                        "request on it), to send complete request headers; then it is closed, with HTTP 408 if "
+                        f"it sent anything (default {default['header_timeout']:g})")
+    h.add_argument("--body-timeout", type=float, default=None, metavar="S",
+                   help="seconds a request's whole body may take to arrive once its headers have; then HTTP 408 "
+                        f"and closed (default {default['body_timeout']:g})")
+    h.add_argument("--keepalive-timeout", type=float, default=None, metavar="S",
+                   help="seconds an idle keep-alive connection stays open between requests "
+                        f"(default {default['keepalive_timeout']:g})")
+    h.add_argument("--max-connections", type=int, default=None, metavar="N",
+                   help="HTTP connections open at once; a new one beyond gets HTTP 503 and is closed at once, "
+                        "while the open ones keep working. Lowered to fit the open-file limit (ulimit -n) "
+                        f"(default {default['max_connections']})")
+
+
+def check_http_args(args) -> None:
+    for flag in ("header_timeout", "body_timeout", "keepalive_timeout"):
+        value = getattr(args, flag)
+        if value is not None and not 0 < value <= 86400:
+            raise CliError(f"--{flag.replace('_', '-')} must be between 0 (exclusive) and 86400 seconds, got {value}",
+                           code=2)
+    if args.max_connections is not None and args.max_connections < 1:
+        raise CliError(f"--max-connections must be >= 1, got {args.max_connections}", code=2)
+
+
+def http_settings(args) -> dict:
+    """GatewayConfig fields of the HTTP connection flags the user gave (its defaults apply to the rest)."""
+    return {field: getattr(args, dest) for dest, (field, _) in HTTP_FLAGS.items() if getattr(args, dest) is not None}
+
+
+# --- end of HTTP connection limits -----------------------------------------------------------
 
 
 def _one_line_usage_error(name: str, message: str):
@@ -250,6 +297,7 @@ def _run(args) -> int:
     from deepinfer.runtime.gateway.launcher import LaunchSpec, launch
 
     _check_args(args)
+    check_http_args(args)
     options = engine_options(args)
     model_dir, is_builtin = _model_dir(args)
     names = tuple(args.served_model_name or ((BUILTIN_MODEL_NAME,) if is_builtin else ()))
@@ -264,7 +312,7 @@ def _run(args) -> int:
         kv_store_cluster(checked)  # with DEEPINFER_KV_STORE_NODES / _EC applied
         gateway = GatewayConfig(served_model_names=names, api_key=args.api_key,
                                 max_concurrent_requests=args.max_concurrent_requests,
-                                shutdown_grace_s=args.shutdown_grace)
+                                shutdown_grace_s=args.shutdown_grace, **http_settings(args))
     except (EngineOptionsError, ValueError) as exc:
         raise CliError(_flag_message(str(exc)), code=2) from None
     logging.basicConfig(level=envs.get().log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

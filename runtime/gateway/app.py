@@ -1,9 +1,10 @@
-"""The aiohttp application: routes, authentication, and the errors-as-JSON middleware.
+"""The aiohttp application: routes, authentication, the body deadline, errors as JSON.
 
 ``build_app(engine, config)`` mounts any ``EngineClient``. Run it with
-``web.AppRunner(app, handler_cancellation=True)`` (embedded.py does): then a client that
-disconnects cancels its handler, and the handler's cleanup aborts the engine request at once,
-also for non-streaming requests. Streams notice a disconnect on their next write either way.
+``GatewayRunner(app, config, handler_cancellation=True)`` (embedded.py does; connections.py adds
+the header and keep-alive deadlines, the connection cap and JSON for broken HTTP): then a client
+that disconnects cancels its handler, and the handler's cleanup aborts the engine request at
+once, also for non-streaming requests. Streams notice a disconnect on their next write either way.
 """
 
 from __future__ import annotations
@@ -13,18 +14,19 @@ import hmac
 import logging
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 import deepinfer
 from deepinfer.runtime.gateway.config import STATE_KEY, GatewayConfig, GatewayState
 from deepinfer.runtime.gateway.engine_client import EngineClient
-from deepinfer.runtime.gateway.errors import GatewayError, error_response
+from deepinfer.runtime.gateway.errors import GatewayError, clip, echo, error_response, malformed_http_error
 from deepinfer.runtime.gateway.metrics import GatewayMetrics
 from deepinfer.runtime.gateway.openai_responses import ModelCard, ModelList, encoder
 from deepinfer.runtime.gateway.serving_chat import create_chat_completion
 from deepinfer.runtime.gateway.serving_completion import create_completion
 
 log = logging.getLogger(__name__)
-
 
 
 def _http_error(exc: web.HTTPException, max_body_bytes: int) -> GatewayError:
@@ -78,6 +80,31 @@ async def auth_middleware(request: web.Request, handler):
     return await handler(request)
 
 
+@web.middleware
+async def body_middleware(request: web.Request, handler):
+    """Read a routed request's whole body within ``body_timeout_s`` (handlers then read it from
+    memory), so a client trickling a body cannot hold a handler; 408 and closed beyond."""
+    if request.match_info.http_exception is not None:  # 404 / 405 need no body
+        return await handler(request)
+    if request.method == "POST" and not request.body_exists and "Content-Length" not in request.headers:
+        raise GatewayError("a POST request needs a Content-Length header or chunked Transfer-Encoding", status=411,
+                           code="length_required", close_connection=True)
+    if request.body_exists:
+        timeout = request.app[STATE_KEY].config.body_timeout_s
+        try:
+            async with asyncio.timeout(timeout):
+                await request.read()  # raises HTTPRequestEntityTooLarge (413) past client_max_size
+        except TimeoutError:
+            raise GatewayError(f"the request body did not arrive within {timeout:g} s", status=408,
+                               code="body_timeout", close_connection=True) from None
+        except HttpProcessingError as exc:  # broken chunked framing, a body cut short
+            raise malformed_http_error(exc) from None
+        except RequestPayloadError as exc:
+            raise GatewayError(f"malformed HTTP request body: {clip(str(exc), 256)}", code="malformed_http",
+                               close_connection=True) from None
+    return await handler(request)
+
+
 async def list_models(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     info = state.engine.model_info
@@ -89,7 +116,7 @@ async def get_model(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     name = request.match_info["model"]
     if name not in state.model_names:
-        raise GatewayError(f"the model {name!r} does not exist", status=404, param="model", code="model_not_found")
+        raise GatewayError(f"the model {echo(name)} does not exist", status=404, param="model", code="model_not_found")
     info = state.engine.model_info
     return web.Response(body=encoder.encode(ModelCard(name, info.created, info.max_model_len)),
                         content_type="application/json")
@@ -120,7 +147,8 @@ def build_app(engine: EngineClient, config: GatewayConfig | None = None) -> web.
     """The OpenAI-compatible application serving ``engine``."""
     config = config or GatewayConfig()
     names = config.served_model_names or (engine.model_info.name,)
-    app = web.Application(middlewares=[errors_middleware, auth_middleware], client_max_size=config.max_body_bytes)
+    app = web.Application(middlewares=[errors_middleware, auth_middleware, body_middleware],
+                          client_max_size=config.max_body_bytes)
     app[STATE_KEY] = GatewayState(engine=engine, config=config, metrics=GatewayMetrics(engine), model_names=names)
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -30,6 +31,15 @@ class GatewayConfig:
     default_completion_max_tokens: int = 16
     # on shutdown, requests in flight get this long to finish before they are cancelled (aborted)
     shutdown_grace_s: float = 5.0
+    # HTTP connections (runtime/gateway/connections.py). A connection gets header_timeout_s from
+    # accept (or from the first byte of a later request) to send complete headers, then
+    # body_timeout_s for the whole body (HTTP 408 and closed beyond either); an idle keep-alive
+    # connection is closed after keepalive_timeout_s. Beyond max_connections open at once a new
+    # connection gets HTTP 503 and is closed at once (lowered to fit the open-file limit).
+    header_timeout_s: float = 30.0
+    body_timeout_s: float = 60.0
+    keepalive_timeout_s: float = 75.0
+    max_connections: int = 1000
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
@@ -38,6 +48,12 @@ class GatewayConfig:
             raise ValueError("max_n and max_choices must be >= 1")
         if not self.shutdown_grace_s >= 0:
             raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        for name in ("header_timeout_s", "body_timeout_s", "keepalive_timeout_s"):
+            value = getattr(self, name)
+            if not (0 < value and math.isfinite(value)):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("api_key must not be blank; leave it unset to disable authentication")
 

@@ -22,6 +22,7 @@ from aiohttp import web
 
 from deepinfer.runtime.gateway.app import build_app
 from deepinfer.runtime.gateway.config import STATE_KEY, GatewayConfig
+from deepinfer.runtime.gateway.connections import GatewayRunner
 from deepinfer.runtime.gateway.engine_client import EngineClient
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,10 @@ async def start_gateway(
 ) -> RunningGateway:
     """Bind ``host:port`` (port 0: any free port) and serve ``engine``; returns once listening."""
     config = config or GatewayConfig()
-    runner = web.AppRunner(build_app(engine, config), handler_cancellation=True, access_log=None,
+    app = build_app(engine, config)
+    http_responses = app[STATE_KEY].metrics.http_responses
+    runner = GatewayRunner(app, config, count_response=lambda status: http_responses.labels(str(status)).inc(),
+                           handler_cancellation=True, access_log=None,
                            shutdown_timeout=CANCEL_WAIT_S)  # close() drains first: nothing is left to wait for
     await runner.setup()
     try:

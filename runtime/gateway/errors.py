@@ -2,7 +2,12 @@
 
 Every way a request can fail ends here: validation (``GatewayError`` raised by the parsers),
 msgspec decode errors (translated so the message names the JSON path), typed engine errors, and
-aiohttp's own HTTP exceptions (404 route, 405 method, 413 body too large).
+aiohttp's own HTTP exceptions (404 route, 405 method, 413 body too large), and HTTP that
+aiohttp's parser refuses before any handler runs (``malformed_http_error``).
+
+Client text quoted in a message goes through ``echo`` (a 1 MB model name must not make a 1 MB
+error body); every message and param is also cut to a bounded length, because some come from
+third-party text (msgspec, xgrammar, aiohttp) that may quote the request.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import re
 
 import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
 
 from deepinfer.engine.sampling_params import SamplingParamsError
 from deepinfer.runtime.gateway.engine_client import EngineOverloadedError
@@ -21,14 +27,37 @@ _TYPE_BY_STATUS = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    408: "invalid_request_error",
+    411: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable_error",
 }
 
 
+# characters of client text quoted in a message, of a whole message, and of a param path
+MAX_ECHO_CHARS = 128
+MAX_MESSAGE_CHARS = 1024
+MAX_PARAM_CHARS = 256
+
+
+def clip(text: str, limit: int) -> str:
+    """``text`` cut to about ``limit`` characters, saying how long it was."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
+def echo(value: str, limit: int = MAX_ECHO_CHARS) -> str:
+    """Client text (a model name, a field name) quoted for an error message, cut to ``limit``."""
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}... ({len(value)} characters)"
+
+
 class GatewayError(Exception):
-    """A request that cannot be served; ``message`` is one sentence naming what was wrong."""
+    """A request that cannot be served; ``message`` is one sentence naming what was wrong.
+    ``close_connection``: the connection cannot carry another request (a body left unread)."""
 
     def __init__(
         self,
@@ -38,13 +67,16 @@ class GatewayError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        close_connection: bool = False,
     ):
+        message = clip(message, MAX_MESSAGE_CHARS)
         super().__init__(message)
         self.message = message
         self.status = status
-        self.param = param
+        self.param = None if param is None else clip(param, MAX_PARAM_CHARS)
         self.code = code
         self.headers = headers or {}
+        self.close_connection = close_connection
 
     @property
     def type(self) -> str:
@@ -70,9 +102,34 @@ def error_payload(err: GatewayError) -> bytes:
 
 
 def error_response(err: GatewayError) -> web.Response:
-    return web.Response(
+    response = web.Response(
         body=error_payload(err), status=err.status, content_type="application/json", headers=err.headers
     )
+    if err.close_connection:
+        response.force_close()
+    return response
+
+
+def malformed_http_error(exc: HttpProcessingError) -> GatewayError:
+    """HTTP that aiohttp's parser refused (framing, limits, request line) as a one-line 400."""
+    status = exc.code if 400 <= exc.code < 500 else 400
+    if isinstance(exc, LineTooLong):
+        limit = exc.args[1] if len(exc.args) > 1 else "the limit of"
+        return GatewayError(f"malformed HTTP request: the request line or a header is longer than {limit} bytes",
+                            status=status, code="http_line_too_long", close_connection=True)
+    if isinstance(exc, BadHttpMethod) and "HTTPS" not in exc.message:
+        return GatewayError(f"malformed HTTP request: {_parser_detail(exc)} (an unknown method, or a body sent "
+                            "without Content-Length read as the next request)", status=status,
+                            code="invalid_http_method", close_connection=True)
+    return GatewayError(f"malformed HTTP request: {_parser_detail(exc)}", status=status, code="malformed_http",
+                        close_connection=True)
+
+
+def _parser_detail(exc: HttpProcessingError) -> str:
+    # aiohttp's messages span lines: what was wrong, the offending bytes, a line with a ^ pointer
+    lines = [ln.strip() for ln in (exc.message or type(exc).__name__).splitlines()]
+    detail = " ".join(ln for ln in lines if ln and set(ln) != {"^"})
+    return clip(detail, MAX_ECHO_CHARS * 2)
 
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> GatewayError:
@@ -108,7 +165,8 @@ def from_decode_error(exc: Exception) -> GatewayError:
             return bad_request(f"{param} is required", param, code="missing_required_parameter")
         if unknown:
             field = f"{param}.{unknown.group('field')}" if param else unknown.group("field")
-            return bad_request(f"{field} is not a recognised field", field, code="unknown_parameter")
+            return bad_request(f"{clip(field, MAX_ECHO_CHARS)} is not a recognised field", field,
+                               code="unknown_parameter")
         code = "invalid_type" if what.startswith("Expected `") and "`, got `" in what else "invalid_value"
         if param is None:
             return bad_request(f"request body: {_lower_first(what)}", None, code=code)
