@@ -41,6 +41,9 @@ class Envs:
     kv_store_nodes: str = ""
     # K+M erasure coding of a KV store address list, unless --kv-store-ec is given ("" = 10+2).
     kv_store_ec: str = ""
+    # How many random tiny configs tests/engine/test_v4_parity_random.py checks against
+    # transformers (CI runs the default; raise it locally for a longer search).
+    parity_configs: int = 20
 
 
 _ENV_NAMES = {
@@ -55,6 +58,7 @@ _ENV_NAMES = {
     "kv_load_deadline_s": "DEEPINFER_KV_LOAD_DEADLINE_S",
     "kv_store_nodes": "DEEPINFER_KV_STORE_NODES",
     "kv_store_ec": "DEEPINFER_KV_STORE_EC",
+    "parity_configs": "DEEPINFER_PARITY_CONFIGS",
 }
 
 

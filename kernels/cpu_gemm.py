@@ -23,6 +23,8 @@ _fast: bool | None = None
 def declare(lib: ctypes.CDLL) -> None:
     """ctypes signatures of the GEMM entry points (called by cpu_native when it loads the library)."""
     p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.gemm_packed_size.argtypes = [i64, i64]
+    lib.gemm_packed_size.restype = i64
     lib.gemm_pack.argtypes = [p, i64, i64, i64, p]
     lib.gemm.argtypes = [p, i64, i64, i64, p, i64, p, i64]
     lib.gemm_grouped.argtypes = [p, i64, i64, i64, i64, p, i64, i64, p, i64, i64, i64]
@@ -59,6 +61,7 @@ def _library() -> ctypes.CDLL | None:
 
 
 def packed_size(n: int, k: int) -> int:
+    """Floats of one packed ``[n, k]`` weight (the native ``gemm_packed_size``; tests check both agree)."""
     return -(-n // _PANEL) * k * _PANEL
 
 

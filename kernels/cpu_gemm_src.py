@@ -17,6 +17,10 @@ GEMM_SOURCE = r"""
 
 #define PANEL 16
 
+/* floats of one packed [n, k] matrix (cpu_gemm.packed_size): ceil(n / 16) panels of k x 16.
+   The ceiling is spelled out: C's division truncates, so Python's -(-n // 16) idiom floors here. */
+int64_t gemm_packed_size(int64_t n, int64_t k) { return (n + PANEL - 1) / PANEL * k * PANEL; }
+
 /* w [n, k] (row stride ldw) -> panels [ceil(n/16)][k][16], zero padded */
 void gemm_pack(const float* w, int64_t n, int64_t k, int64_t ldw, float* out) {
     int64_t np = (n + PANEL - 1) / PANEL;
@@ -276,7 +280,7 @@ void attention_outputs(float* out, int64_t rows, int64_t nh, int64_t hd, int64_t
                        int64_t hidden, float* mixed, float* y) {
     rope(out, rows, nh, nh * hd, hd, hd, rd, cos_t, neg_sin);
     int64_t k = nh * hd / groups;
-    gemm_grouped(out, rows, k, groups * k, k, w_oa, -(-rank / PANEL) * k * PANEL, rank, mixed, groups * rank, rank,
+    gemm_grouped(out, rows, k, groups * k, k, w_oa, gemm_packed_size(rank, k), rank, mixed, groups * rank, rank,
                  groups);
     gemm(mixed, rows, groups * rank, groups * rank, w_ob, hidden, y, hidden);
 }

@@ -167,10 +167,10 @@ def gathered_attention(
     sink) and then, if given, ``extra[extra_rows[g]]`` (``[G, K]``); biases ``[G, 1, L + 1]`` and
     ``[G, 1, K]`` (0 / -inf). Backends may skip materialising the key sets."""
     num, width = pool_rows.shape
-    keys = pool.index_select(0, pool_rows.reshape(-1)).view(num, width, -1)
+    keys = pool.index_select(0, pool_rows.reshape(-1)).view(num, width, pool.shape[-1])  # explicit: may be empty
     bias = pool_bias
     if extra is not None:
-        more = extra.index_select(0, extra_rows.reshape(-1)).view(num, extra_rows.shape[1], -1)
+        more = extra.index_select(0, extra_rows.reshape(-1)).view(num, extra_rows.shape[1], extra.shape[-1])
         keys = torch.cat([keys, more], dim=1)
         bias = torch.cat([bias, extra_bias], dim=-1)
     return attention_with_sink(q, keys, bias, sinks, width - 1, scale, batch_invariant)
@@ -304,7 +304,7 @@ def moe_route(
 def moe_combine_(out: torch.Tensor, rows: torch.Tensor, row_of_pair: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``out[t] += sum_j weights[t, j] * rows[row_of_pair[t * k + j]]`` for the first T rows, j in order."""
     t, k = weights.shape
-    per_pair = rows.index_select(0, row_of_pair).view(t, k, -1)
+    per_pair = rows.index_select(0, row_of_pair).view(t, k, rows.shape[-1])  # explicit width: t may be 0
     out[:t] += (per_pair * weights.to(rows.dtype).unsqueeze(-1)).sum(dim=1)
     return out
 

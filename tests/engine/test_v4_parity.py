@@ -16,6 +16,7 @@ from deepinfer.engine.models.deepseek_v4.testing import (
     PARITY_CONFIGS,
     PARITY_PROMPT_LENGTHS,
     SeqDriver,
+    hf_greedy,
     hf_prompt_logprobs,
     hf_reference,
 )
@@ -70,12 +71,7 @@ def test_prompt_logprobs_match_transformers(case):
 def test_greedy_continuation_matches_transformers_generate(case):
     name, ref, prompt = case
     num_new = 64
-    ids = torch.tensor([prompt])
-    with torch.no_grad():  # explicit mask: a prompt token equal to pad_token_id is not padding
-        out = ref.hf_model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_new, do_sample=False, pad_token_id=0
-        )
-    expected = out[0, len(prompt) :].tolist()
+    expected = hf_greedy(ref.hf_model, prompt, num_new)
     assert len(expected) == num_new
     driver = make_driver(ref, len(prompt) + num_new)
     driver.add(0, prompt)

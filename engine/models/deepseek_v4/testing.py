@@ -9,6 +9,7 @@ O(1) activations) and the matching ``ModelConfig`` + canonical state dict for ou
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +57,50 @@ PARITY_CONFIGS = {
     ),
 }
 PARITY_PROMPT_LENGTHS = {"mixed_hc2": 300, "hc4_yarn_2hash": 260, "hc1_hca8_window8": 400, "hc3_csa2_wide": 220}
+
+
+def random_overrides(rng: random.Random) -> dict:
+    """A tiny ``hf_config`` override set drawn from ``rng``: every size a multiple of 4 (the
+    grouped matmuls of transformers' experts need it) but otherwise off the native kernels'
+    8/16 granules, o_lora_rank / o_groups / heads / head and rope dims / experts / routing /
+    layer kinds (window-only, CSA 4, HCA 128 or less) / hash layers / window / hc_mult varied.
+    At least 12 indexer heads: with fewer, many index scores are exactly 0 after the ReLU and the
+    top-k order of ties is implementation-defined."""
+    num_layers = rng.randint(1, 4)
+    heads = rng.choice((1, 2, 3, 4, 6, 8))
+    head_dim = rng.choice((8, 12, 16, 20, 24, 32))
+    rope_dim = rng.choice([r for r in (4, 8) if r <= head_dim])
+    o_groups = rng.choice([g for g in (1, 2, 3, 4) if heads % g == 0])
+    experts = rng.randint(2, 12)
+    ratio_hca = rng.choice((8, 16, 128))
+    num_hash = rng.randint(0, num_layers)
+    yarn = rng.choice((None, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}))
+    return dict(
+        vocab_size=rng.randrange(384, 641, 4),
+        hidden_size=rng.randrange(12, 65, 4),
+        moe_intermediate_size=rng.randrange(4, 41, 4),
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        head_dim=head_dim,
+        partial_rotary_factor=rope_dim / head_dim,  # for these sizes int(head_dim * factor) == rope_dim
+        q_lora_rank=rng.randrange(4, 49, 4),
+        o_groups=o_groups,
+        o_lora_rank=rng.randrange(4, 41, 4),
+        n_routed_experts=experts,
+        num_experts_per_tok=rng.randint(1, min(4, experts)),
+        scoring_func=rng.choice(("sqrtsoftplus", "sigmoid")),
+        routed_scaling_factor=rng.choice((1.0, 1.5, 2.5)),
+        swiglu_limit=rng.choice((1.0, 10.0)),
+        sliding_window=rng.choice((4, 8, 12, 16, 20)),
+        index_n_heads=rng.choice((12, 16, 20)),
+        index_head_dim=rng.choice([d for d in (8, 12, 16, 20) if d >= rope_dim]),
+        index_topk=rng.randint(1, 8),
+        hc_mult=rng.randint(1, 4),
+        layer_types=[rng.choice((SLIDING, CSA, HCA)) for _ in range(num_layers)],
+        compress_rates={CSA: 4, HCA: ratio_hca},
+        mlp_layer_types=["hash_moe"] * num_hash + ["moe"] * (num_layers - num_hash),
+        rope_parameters=yarn,
+    )
 
 
 def hf_config(**overrides):
@@ -123,6 +168,15 @@ def hf_prompt_logprobs(hf_model, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = hf_model(torch.tensor([ids])).logits[0].float()
     return torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+def hf_greedy(hf_model, ids: list[int], num_new: int) -> list[int]:
+    """``num_new`` greedy tokens after ``ids`` from transformers' ``generate``."""
+    x = torch.tensor([ids])
+    with torch.no_grad():  # explicit mask: a prompt token equal to pad_token_id is not padding
+        out = hf_model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=num_new, do_sample=False,
+                                pad_token_id=0)  # fmt: skip
+    return out[0, len(ids) :].tolist()
 
 
 @dataclass(slots=True)
