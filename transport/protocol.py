@@ -256,6 +256,7 @@ class FragmentStatus(enum.IntEnum):
     EXPIRED = 3  # past its traffic class's TTL
     NO_SPACE = 4  # does not fit even after garbage collection
     INVALID = 5  # malformed write (bad key, payload does not match its crc)
+    TOO_LARGE = 6  # larger than the node's whole capacity: can never fit
 
 
 class FragmentMeta(_HotMessage):

@@ -30,7 +30,7 @@ class GetStatus(enum.IntEnum):
     HIT = 0
     MISS = 1  # not stored (never written, evicted, expired, or too few good fragments left)
     DEADLINE = 2  # not assembled before the caller's deadline
-    UNAVAILABLE = 3  # too few storage nodes reachable to even try
+    UNAVAILABLE = 3  # too few of its storage nodes reachable (``message`` names the missing ones)
 
 
 @dataclass(slots=True)
@@ -38,6 +38,7 @@ class GetResult:
     key: bytes
     status: GetStatus
     data: bytes | None = None
+    message: str = ""  # why, for UNAVAILABLE
 
     @property
     def is_hit(self) -> bool:
@@ -84,5 +85,7 @@ class ClientStats:
     num_hedged: int = 0  # keys whose read went past the first k+1 nodes
     num_puts: int = 0
     num_put_failures: int = 0
+    num_degraded_writes: int = 0  # stored, but with fewer than k+m fragments (repair adds the rest)
+    num_repair_hints: int = 0  # objects reported to storage nodes as short of fragments
     num_bytes_read: int = 0
     num_bytes_written: int = 0

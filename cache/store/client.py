@@ -1,26 +1,27 @@
 """ClusterStore: the erasure-coded storage cluster behind the ObjectStore interface (api.py).
 
-Write: each object -> k data + m parity fragments -> the first k+m up nodes of its rendezvous
-ranking (placement.py), one PutFragments per node for the whole batch; an object is stored when
-``write_quorum`` nodes acknowledged (default all k+m; at least k+1).
+Write (writes.py): each object -> k data + m parity fragments -> the first k+m usable nodes of
+its rendezvous ranking (placement.py), one PutFragments per node for the whole batch; an object
+is stored once ``write_quorum`` fragments are durable (default k+1). A write short of k+m is
+*degraded*: the nodes holding its fragments are told (RepairHint) and their repair adds the rest.
 
-Read (hedged, read_state.py): per object ask the first k+1 up nodes of its ranking, one
+Read (hedged, read_state.py): per object ask the first k+1 usable nodes of its ranking, one
 GetFragments per node for the whole batch; decode as soon as k fragments of one write are in.
 The rest of the ranking is asked when an answer shows the first wave cannot reach k, or when the
-hedge delay passes first. A key not assembled by the deadline is a typed DEADLINE miss (logged,
-counted); the caller recomputes.
+hedge delay passes first. A key that cannot reach k fragments because nodes are unusable ends at
+once as UNAVAILABLE naming them; one not assembled by the deadline is a typed DEADLINE miss.
 
-Membership: the node list comes from the cluster config; ``mark_down``/``mark_up`` follow the
-runtime's heartbeat events (PeerDown/PeerUp). Between heartbeats the client keeps its own
-suspicion: a node that let a hedge timer fire, or failed a request, is ranked last (asked only
-as a hedge) for ``suspect_s`` seconds, so a dead node costs one hedge delay, not one per read.
+Node health (node_health.py): heartbeats (``on_peer_event``), the membership record's states, and
+this client's own probe connection to every node (reachability.py): a node that refuses or drops
+connections is skipped from the next request on, and requests already in flight to it end at
+once instead of at their deadline. A node that failed a request or straggled is *suspect* for
+``suspect_s`` seconds: asked last, as a hedge.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
@@ -28,41 +29,39 @@ from dataclasses import dataclass
 
 import zmq.asyncio
 
+from deepinfer.cache.store import writes
 from deepinfer.cache.store.api import ClientStats, GetResult, GetStatus, PutResult, seconds_left
 from deepinfer.cache.store.ec import ECConfig, ErasureCodec, ErasureCodingError, Fragment, FragmentHeader
 from deepinfer.cache.store.node import MAX_FRAGMENT_BYTES
 from deepinfer.cache.store.node_health import NodeHealth
-from deepinfer.cache.store.placement import Placement, PlacementError
+from deepinfer.cache.store.placement import Placement
+from deepinfer.cache.store.reachability import Reachability
 from deepinfer.cache.store.read_state import KeyRead
+from deepinfer.transport.channels import RequestClient
+from deepinfer.transport.errors import TransportError
 from deepinfer.transport.protocol import (
-    FragmentMeta,
     FragmentsReply,
     FragmentStatus,
     GetFragments,
-    PutAck,
-    PutFragments,
     StorageReply,
     StorageStats,
     StorageStatsRequest,
     TouchFragments,
 )
-from deepinfer.transport.channels import RequestClient
-from deepinfer.transport.errors import TransportError
 
 log = logging.getLogger(__name__)
-
-MAX_REQUEST_BYTES = 64 * 1024 * 1024  # a batch to one node is split past this many payload bytes
 
 
 @dataclass(frozen=True, slots=True)
 class ClusterStoreConfig:
     ec: ECConfig = ECConfig()
     read_width: int = 0  # nodes asked first; 0 = k+1
-    write_quorum: int = 0  # acks that make a write stored; 0 = k+m
+    write_quorum: int = 0  # durable fragments that make a write stored; 0 = k+1
     hedge_delay_s: float = 0.010
     hedge_delay_per_key_s: float = 0.0005
     num_spare_nodes: int = 2  # ranked past k+m: asked on hedges (writes that skipped down nodes)
     suspect_s: float = 2.0
+    probe_nodes: bool = True  # keep a probe connection per node (reachability.py)
 
     def __post_init__(self) -> None:
         k, n = self.ec.k, self.ec.num_fragments
@@ -77,7 +76,7 @@ class ClusterStoreConfig:
 
     @property
     def quorum(self) -> int:
-        return self.write_quorum or self.ec.num_fragments
+        return self.write_quorum or min(self.ec.k + 1, self.ec.num_fragments)
 
 
 class ClusterStore:
@@ -96,14 +95,19 @@ class ClusterStore:
             )
         self.config = config
         self.codec = ErasureCodec(config.ec)
-        self.placement = Placement(sorted(nodes))
         self.stats = ClientStats()
-        self._node2client = {
-            name: RequestClient(addr, StorageReply, ctx=ctx, max_attachment_bytes=MAX_FRAGMENT_BYTES, name=f"store-{name}")
-            for name, addr in nodes.items()
-        }
-        self.health = NodeHealth(nodes, config.suspect_s)
+        self._ctx = ctx
+        self._node2address = dict(nodes)
+        self.placement = Placement(sorted(nodes))
+        self._node2client = {name: self._client(name, addr) for name, addr in nodes.items()}
+        self.reachability = Reachability(ctx=ctx, on_lost=self._on_node_lost)
+        self.health = NodeHealth(nodes, config.suspect_s, unreachable=self.reachability.unreachable)
+        self._node2tasks: dict[str, set[asyncio.Task]] = defaultdict(set)  # requests in flight, per node
         self._background: set[asyncio.Task] = set()
+        self._is_started = False
+
+    def _client(self, name: str, address: str) -> RequestClient:
+        return RequestClient(address, StorageReply, ctx=self._ctx, max_attachment_bytes=MAX_FRAGMENT_BYTES, name=f"store-{name}")
 
     @classmethod
     def from_cluster_config(cls, config, *, ctx: zmq.asyncio.Context | None = None, **options) -> "ClusterStore":
@@ -120,12 +124,16 @@ class ClusterStore:
     async def start(self) -> "ClusterStore":
         for client in self._node2client.values():
             await client.start()
+        if self.config.probe_nodes:
+            self.reachability.watch(self._node2address)
+        self._is_started = True
         return self
 
     async def close(self) -> None:
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
+        await self.reachability.close()
         for client in self._node2client.values():
             await client.close()
 
@@ -135,7 +143,7 @@ class ClusterStore:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    # ---- membership (node_health.py) ----------------------------------------------------
+    # ---- node health (node_health.py) ---------------------------------------------------
     def mark_down(self, node: str) -> None:
         self.health.mark_down(node)
 
@@ -147,28 +155,69 @@ class ClusterStore:
         self.health.on_peer_event(event)
 
     def is_down(self, node: str) -> bool:
-        return node in self.health.down
+        return node in self.health.unusable()
 
-    def _read_order(self, key: bytes, suspects: set[str]) -> list[str]:
-        order = self.placement.read_order(key, self.health.down)[: self.config.ec.num_fragments + self.config.num_spare_nodes]
+    async def wait_reachable(self, nodes: Sequence[str], timeout_s: float = 5.0) -> bool:
+        """Wait until the probes of ``nodes`` have connected (after a restart: one reconnect
+        interval); False if some did not within ``timeout_s``."""
+        give_up_at = time.monotonic() + timeout_s
+        while any(not self.reachability.is_reachable(n) for n in nodes):
+            if time.monotonic() >= give_up_at:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    def _on_node_lost(self, node: str) -> None:
+        """Its connection dropped or was refused: end what is in flight to it now, not at the deadline."""
+        for task in list(self._node2tasks.get(node, ())):
+            task.cancel()
+
+    def track(self, node: str, task: asyncio.Task) -> asyncio.Task:
+        """Register a request task to ``node`` so that losing the node cancels it."""
+        tasks = self._node2tasks[node]
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        return task
+
+    def request_task(self, node: str, coro) -> asyncio.Task:
+        return self.track(node, asyncio.create_task(coro))
+
+    def background(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _read_window(self, key: bytes, unusable: set[str], suspects: set[str]) -> tuple[list[str], list[str]]:
+        """(nodes to ask in order, unusable nodes ranked among them)."""
+        width = self.config.ec.num_fragments + self.config.num_spare_nodes
+        ranked = self.placement.ranked(key)
+        if not unusable:
+            order, skipped = list(ranked[:width]), []
+        else:
+            order, skipped = [], []
+            for node in ranked:
+                if len(order) == width:
+                    break
+                (skipped if node in unusable else order).append(node)
         if suspects:
             order = [n for n in order if n not in suspects] + [n for n in order if n in suspects]
-        return order
+        return order, skipped
 
     # ---- reads ----------------------------------------------------------------------------
     async def get_blocks(self, keys: Sequence[bytes], deadline: float) -> list[GetResult]:
         """One result per key, in order; never raises for a missing or late object."""
         k = self.config.ec.k
         results: list[GetResult | None] = [None] * len(keys)
-        suspects = self.health.suspects()
+        unusable, suspects = self.health.unusable(), self.health.suspects()
         reads: dict[int, KeyRead] = {}
         node2positions: dict[str, list[int]] = defaultdict(list)
         for pos, key in enumerate(keys):
-            order = self._read_order(key, suspects)
+            order, skipped = self._read_window(key, unusable, suspects)
+            read = KeyRead(key, k, order, self.config.first_wave, skipped)
             if len(order) < k:
-                results[pos] = GetResult(key, GetStatus.UNAVAILABLE)
+                results[pos] = self._unavailable(read)
                 continue
-            read = reads[pos] = KeyRead(key, k, order, self.config.first_wave)
+            reads[pos] = read
             for node in read.start():
                 node2positions[node].append(pos)
         tasks: dict[asyncio.Task, tuple[str, list[int]]] = {}
@@ -183,11 +232,16 @@ class ClusterStore:
         self._touch_unasked(reads, results)
         return self._finish_gets(results, keys)
 
+    def _unavailable(self, read: KeyRead) -> GetResult:
+        nodes = read.unavailable_nodes()
+        detail = ", ".join(f"{n} {self.health.why(n)}" for n in nodes[:6]) + (", ..." if len(nodes) > 6 else "")
+        return GetResult(read.key, GetStatus.UNAVAILABLE, message=f"fewer than k={read.k} of its nodes usable: {detail}")
+
     def _launch(self, tasks, node2positions, keys, deadline) -> None:
         for node, positions in node2positions.items():
             msg = GetFragments([keys[p] for p in positions], timeout_ms=max(0.0, seconds_left(deadline)) * 1000)
-            task = asyncio.create_task(self._node2client[node].request_with_buffers(msg, timeout_s=max(0.001, seconds_left(deadline))))
-            tasks[task] = (node, positions)
+            coro = self._node2client[node].request_with_buffers(msg, timeout_s=max(0.001, seconds_left(deadline)))
+            tasks[self.request_task(node, coro)] = (node, positions)
 
     async def _collect(self, tasks, reads: dict[int, KeyRead], results, keys, deadline) -> None:
         # A big batch takes longer to serve everywhere; only lateness beyond that is a straggler.
@@ -218,10 +272,14 @@ class ClusterStore:
                             self.health.suspect(node)
                     extra = read.hedge()
                     self.stats.num_hedged += bool(extra)
+                    unusable = self.health.unusable()
                     for node in extra:
-                        hedges[node].append(pos)
+                        if node in unusable:  # lost since the read began: asking it would wait for the deadline
+                            read.on_failed(node)
+                        else:
+                            hedges[node].append(pos)
                 if read.is_hopeless:
-                    results[pos] = GetResult(read.key, GetStatus.MISS)
+                    results[pos] = self._unavailable(read) if read.is_unavailable else GetResult(read.key, GetStatus.MISS)
                     open_positions.discard(pos)
             if hedges:
                 before = set(tasks)
@@ -238,17 +296,17 @@ class ClusterStore:
         node, positions = meta
         try:
             reply, buffers = task.result()
-        except (TransportError, asyncio.CancelledError) as exc:
+        except (TransportError, asyncio.CancelledError) as exc:  # cancelled: the node's connection was lost
             if isinstance(exc, TransportError):
                 self.health.suspect(node)
                 log.debug("store read from %s failed: %s", node, exc)
             for pos in positions:
-                reads[pos].on_absent(node)
+                reads[pos].on_failed(node)
             return
         if not isinstance(reply, FragmentsReply) or len(reply.statuses) != len(positions) or len(reply.fragments) != len(buffers):
             log.warning("store node %s sent a malformed reply to GetFragments", node)
             for pos in positions:
-                reads[pos].on_absent(node)
+                reads[pos].on_failed(node)
             return
         self.health.clear(node)
         it = iter(zip(reply.fragments, buffers))
@@ -275,15 +333,13 @@ class ClusterStore:
                 for node in read.reserve[: max(0, self.config.ec.num_fragments - len(read.first_wave))]:
                     node2keys[node].append(read.key)
         for node, node_keys in node2keys.items():
-            task = asyncio.create_task(self._touch(node, node_keys))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
+            self.background(self._best_effort(node, TouchFragments(node_keys)))
 
-    async def _touch(self, node: str, keys: list[bytes]) -> None:
+    async def _best_effort(self, node: str, msg) -> None:
         try:
-            await self._node2client[node].request(TouchFragments(keys), timeout_s=1.0)
+            await self._node2client[node].request(msg, timeout_s=1.0)
         except TransportError:
-            pass  # best effort: a missed touch only makes that node's LRU less exact
+            pass  # best effort: a missed touch or hint only makes that node's LRU or repair later
 
     def _finish_gets(self, results, keys) -> list[GetResult]:
         out: list[GetResult] = []
@@ -306,74 +362,15 @@ class ClusterStore:
             log.debug("store read: %d of %d objects missed the deadline; the engine recomputes them", num_late, len(keys))
         return out
 
-    # ---- writes ---------------------------------------------------------------------------
+    # ---- writes (writes.py) ---------------------------------------------------------------
     async def put_blocks(self, items: Sequence[tuple[bytes, object]], *, traffic_class: str, deadline: float) -> list[PutResult]:
-        """Store objects; one result each, in order (``is_ok`` once ``quorum`` nodes acked)."""
-        n, quorum = self.config.ec.num_fragments, self.config.quorum
-        node2batch, sizes, errors = await self._encode_and_place(items)
-        acks = await self._send_puts(node2batch, len(items), traffic_class, deadline)
-        out = []
-        for pos, (key, _) in enumerate(items):
-            ok = acks[pos] >= quorum
-            out.append(PutResult(key, ok, acks[pos], errors[pos] or ("" if ok else f"{acks[pos]} of {n} fragments acknowledged, quorum {quorum}")))
-            self.stats.num_bytes_written += sizes[pos] if ok else 0
-        self.stats.num_puts += len(out)
-        self.stats.num_put_failures += sum(not r.is_ok for r in out)
-        return out
-
-    async def _encode_and_place(self, items):
-        """node -> [(position, meta, payload)], object sizes, per-object error messages."""
-        n, quorum = self.config.ec.num_fragments, self.config.quorum
-        skip = self.health.write_skips(n)
-        write_id = random.getrandbits(63)
-        node2batch: dict[str, list[tuple[int, FragmentMeta, bytes]]] = defaultdict(list)
-        sizes, errors = [0] * len(items), [""] * len(items)
-        for pos, (key, data) in enumerate(items):
-            try:
-                group = self.placement.coding_group(key, n, skip, min_width=quorum)
-                fragments = self.codec.encode(key, data)
-            except (PlacementError, ValueError) as exc:
-                errors[pos] = str(exc)
-                continue
-            sizes[pos] = fragments[0].header.object_size
-            for node, frag in zip(group, fragments):
-                h = frag.header
-                meta = FragmentMeta(h.key, h.index, h.k, h.m, h.object_size, h.payload_crc, write_id)
-                node2batch[node].append((pos, meta, frag.payload))
-            if pos % 8 == 7:
-                await asyncio.sleep(0)  # encoding holds the GIL: let other tasks run between objects
-        return node2batch, sizes, errors
-
-    async def _send_puts(self, node2batch, num_items: int, traffic_class: str, deadline: float) -> list[int]:
-        """One PutFragments per node (split past MAX_REQUEST_BYTES); OK acks per object."""
-        acks = [0] * num_items
-        tasks: dict[asyncio.Task, tuple[str, list[int]]] = {}
-        try:
-            for node, batch in node2batch.items():
-                for chunk in _chunks(batch, MAX_REQUEST_BYTES):
-                    msg = PutFragments(traffic_class, [meta for _, meta, _ in chunk])
-                    timeout_s = max(0.001, seconds_left(deadline))
-                    coro = self._node2client[node].request(msg, timeout_s=timeout_s, buffers=[p for _, _, p in chunk])
-                    tasks[asyncio.create_task(coro)] = (node, [pos for pos, _, _ in chunk])
-            if tasks:
-                await asyncio.wait(tasks, timeout=max(0.0, seconds_left(deadline)))
-        finally:  # deadline or cancelled: stop waiting for the rest
-            for task in tasks:
-                task.cancel()
-            if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
-        for task, (node, positions) in tasks.items():
-            if task.cancelled() or task.exception() is not None:
-                if not task.cancelled() and isinstance(task.exception(), TransportError):
-                    self.health.suspect(node)
-                continue
-            reply = task.result()
-            if isinstance(reply, PutAck) and len(reply.statuses) == len(positions):
-                for pos, status in zip(positions, reply.statuses):
-                    acks[pos] += status == FragmentStatus.OK
-        return acks
+        """Store objects; one result each, in order (``is_ok`` once ``quorum`` fragments are durable)."""
+        return await writes.put_objects(self, items, traffic_class, deadline)
 
     # ---- operations -----------------------------------------------------------------------
+    def client_of(self, node: str) -> RequestClient:
+        return self._node2client[node]
+
     async def request_node(self, node: str, msg, timeout_s: float = 2.0):
         """Send one control message (stats, RunGc, ...) to one node; raises TransportError."""
         return await self._node2client[node].request(msg, timeout_s=timeout_s)
@@ -395,15 +392,3 @@ class ClusterStore:
 
     def num_pending_requests(self) -> int:
         return sum(c.num_pending for c in self._node2client.values())
-
-
-def _chunks(batch: list, max_bytes: int):
-    chunk, size = [], 0
-    for item in batch:
-        if chunk and size + len(item[2]) > max_bytes:
-            yield chunk
-            chunk, size = [], 0
-        chunk.append(item)
-        size += len(item[2])
-    if chunk:
-        yield chunk

@@ -189,6 +189,9 @@ class FragmentStore:
             self._stats.num_rejected += 1
             return FragmentStatus.INVALID
         num_bytes = len(prefix) + view.nbytes
+        if num_bytes > self.watermarks.capacity_bytes:
+            self._stats.num_rejected += 1
+            return FragmentStatus.TOO_LARGE
         if not self._reserve(num_bytes):
             self._stats.num_rejected += 1
             return FragmentStatus.NO_SPACE

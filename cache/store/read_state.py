@@ -5,9 +5,14 @@
                    ├─ a node answers "not here" / corrupt / fails, so the pending asks can no
                    │  longer reach k ─────────────────────────────────> ask the rest now
                    └─ hedge delay passes with fewer than k ──────────> ask the rest
-    every node asked and answered, still fewer than k ─────────────────> MISS
+    every node asked and answered, still fewer than k ─────────────────> MISS, or UNAVAILABLE
+                                                                          when the nodes that
+                                                                          failed or were skipped
+                                                                          could have made up k
 
 Fragments are grouped by ``write_id``: two writes of one key are never decoded together.
+``skipped``: nodes of the key's ranking the client did not ask because they are unusable (down,
+unreachable); ``failed``: asked nodes whose request failed (no answer, connection lost).
 """
 
 from __future__ import annotations
@@ -18,10 +23,14 @@ from deepinfer.cache.store.ec import Fragment
 
 
 class KeyRead:
-    __slots__ = ("key", "k", "first_wave", "reserve", "pending", "write2index2fragment", "num_bad", "is_hedged")
+    __slots__ = ("key", "k", "first_wave", "reserve", "pending", "write2index2fragment", "num_bad", "is_hedged",
+                 "skipped", "failed", "absent")  # fmt: skip
 
-    def __init__(self, key: bytes, k: int, read_order: Sequence[str], first_wave_size: int):
+    def __init__(self, key: bytes, k: int, read_order: Sequence[str], first_wave_size: int, skipped: Sequence[str] = ()):
         self.key = key
+        self.skipped = list(skipped)
+        self.failed: list[str] = []
+        self.absent: list[str] = []  # answered without a usable fragment
         self.k = k
         self.first_wave = list(read_order[:first_wave_size])
         self.reserve = list(read_order[first_wave_size:])  # asked only when the first wave falls short
@@ -54,10 +63,18 @@ class KeyRead:
         self.write2index2fragment.setdefault(write_id, {})[fragment.header.index] = fragment
 
     def on_absent(self, node: str) -> None:
-        """The node answered without a usable fragment (not stored, corrupt, expired) or failed."""
+        """The node answered without a usable fragment (not stored, corrupt, expired)."""
         if node in self.pending:
             self.pending.discard(node)
             self.num_bad += 1
+            self.absent.append(node)
+
+    def on_failed(self, node: str) -> None:
+        """The node's request failed: no answer (timeout, connection lost) or an error reply."""
+        if node in self.pending:
+            self.pending.discard(node)
+            self.num_bad += 1
+            self.failed.append(node)
 
     # ---- state --------------------------------------------------------------------------
     @property
@@ -77,6 +94,14 @@ class KeyRead:
     def is_hopeless(self) -> bool:
         """Every node asked has answered (or been asked and the reserve is spent) short of k."""
         return not self.is_ready and self.is_hedged and self.num_best + len(self.pending) < self.k
+
+    @property
+    def is_unavailable(self) -> bool:
+        """Short of k, but the nodes not heard from (failed or skipped) could have made it up."""
+        return not self.is_ready and self.num_best + len(self.pending) + len(self.failed) + len(self.skipped) >= self.k
+
+    def unavailable_nodes(self) -> list[str]:
+        return [*self.skipped, *self.failed]
 
     def fragments(self) -> list[Fragment]:
         """k fragments of the most complete write (call when ``is_ready``)."""

@@ -116,9 +116,10 @@ async def test_prompt_evicted_from_the_device_comes_back_from_the_cluster(cluste
     engine = await _start(",".join(cluster.addresses.values()))
     try:
         deadline = time.monotonic() + 10  # zmq connects in the background
-        while _connections_to(_ports(cluster)) < NUM_NODES and time.monotonic() < deadline:
+        while _connections_to(_ports(cluster)) < 2 * NUM_NODES and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        assert _connections_to(_ports(cluster)) == NUM_NODES  # one DEALER per storage node
+        # per storage node one request DEALER and its reachability probe (cache/store/reachability.py)
+        assert _connections_to(_ports(cluster)) == 2 * NUM_NODES
         long_prompt = _prompt(1, 1000)  # (1000 - 1) // 128 = 7 full blocks can hit
         first, out, ttft_computed = await _generate(engine, long_prompt)
         assert out.num_cached_tokens == 0 and len(first) == 4

@@ -42,6 +42,17 @@ async def _broadcast(store, cluster, msg):
     return await asyncio.gather(*(store.request_node(n, msg) for n in cluster.names if cluster.is_running(n)))
 
 
+async def _bounce(store, cluster, name):
+    """Kill and restart a daemon, and let the client's probe see both (a few tenths of a second)."""
+    cluster.kill(name)
+    for _ in range(500):
+        if not store.reachability.is_reachable(name):
+            break
+        await asyncio.sleep(0.01)
+    cluster.restart(name)
+    assert await store.wait_reachable([name])
+
+
 def _objects(n, seed, lo=1000, hi=60_000):
     rng = random.Random(seed)
     return {rng.randbytes(16): rng.randbytes(rng.randrange(lo, hi)) for _ in range(n)}
@@ -86,6 +97,7 @@ async def test_write_quorum_allows_one_node_down(cluster, store):
         assert all(a.num_acks == 11 for a in acks)
         cluster.restart("node-05")
         quorum_store.mark_up("node-05")
+        assert await quorum_store.wait_reachable(["node-05"])  # its probe reconnects within ~0.1 s
         res = await quorum_store.get_blocks(list(objs), deadline=deadline_after(10))
         assert all(r.data == objs[r.key] for r in res)  # node-05 answers NOT_FOUND, the rest decode
 
@@ -168,14 +180,13 @@ async def test_restarted_daemons_serve_their_fragments_without_rewriting(cluster
     await _put(store, objs)
     restarted = ["node-01", "node-07"]
     for name in restarted:
-        cluster.kill(name)
-        cluster.restart(name)
+        await _bounce(store, cluster, name)
     # take two other nodes away: every read now needs the restarted nodes' fragments
     for name in ("node-03", "node-10"):
         cluster.kill(name)
         store.mark_down(name)
     res = await store.get_blocks(list(objs), deadline=deadline_after(10))
-    assert all(r.data == objs[r.key] for r in res)
+    assert all(r.data == objs[r.key] for r in res), [(r.status, r.message) for r in res][:3]
     stats = await store.node_stats()
     for name in restarted:
         assert stats[name].num_puts == 0  # nothing was rewritten

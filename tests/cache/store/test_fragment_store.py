@@ -144,7 +144,7 @@ def test_fill_past_high_watermark_evicts_lru_and_keeps_recently_read(tmp_path):
 def test_a_write_that_cannot_fit_is_refused(tmp_path):
     store = _open(tmp_path, capacity=500)
     status, _ = _put(store, b"big", size=4000)
-    assert status == FragmentStatus.NO_SPACE
+    assert status == FragmentStatus.TOO_LARGE  # larger than the whole node: can never fit
     assert store.used_bytes == 0
     store.check_integrity()
 

@@ -37,3 +37,17 @@ def test_writes_avoid_suspects_only_when_enough_nodes_remain():
     health.suspect("s1")
     assert health.write_skips(3) == {"s0", "s1"}  # 3 left: enough
     assert health.write_skips(4) == {"s0"}  # only 3 would be left: use the suspect
+
+
+def test_unusable_joins_heartbeats_membership_and_probes():
+    unreachable = {}
+    health = NodeHealth([f"s{i}" for i in range(5)], suspect_s=2.0, unreachable=unreachable, clock=Clock())
+    assert health.unusable() == set()
+    health.mark_down("s0")
+    health.excluded["s1"] = "draining"
+    unreachable["s2"] = "refused the connection"  # the probe's live view, shared
+    assert health.unusable() == {"s0", "s1", "s2"}
+    assert health.why("s2") == "refused the connection" and health.why("s1") == "marked draining"
+    health.suspect("s3")
+    assert health.write_skips(1) == {"s0", "s1", "s2", "s3"}
+    assert health.write_skips(2) == {"s0", "s1", "s2"}  # a suspect is used before a write fails

@@ -58,3 +58,30 @@ def test_two_writes_never_mix_and_foreign_fragments_are_ignored():
     assert not read.is_ready and read.num_best == 5 and read.num_bad == 1
     read.on_fragment(NODES[11], b[11], write_id=2)
     assert read.num_best == 6
+
+
+def test_short_because_of_unreachable_nodes_is_unavailable_not_a_miss():
+    frags = _frags()
+    # 3 of the key's 12 nodes skipped (down), 9 answer with their fragment: k=10 not reachable
+    read = KeyRead(b"key", 10, NODES[3:], first_wave_size=9, skipped=NODES[:3])
+    read.start()
+    for i in range(3, 12):
+        read.on_fragment(NODES[i], frags[i], write_id=1)
+    read.hedge()
+    assert read.is_hopeless and read.is_unavailable and read.unavailable_nodes() == NODES[:3]
+    # a key nobody stored: even the skipped nodes could not make up k, so it is a plain miss
+    read = KeyRead(b"key", 10, NODES[1:], first_wave_size=11, skipped=NODES[:1])
+    read.start()
+    for node in NODES[1:]:
+        read.on_absent(node)
+    read.hedge()
+    assert read.is_hopeless and not read.is_unavailable
+    # asked nodes that failed (connection lost) count like skipped ones
+    read = KeyRead(b"key", 10, NODES, first_wave_size=12)
+    read.start()
+    for i in range(9):
+        read.on_fragment(NODES[i], frags[i], write_id=1)
+    for node in NODES[9:]:
+        read.on_failed(node)
+    read.hedge()
+    assert read.is_hopeless and read.is_unavailable and read.unavailable_nodes() == NODES[9:]
