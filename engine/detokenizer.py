@@ -75,7 +75,10 @@ class ByteLevelDetokenizer:
                 continue
             raw = self._token_bytes[token_id] if 0 <= token_id < len(self._token_bytes) else None
             if raw is None:
-                raise ValueError(f"token id {token_id} is outside the vocabulary ({len(self._token_bytes)} ids)")
+                # an id the model has but the tokenizer lacks (checkpoints pad the vocabulary past
+                # the tokenizer's): no text, as the tokenizers library decodes it; never an error
+                # that would fail the whole step
+                continue
             pieces.append(self._utf8.decode(raw))
         new_text = "".join(pieces)
         self.text += new_text

@@ -177,19 +177,18 @@ class Tokenizer:
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes token ``token_id`` stands for: part of one UTF-8 character for a byte
         fragment (whose decoded text is only U+FFFD), so the bytes of a sequence's tokens
-        concatenate to the UTF-8 of its text. Added tokens give their content."""
+        concatenate to the UTF-8 of its text. Added tokens give their content; an id the model has
+        but the tokenizer lacks (a padded vocabulary) gives no bytes, as it decodes to no text."""
         added = self._added_tokens.get(token_id)
         if added is not None:
             return added.content.encode("utf-8")
         table = self._token_bytes
         if table is not None:
             raw = table[token_id] if 0 <= token_id < len(table) else None
-            if raw is None:
-                raise ValueError(f"token id {token_id} is outside the vocabulary ({len(table)} ids)")
-            return raw
+            return b"" if raw is None else raw  # an id past the tokenizer's (padded model vocab): no text
         piece = self._tok.id_to_token(token_id)
         if piece is None:
-            raise ValueError(f"token id {token_id} is outside the vocabulary ({self.vocab_size} ids)")
+            return b""
         fallback = _BYTE_FALLBACK.fullmatch(piece)  # sentencepiece's <0xE2> byte tokens
         if fallback is not None:
             return bytes([int(fallback.group(1), 16)])

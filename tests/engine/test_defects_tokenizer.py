@@ -50,8 +50,17 @@ def test_byte_level_token_bytes_rebuild_the_text(tok):
                 assert "\ufffd" in tok.decode([i])  # the text the bytes used to be built from
     assert num_fragments >= 3
     assert tok.token_bytes(tok.eos_token_id) == tok.eos_token.encode("utf-8")
-    with pytest.raises(ValueError, match="outside the vocabulary"):
-        tok.token_bytes(tok.vocab_size + 5)
+    assert tok.token_bytes(tok.vocab_size + 5) == b""  # a padded model vocabulary: no text
+
+
+def test_ids_past_the_tokenizer_decode_to_no_text(tok):
+    """Checkpoints pad the model's vocabulary past the tokenizer's; a sampled padding id must
+    stream no text (as tokens.decode gives), never raise and fail the whole engine step."""
+    ids = tok.encode("café au lait", add_special_tokens=False)
+    padded = [ids[0], tok.vocab_size + 3, *ids[1:], tok.vocab_size + 40]
+    assert tok.decode(padded) == tok.decode(ids)
+    detok = tok.detokenizer()
+    assert "".join(detok.push(i) for i in padded) + detok.flush() == tok.decode(ids)
 
 
 def test_byte_fallback_token_bytes():
