@@ -1,12 +1,14 @@
 """OpenAI-compatible HTTP gateway (aiohttp) over any ``EngineClient``.
 
     app = build_app(engine, GatewayConfig(api_key=...))          # mount in your own runner
+    runner = GatewayRunner(app, config)                          # ... with the connection limits
     gw = await start_gateway(engine, host="127.0.0.1", port=0)   # or bind one here
     await serve(engine, host=..., port=..., api_key=...)         # what `deepinfer serve` runs
 """
 
 from deepinfer.runtime.gateway.app import build_app
 from deepinfer.runtime.gateway.config import GatewayConfig
+from deepinfer.runtime.gateway.connections import GatewayRunner
 from deepinfer.runtime.gateway.embedded import RunningGateway, curl_example, serve, start_gateway
 from deepinfer.runtime.gateway.engine_client import (
     EngineClient,
@@ -22,6 +24,7 @@ __all__ = [
     "EngineOverloadedError",
     "EngineStats",
     "GatewayConfig",
+    "GatewayRunner",
     "GatewayTokenizer",
     "ModelInfo",
     "RunningGateway",

@@ -15,6 +15,10 @@ process runs out of file descriptors. ``GatewayRunner`` (an ``AppRunner``) serve
   deadline is the app's (app.py reads it under ``body_timeout_s``);
 - with ``max_connections`` open, a new connection gets a 503 and is closed at once, so a flood of
   slow clients cannot take the descriptors the open connections and the engine need.
+
+The protocol reads a few of ``RequestHandler``'s attributes (``_waiter``, ``_messages``,
+``_current_request``) to know where a connection stands; tests/runtime/test_gateway_hostile.py
+pins the behaviour, so an aiohttp upgrade that moves them fails there, not in production.
 """
 
 from __future__ import annotations
