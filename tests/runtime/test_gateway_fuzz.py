@@ -6,8 +6,9 @@ limit, random paths and methods. Every answer must be a non-5xx; every error an 
 JSON object; every stream must end with [DONE]; afterwards the server still answers /health and
 no engine request is left behind. Examples are derandomized, so a run is reproducible.
 
-Out of scope: broken HTTP framing (control characters in header values, bad request lines) is
-refused by aiohttp's parser with its own plain-text 400 before any application code runs.
+Out of scope here: broken HTTP framing (control characters in header values, bad request lines,
+bad chunking) is refused by the connection layer (runtime/gateway/connections.py) with a JSON 400
+before any application code runs; tests/runtime/test_gateway_hostile.py covers it.
 """
 
 import http.client
