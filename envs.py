@@ -41,6 +41,11 @@ class Envs:
     kv_store_nodes: str = ""
     # K+M erasure coding of a KV store address list, unless --kv-store-ec is given ("" = 10+2).
     kv_store_ec: str = ""
+    # Set by a supervising parent (runtime/lifeline.py) for its children, not by users: the
+    # parent's pid, the read end of its lifeline pipe, and a directory to remove if it dies.
+    parent_pid: int = 0
+    parent_lifeline_fd: int = -1
+    parent_cleanup_dir: str = ""
     # How many random tiny configs tests/engine/test_v4_parity_random.py checks against
     # transformers (CI runs the default; raise it locally for a longer search).
     parity_configs: int = 20
@@ -59,6 +64,9 @@ _ENV_NAMES = {
     "kv_store_nodes": "DEEPINFER_KV_STORE_NODES",
     "kv_store_ec": "DEEPINFER_KV_STORE_EC",
     "parity_configs": "DEEPINFER_PARITY_CONFIGS",
+    "parent_pid": "DEEPINFER_PARENT_PID",
+    "parent_lifeline_fd": "DEEPINFER_PARENT_LIFELINE_FD",
+    "parent_cleanup_dir": "DEEPINFER_PARENT_CLEANUP_DIR",
 }
 
 

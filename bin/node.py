@@ -7,6 +7,12 @@ import logging
 from deepinfer import envs
 from deepinfer.bin.cli import CliError, NotBuiltError
 from deepinfer.bin.serve import NODE_SWA_FLAGS, add_swa_arguments
+from deepinfer.runtime.disagg.cli_args import add_detector_arguments, detector_overrides
+
+# DetectorSettings field -> NodeSettings field
+_NODE_DETECTOR_FIELDS = {"interval_s": "heartbeat_interval_s", "suspect_phi": "suspect_phi",
+                         "min_silence_s": "min_silence_s", "max_silence_s": "max_silence_s",
+                         "probe_timeout_s": "probe_timeout_s"}
 
 
 def add_parser(subparsers, name):
@@ -31,6 +37,7 @@ def add_parser(subparsers, name):
     e.add_argument("--lease-s", type=float, default=5.0,
                    help="prefill: seconds exported KV is held without an ack or renewal (default 5)")
     add_swa_arguments(p, is_node=True)  # swa-wire: SWA slot flags of prefill/decode engines
+    add_detector_arguments(p)  # override the cluster config's [cluster] failure-detection keys
     return p
 
 
@@ -46,6 +53,25 @@ def _role_kwargs(args, role) -> dict:
 
 
 def run(args) -> int:
+    from deepinfer.runtime.lifeline import ParentDied, ParentWatch
+
+    # started by a supervisor (serve --disaggregated): end with it, even while still loading
+    parent = ParentWatch.from_env()
+    try:
+        if parent is not None:
+            parent.arm()
+        return _run(args, parent)
+    except ParentDied:
+        return 0
+    finally:
+        if parent is not None and parent.has_parent_died:
+            parent.cleanup()
+
+
+def _run(args, parent) -> int:
+    import asyncio
+    from dataclasses import replace
+
     from deepinfer.runtime import loop
     from deepinfer.runtime.cluster_config import ClusterConfigError, NodeRole, load_cluster_config
     from deepinfer.runtime.node import Node, NodeSettings
@@ -68,6 +94,12 @@ def run(args) -> int:
         settings = NodeSettings.from_cluster(config, name)
     except (KeyError, ValueError, FileNotFoundError) as exc:
         raise CliError(exc.args[0] if isinstance(exc, KeyError) else str(exc)) from None
+    overrides = detector_overrides(args)
+    settings = replace(settings, **{_NODE_DETECTOR_FIELDS[k]: v for k, v in overrides.items()})
+    try:
+        settings.detector  # noqa: B018 -- flags contradicting each other (or the config) fail here
+    except ValueError as exc:
+        raise CliError(str(exc), code=2) from None
     logging.basicConfig(level=envs.get().log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     async def serve() -> None:
@@ -77,6 +109,8 @@ def run(args) -> int:
             raise CliError(f"{args.cluster}: {exc}") from None
         node = Node(settings, [role_object])
         node.install_signal_handlers()
+        if parent is not None:  # the parent died: stop now, nobody is left to drain for
+            parent.watch(asyncio.get_running_loop(), lambda: asyncio.ensure_future(node.stop_when_started()))
         await node.start()
         await node.wait_stopped()
 

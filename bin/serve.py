@@ -230,6 +230,13 @@ def _check_args(args) -> None:
         if given:
             raise CliError(f"{given[0]} is not used with --disaggregated (the gateway hosts the SWA directory; "
                            "the engines keep no KV tiers yet)", code=2)
+        # pd-liveness: the --pd-* failure-detection flags must agree (min silence <= max silence ...)
+        from deepinfer.runtime.disagg.cli_args import serve_detector
+
+        try:
+            serve_detector(args)
+        except ValueError as exc:
+            raise CliError(f"peer failure detection: {exc}", code=2) from None
     if args.served_model_name is not None and not all(n.strip() for n in args.served_model_name):
         raise CliError("--served-model-name must not be blank", code=2)
 

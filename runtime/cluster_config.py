@@ -3,7 +3,11 @@
     [cluster]
     name = "local"
     heartbeat_interval_s = 0.5     # every node publishes a Heartbeat this often
-    missed_beats = 3               # a peer silent for this many intervals is marked down
+    missed_beats = 3               # a peer silent for fewer intervals is never suspected
+    min_silence_s = 2.0            # ... nor for less than this (the larger floor counts)
+    suspect_phi = 8.0              # phi-accrual threshold between the floor and max_silence_s
+    max_silence_s = 5.0            # a peer this silent is always suspected
+    probe_timeout_s = 1.0          # a suspect is down only if its control channel stays mute this long
     drain_deadline_s = 30          # SIGTERM: in-flight work gets this long to finish
 
     [security]                     # optional
@@ -41,6 +45,14 @@ from typing import Annotated
 
 import msgspec
 
+from deepinfer.runtime.failure_detector import (
+    DEFAULT_MAX_SILENCE_S,
+    DEFAULT_MIN_SILENCE_S,
+    DEFAULT_PROBE_TIMEOUT_S,
+    DEFAULT_SUSPECT_PHI,
+    DetectorSettings,
+    detector_settings,
+)
 from deepinfer.transport.protocol import Role
 
 
@@ -69,11 +81,22 @@ class ClusterSection(_Section):
     heartbeat_interval_s: Annotated[float, msgspec.Meta(gt=0)] = 0.5
     missed_beats: Annotated[int, msgspec.Meta(ge=1)] = 3
     drain_deadline_s: Annotated[float, msgspec.Meta(ge=0)] = 30.0
+    # failure detection (runtime/failure_detector.py): suspicion floor, phi threshold, cap, probe
+    min_silence_s: Annotated[float, msgspec.Meta(gt=0)] = DEFAULT_MIN_SILENCE_S
+    suspect_phi: Annotated[float, msgspec.Meta(gt=0)] = DEFAULT_SUSPECT_PHI
+    max_silence_s: Annotated[float, msgspec.Meta(gt=0)] = DEFAULT_MAX_SILENCE_S
+    probe_timeout_s: Annotated[float, msgspec.Meta(ge=0)] = DEFAULT_PROBE_TIMEOUT_S
 
     @property
     def down_after_s(self) -> float:
-        """Silence after which a peer is declared down."""
+        """The missed-beats floor: silence before which a peer is never suspected."""
         return self.heartbeat_interval_s * self.missed_beats
+
+    @property
+    def detector(self) -> DetectorSettings:
+        return detector_settings(interval_s=self.heartbeat_interval_s, missed_beats=self.missed_beats,
+                                 suspect_phi=self.suspect_phi, min_silence_s=self.min_silence_s,
+                                 max_silence_s=self.max_silence_s, probe_timeout_s=self.probe_timeout_s)
 
 
 class SecuritySection(_Section):
@@ -170,6 +193,9 @@ def _join(path: str, key: str) -> str:
 
 def _check(config: ClusterConfig) -> str | None:
     """Rules msgspec's types cannot express; the first broken one, as '<key>: <problem>'."""
+    if config.cluster.min_silence_s > config.cluster.max_silence_s:
+        return (f"cluster.max_silence_s: must be >= min_silence_s ({config.cluster.min_silence_s:g}), "
+                f"got {config.cluster.max_silence_s:g}")
     seen_names: dict[str, int] = {}
     seen_addresses: dict[str, str] = {}
     for i, spec in enumerate(config.nodes):

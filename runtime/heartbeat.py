@@ -1,16 +1,19 @@
 """Peer heartbeats over PUB/SUB and the events they turn into.
 
 Every node publishes ``Heartbeat`` on its events socket (topic ``hb``) each ``interval_s`` and
-subscribes to every peer's events socket. ``PeerTable`` (pure) decides up/down; each resulting
-``PeerUp``/``PeerDown`` is
+subscribes to every peer's events socket. ``PeerMonitor`` (runtime/peer_monitor.py) judges
+them with the pure ``PeerTable``: a silent peer is suspected by the phi-accrual detector
+(runtime/failure_detector.py) and probed on its control channel before it is declared down.
+Each resulting ``PeerUp``/``PeerDown`` is
 
 - published on our own events socket under topic ``peer`` (remote observers),
 - passed to every local listener callback (``add_listener``), and
 - put on every queue handed out by ``subscribe()``.
 
 On a graceful stop the service publishes ``Leave`` so peers mark us down at once instead of
-waiting for missed beats. Detection time for a killed peer: at most
-``missed_beats * interval_s`` of silence plus half an interval (the sweep period).
+waiting for the detector. Detection time for a killed peer: at most
+``settings.max_silence_s + settings.probe_timeout_s`` of silence plus half an interval (the
+sweep period); about ``min_silence_s + probe_timeout_s`` when its beats were regular.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from dataclasses import dataclass
 
 import zmq.asyncio
 
+from deepinfer.runtime.failure_detector import DetectorSettings
+from deepinfer.runtime.peer_monitor import PeerMonitor
 from deepinfer.runtime.peer_table import PeerEventMsg, PeerTable
 from deepinfer.transport.channels import EventPublisher, EventSubscriber
 from deepinfer.transport.protocol import TOPIC_HEARTBEAT, TOPIC_PEER, Heartbeat, Leave, PeerEvent, PeerUp, Role
@@ -38,22 +43,24 @@ class PeerAddress:
     name: str
     events: str  # the peer's PUB address
     curve_public_key: bytes | None = None
+    control: str = ""  # the peer's node control channel, where suspicions are probed ("": none)
 
 
 class HeartbeatService:
     def __init__(self, *, name: str, role: Role, instance_id: int, publisher: EventPublisher,
-                 peers: Sequence[PeerAddress], interval_s: float, missed_beats: int,
+                 peers: Sequence[PeerAddress], detector: DetectorSettings,
                  ctx: zmq.asyncio.Context | None = None, curve_keypair: CurveKeyPair | None = None,
                  clock: Callable[[], float] = time.monotonic):
         self.name = name
         self.role = role
         self.instance_id = instance_id
-        self.interval_s = interval_s
+        self.interval_s = detector.interval_s
         self.is_draining = False
-        self.table = PeerTable(interval_s, missed_beats)
+        self.monitor = PeerMonitor(PeerTable(detector), name=name, on_events=self._emit, ctx=ctx,
+                                   curve_keypair=curve_keypair, clock=clock)
+        self.table = self.monitor.table
         self._publisher = publisher
         self._peers = list(peers)
-        self._clock = clock
         self._subscriber = EventSubscriber(PeerEvent, topics=[TOPIC_HEARTBEAT], ctx=ctx, curve_keypair=curve_keypair,
                                            name=f"{name}-heartbeats")
         self._listeners: list[PeerListener] = []
@@ -73,6 +80,7 @@ class HeartbeatService:
 
     def connect_peer(self, peer: PeerAddress) -> None:
         self._subscriber.connect(peer.events, server_public=peer.curve_public_key)
+        self.monitor.add_peer(peer.name, peer.control, peer.curve_public_key)
 
     async def start(self) -> None:
         await self._subscriber.start()
@@ -81,8 +89,8 @@ class HeartbeatService:
         self._tasks = [
             asyncio.create_task(self._beat_loop(), name=f"{self.name}-beat"),
             asyncio.create_task(self._listen_loop(), name=f"{self.name}-listen"),
-            asyncio.create_task(self._sweep_loop(), name=f"{self.name}-sweep"),
         ]
+        await self.monitor.start()
 
     async def stop(self, *, say_goodbye: bool = True) -> None:
         was_running = bool(self._tasks)
@@ -90,6 +98,7 @@ class HeartbeatService:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
+        await self.monitor.close()
         if say_goodbye and was_running:
             try:
                 await self._publisher.publish(TOPIC_HEARTBEAT, Leave(node_name=self.name, instance_id=self.instance_id))
@@ -111,17 +120,8 @@ class HeartbeatService:
 
     async def _listen_loop(self) -> None:
         async for _, msg in self._subscriber:
-            now = self._clock()
-            if isinstance(msg, Heartbeat):
-                if msg.node_name != self.name:
-                    await self._emit(self.table.observe(msg, now))
-            elif isinstance(msg, Leave):
-                await self._emit(self.table.leave(msg, now))
-
-    async def _sweep_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s / 2)
-            await self._emit(self.table.sweep(self._clock()))
+            if isinstance(msg, (Heartbeat, Leave)) and msg.node_name != self.name:
+                await self.monitor.observe(msg)
 
     async def _emit(self, events: list[PeerEventMsg]) -> None:
         for event in events:

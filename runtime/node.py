@@ -34,6 +34,14 @@ from typing import Protocol
 import zmq.asyncio
 
 from deepinfer.runtime.cluster_config import ClusterConfig
+from deepinfer.runtime.failure_detector import (
+    DEFAULT_MAX_SILENCE_S,
+    DEFAULT_MIN_SILENCE_S,
+    DEFAULT_PROBE_TIMEOUT_S,
+    DEFAULT_SUSPECT_PHI,
+    DetectorSettings,
+    detector_settings,
+)
 from deepinfer.runtime.heartbeat import HeartbeatService, PeerAddress, PeerListener
 from deepinfer.runtime.metrics import MetricsRegistry
 from deepinfer.transport import security
@@ -80,7 +88,11 @@ class NodeSettings:
     events: str
     peers: tuple[PeerAddress, ...] = ()
     heartbeat_interval_s: float = 0.5
-    missed_beats: int = 3
+    missed_beats: int = 3  # with min_silence_s: the floor of suspicion (runtime/failure_detector.py)
+    min_silence_s: float = DEFAULT_MIN_SILENCE_S
+    suspect_phi: float = DEFAULT_SUSPECT_PHI
+    max_silence_s: float = DEFAULT_MAX_SILENCE_S
+    probe_timeout_s: float = DEFAULT_PROBE_TIMEOUT_S
     drain_deadline_s: float = 30.0
     curve_keypair: security.CurveKeyPair | None = None  # set: every socket of the node uses CURVE
     allowed_client_keys: tuple[bytes, ...] = ()  # with curve: peers' + operators' public keys
@@ -93,14 +105,22 @@ class NodeSettings:
             if not spec.curve_secret_key_file:
                 raise ValueError(f"node {name}: security.curve is on but curve_secret_key_file is not set")
             keypair = security.load_keypair(spec.curve_secret_key_file)
-        peers = tuple(PeerAddress(p.name, p.events, p.curve_public_key.encode() if keypair else None)
+        peers = tuple(PeerAddress(p.name, p.events, p.curve_public_key.encode() if keypair else None, p.control)
                       for p in config.peers_of(name))
         allowed = tuple(n.curve_public_key.encode() for n in config.nodes) + tuple(
             k.encode() for k in config.security.allow_clients)
+        c = config.cluster
         return cls(name=name, role=spec.role.wire, control=spec.control, events=spec.events, peers=peers,
-                   heartbeat_interval_s=config.cluster.heartbeat_interval_s, missed_beats=config.cluster.missed_beats,
-                   drain_deadline_s=config.cluster.drain_deadline_s, curve_keypair=keypair,
+                   heartbeat_interval_s=c.heartbeat_interval_s, missed_beats=c.missed_beats,
+                   min_silence_s=c.min_silence_s, suspect_phi=c.suspect_phi, max_silence_s=c.max_silence_s,
+                   probe_timeout_s=c.probe_timeout_s, drain_deadline_s=c.drain_deadline_s, curve_keypair=keypair,
                    allowed_client_keys=allowed if keypair else ())
+
+    @property
+    def detector(self) -> DetectorSettings:
+        return detector_settings(interval_s=self.heartbeat_interval_s, missed_beats=self.missed_beats,
+                                 suspect_phi=self.suspect_phi, min_silence_s=self.min_silence_s,
+                                 max_silence_s=self.max_silence_s, probe_timeout_s=self.probe_timeout_s)
 
 
 class Node:
@@ -119,8 +139,7 @@ class Node:
         self.events = EventPublisher(settings.events, ctx=self.ctx, curve=server_curve, name=f"{self.name}-events")
         self.heartbeat = HeartbeatService(
             name=self.name, role=settings.role, instance_id=self.instance_id, publisher=self.events,
-            peers=settings.peers, interval_s=settings.heartbeat_interval_s, missed_beats=settings.missed_beats,
-            ctx=self.ctx, curve_keypair=settings.curve_keypair)
+            peers=settings.peers, detector=settings.detector, ctx=self.ctx, curve_keypair=settings.curve_keypair)
         self._allow_list = (security.ClientAllowList(self.ctx, settings.allowed_client_keys)
                             if settings.curve_keypair else None)
         self._started_roles: list[Role] = []
@@ -227,9 +246,10 @@ class Node:
             log.warning("node %s: second %s, stopping now", self.name, sig.name)
             if self._drain_task is not None:
                 self._drain_task.cancel()
-            asyncio.ensure_future(self._stop_when_started())
+            asyncio.ensure_future(self.stop_when_started())
 
-    async def _stop_when_started(self) -> None:
+    async def stop_when_started(self) -> None:
+        """Stop now (no draining), or as soon as a ``start()`` in progress is done."""
         if self._has_start_begun:
             await self._start_done.wait()
         await self.stop()

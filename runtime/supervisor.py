@@ -9,7 +9,13 @@ A child that exits while the supervisor runs is restarted after ``restart_delay_
 ``max_restarts`` times in a row without staying up ``stable_after_s``); its new process is a
 new node instance to its peers. ``kill(name)`` / ``restart(name)`` exist for operators and
 failure tests. Children inherit stdout/stderr unless ``log_dir`` is given (then
-``<log_dir>/<name>.log``).
+``<log_dir>/<name>.log``). ``on_exit(name, status)`` hears of every exit while it runs (the
+launcher tells the gateway's failure detector: a local death is known, not guessed).
+
+Children never outlive the supervisor: each gets the read end of its lifeline pipe and the
+parent's pid (runtime/lifeline.py); a ``deepinfer node`` child stops when the supervising
+process dies however it dies (``kill -9`` included) and removes ``cleanup_dir``, the directory
+the supervisor's owner made for them (sockets, config).
 """
 
 from __future__ import annotations
@@ -18,9 +24,11 @@ import asyncio
 import logging
 import os
 import signal
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from deepinfer.runtime.lifeline import Lifeline
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +54,8 @@ class _Child:
 class Supervisor:
     def __init__(self, specs: Sequence[ChildSpec], *, log_dir: str | Path | None = None,
                  restart_delay_s: float = 0.5, max_restarts: int = 5, stable_after_s: float = 30.0,
-                 grace_s: float = 10.0):
+                 grace_s: float = 10.0, cleanup_dir: str | Path | None = None,
+                 on_exit: Callable[[str, int], None] | None = None):
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"child names must be unique, got {names}")
@@ -56,6 +65,9 @@ class Supervisor:
         self.max_restarts = max_restarts
         self.stable_after_s = stable_after_s
         self.grace_s = grace_s
+        self.cleanup_dir = cleanup_dir
+        self._on_exit = on_exit  # (name, status) of a child that exited while we run, before any restart
+        self._lifeline: Lifeline | None = None
         self._is_stopping = False
 
     async def start(self) -> None:
@@ -99,16 +111,24 @@ class Supervisor:
             if child.watcher is not None:
                 child.watcher.cancel()
         await asyncio.gather(*(c.watcher for c in self.children.values() if c.watcher), return_exceptions=True)
+        if self._lifeline is not None:
+            self._lifeline.close()
+            self._lifeline = None
 
     async def _spawn(self, child: _Child) -> None:
         out = None
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             out = open(self.log_dir / f"{child.spec.name}.log", "ab")
+        if self._lifeline is None:
+            self._lifeline = Lifeline(cleanup_dir=self.cleanup_dir)
+        lifeline = self._lifeline
         try:
+            # a session of its own: a terminal's Ctrl-C reaches us, and we stop the children
             child.process = await asyncio.create_subprocess_exec(
-                *child.spec.argv, env={**os.environ, **child.spec.env}, stdout=out,
-                stderr=asyncio.subprocess.STDOUT if out else None, start_new_session=True)
+                *child.spec.argv, env={**os.environ, **child.spec.env, **lifeline.child_env()}, stdout=out,
+                stderr=asyncio.subprocess.STDOUT if out else None, start_new_session=True,
+                pass_fds=lifeline.pass_fds)
         finally:
             if out is not None:
                 out.close()
@@ -120,6 +140,11 @@ class Supervisor:
         loop = asyncio.get_running_loop()
         started = loop.time()
         code = await process.wait()
+        if self._on_exit is not None and not self._is_stopping:
+            try:
+                self._on_exit(child.spec.name, code)
+            except Exception:
+                log.exception("supervisor: exit hook failed for %s", child.spec.name)
         if self._is_stopping or child.is_held or not child.spec.restart:
             return
         child.num_quick_exits = 0 if loop.time() - started > self.stable_after_s else child.num_quick_exits + 1

@@ -1,7 +1,8 @@
 """The gateway's picture of the disaggregated engines: liveness, instance, load, RPC client.
 
 Fed by the engines' events sockets (heartbeats + ``PdLoadReport``), judged by the pure
-``PeerTable`` (runtime/peer_table.py), and handed to the balancers as load snapshots
+``PeerTable`` (runtime/peer_table.py; a silent engine is probed on its node control channel
+before it is declared down, runtime/peer_monitor.py), and handed to the balancers as load snapshots
 (runtime/balance: ``PrefillLoadView`` / ``DecodeLoadView``). Engines are numbered in config
 order (the balancers want small ints); the number stays with the node name across restarts,
 the *instance id* is what identifies one life.
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 from deepinfer.runtime.balance import DecodeLoad, DecodeLoadView, PrefillLoad, PrefillLoadView
 from deepinfer.runtime.cluster_config import ClusterConfig, NodeRole
+from deepinfer.runtime.peer_monitor import PeerMonitor
 from deepinfer.runtime.peer_table import PeerEventMsg, PeerTable
 from deepinfer.transport.channels import EventSubscriber, RequestClient
 from deepinfer.transport.protocol import (
@@ -57,8 +59,9 @@ class EngineDirectory:
                  clock: Callable[[], float] = time.monotonic):
         self.name = name
         self._clock = clock
-        self.table = PeerTable(cluster.cluster.heartbeat_interval_s, cluster.cluster.missed_beats)
-        self.interval_s = cluster.cluster.heartbeat_interval_s
+        self.monitor = PeerMonitor(PeerTable(cluster.cluster.detector), name=name, on_events=self._emit_events,
+                                   ctx=ctx, clock=clock)
+        self.table = self.monitor.table
         self.prefill_view = PrefillLoadView()
         self.decode_view = DecodeLoadView()
         self.engines: dict[str, EngineEntry] = {}
@@ -71,6 +74,7 @@ class EngineDirectory:
                 self.engines[spec.name] = EngineEntry(spec.name, spec.role, next_id[spec.role], spec.engine,
                                                       spec.data, spec.events, rpc)
                 next_id[spec.role] += 1
+                self.monitor.add_peer(spec.name, spec.control)
         self._subscriber = EventSubscriber(PeerEvent | PdLoadReport, topics=[TOPIC_HEARTBEAT, TOPIC_PD_LOAD],
                                            ctx=ctx, name=f"{name}-engine-events")
         self._tasks: list[asyncio.Task] = []
@@ -83,13 +87,14 @@ class EngineDirectory:
         for entry in self.engines.values():
             await entry.rpc.start()
             self._subscriber.connect(entry.events_address)
-        self._tasks = [asyncio.create_task(self._listen(), name=f"{self.name}-engine-events"),
-                       asyncio.create_task(self._sweep(), name=f"{self.name}-engine-sweep")]
+        self._tasks = [asyncio.create_task(self._listen(), name=f"{self.name}-engine-events")]
+        await self.monitor.start()
 
     async def close(self) -> None:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.monitor.close()
         await self._subscriber.close()
         for entry in self.engines.values():
             await entry.rpc.close()
@@ -118,21 +123,18 @@ class EngineDirectory:
     # ---- events -------------------------------------------------------------------------------
     async def _listen(self) -> None:
         async for _, msg in self._subscriber:
-            now = self._clock()
             if isinstance(msg, Heartbeat):
                 entry = self.engines.get(msg.node_name)
                 if entry is not None:
                     entry.is_draining = msg.is_draining
-                    self._emit(self.table.observe(msg, now))
+                    await self.monitor.observe(msg)
             elif isinstance(msg, Leave):
-                self._emit(self.table.leave(msg, now))
+                await self.monitor.observe(msg)
             elif isinstance(msg, PdLoadReport):
-                self._on_load(msg, now)
+                self._on_load(msg, self._clock())
 
-    async def _sweep(self) -> None:
-        while True:
-            await asyncio.sleep(self.interval_s / 2)
-            self._emit(self.table.sweep(self._clock()))
+    async def _emit_events(self, events: list[PeerEventMsg]) -> None:
+        self._emit(events)
 
     def _on_load(self, report: PdLoadReport, now: float) -> None:
         entry = self.engines.get(report.node_name)

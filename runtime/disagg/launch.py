@@ -5,7 +5,8 @@
         cluster.supervisor.kill("decode-1")   # failure tests
 
 The engines are separate ``deepinfer node --role prefill|decode`` processes under a
-``Supervisor`` (restarted when they die; a restart is a new instance to everyone); the gateway
+``Supervisor`` (restarted when they die; a restart is a new instance to everyone; they stop and
+remove the cluster's socket directory if this process dies, ``kill -9`` included); the gateway
 and its ``PdEngineClient`` run in this process, and so does the SWA slot directory
 (``cluster.swa_directory``) when ``swa_store_slots`` > 0: the prefill engines list and fetch
 their slots through it, and a prefill engine's PeerDown drops its slots. bin/serve.py calls ``launch_disaggregated`` when
@@ -24,9 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from deepinfer.cache.swa_directory import SwaDirectoryService
-from deepinfer.runtime.disagg.cli_args import add_disagg_arguments  # noqa: F401 (re-exported)
+from deepinfer.runtime.disagg.cli_args import add_disagg_arguments, serve_detector  # noqa: F401 (re-exported)
 from deepinfer.runtime.disagg.client import PdEngineClient
 from deepinfer.runtime.disagg.local_cluster import write_local_cluster
+from deepinfer.runtime.failure_detector import DetectorSettings
 from deepinfer.runtime.gateway.engine_client import ModelInfo
 from deepinfer.runtime.supervisor import ChildSpec, Supervisor
 from deepinfer.transport.protocol import FailurePolicy
@@ -59,7 +61,7 @@ class LocalPdCluster:
                  failure_policy: FailurePolicy = FailurePolicy.RECOMPUTE, request_timeout_s: float = 300.0,
                  lease_s: float = 5.0, heartbeat_interval_s: float = 0.2, served_model_name: str | None = None,
                  log_dir: str | Path | None = None, env: Mapping[str, str] | None = None,
-                 decode_silence_s: float = 15.0):
+                 decode_silence_s: float = 15.0, detector: DetectorSettings | None = None):
         self.model_dir = Path(model_dir)
         self.num_prefill, self.num_decode = num_prefill, num_decode
         self.engine_options = {k: v for k, v in dict(engine_options or {}).items() if v is not None}
@@ -72,7 +74,8 @@ class LocalPdCluster:
         self.request_timeout_s = request_timeout_s
         self.decode_silence_s = decode_silence_s
         self.lease_s = lease_s
-        self.heartbeat_interval_s = heartbeat_interval_s
+        # how the gateway and the engines judge each other (heartbeat_interval_s: the shorthand)
+        self.detector = detector or DetectorSettings(interval_s=heartbeat_interval_s)
         self.served_model_name = served_model_name or self.engine_options.get("served_model_name") or self.model_dir.name
         self.log_dir = log_dir
         self.env = dict(env or {})
@@ -107,7 +110,7 @@ class LocalPdCluster:
 
     async def start(self, ready_timeout_s: float = 180.0) -> "LocalPdCluster":
         path, self.config = write_local_cluster(self.num_prefill, self.num_decode, transport=self.transport,
-                                                heartbeat_interval_s=self.heartbeat_interval_s)
+                                                detector=self.detector)
         self.root = path.parent
         try:
             address = self._swa_directory_address()
@@ -115,7 +118,7 @@ class LocalPdCluster:
                 self.swa_directory = SwaDirectoryService(address, name="gateway-swa-directory")
                 await self.swa_directory.start()
             self.supervisor = Supervisor([ChildSpec(n, self._argv(path, n), self.env) for n in self.engine_names()],
-                                         log_dir=self.log_dir)
+                                         log_dir=self.log_dir, cleanup_dir=self.root, on_exit=self._on_engine_exit)
             await self.supervisor.start()
             info, tokenizer = _model_info(self.model_dir, self.engine_options, self.served_model_name)
             self.client = PdEngineClient(self.config, gateway_name="gateway-0", model_info=info, tokenizer=tokenizer,
@@ -130,6 +133,11 @@ class LocalPdCluster:
             await self.close()
             raise
         return self
+
+    def _on_engine_exit(self, name: str, status: int) -> None:
+        """An engine process of ours exited: probe it now rather than wait out its silence."""
+        if self.client is not None:
+            asyncio.ensure_future(self.client.directory.monitor.suspect(name))
 
     async def wait_engines_up(self, timeout_s: float, names: list[str] | None = None) -> None:
         """Until every named engine (default: all) is up as seen by the gateway."""
@@ -173,7 +181,7 @@ async def launch_disaggregated(spec, args, *, print_fn: Callable[[str], None] = 
     policy = FailurePolicy.FAIL if args.failure_policy == "fail" else FailurePolicy.RECOMPUTE
     cluster = LocalPdCluster(spec.model_dir, num_prefill=args.prefill, num_decode=args.decode,
                              engine_options=spec.engine_options, transport=args.pd_transport, failure_policy=policy,
-                             decode_silence_s=args.pd_decode_silence)
+                             decode_silence_s=args.pd_decode_silence, detector=serve_detector(args))
     with stop_on_signals(stop):
         print_fn(f"Starting {args.prefill} prefill + {args.decode} decode engines on {spec.model_dir} ...")
         starting = asyncio.ensure_future(cluster.start())

@@ -2,7 +2,9 @@
 
 ``ipc`` (default) puts every socket under one short private directory; ``tcp`` uses free
 127.0.0.1 ports (the cross-host code path, on one host). The same engines and gateway run on
-either: only the addresses differ.
+either: only the addresses differ. Failure detection (heartbeat interval, suspicion floor, phi
+threshold, cap, probe timeout) goes into ``[cluster]`` so the gateway and every engine judge
+peers alike; the floor is given in seconds (``missed_beats = 1``).
 """
 
 from __future__ import annotations
@@ -12,10 +14,14 @@ from pathlib import Path
 
 from deepinfer.transport.ports import free_tcp_port
 from deepinfer.runtime.cluster_config import ClusterConfig, parse_cluster_config
+from deepinfer.runtime.failure_detector import DetectorSettings
+
+# engines on one host: beats every 0.2 s, the detector's default thresholds
+LOCAL_DETECTOR = DetectorSettings(interval_s=0.2)
 
 
 def local_cluster_toml(num_prefill: int, num_decode: int, *, root: str | Path, transport: str = "ipc",
-                       heartbeat_interval_s: float = 0.2, missed_beats: int = 3) -> str:
+                       detector: DetectorSettings = LOCAL_DETECTOR) -> str:
     if num_prefill < 1 or num_decode < 1:
         raise ValueError(f"a disaggregated cluster needs >= 1 prefill and >= 1 decode engine, got {num_prefill}, {num_decode}")
     if transport not in ("ipc", "tcp"):
@@ -26,8 +32,10 @@ def local_cluster_toml(num_prefill: int, num_decode: int, *, root: str | Path, t
             return f"tcp://127.0.0.1:{free_tcp_port()}"
         return f"ipc://{Path(root) / f'{node}.{kind}'}"
 
-    lines = ["[cluster]", 'name = "local-pd"', f"heartbeat_interval_s = {heartbeat_interval_s}",
-             f"missed_beats = {missed_beats}", "drain_deadline_s = 5", ""]
+    lines = ["[cluster]", 'name = "local-pd"', f"heartbeat_interval_s = {detector.interval_s!r}", "missed_beats = 1",
+             f"min_silence_s = {detector.min_silence_s!r}", f"suspect_phi = {detector.suspect_phi!r}",
+             f"max_silence_s = {detector.max_silence_s!r}", f"probe_timeout_s = {detector.probe_timeout_s!r}",
+             "drain_deadline_s = 5", ""]
     nodes = [("gateway-0", "gateway")] + [(f"prefill-{i}", "prefill") for i in range(num_prefill)] + \
             [(f"decode-{j}", "decode") for j in range(num_decode)]
     for name, role in nodes:
@@ -40,12 +48,11 @@ def local_cluster_toml(num_prefill: int, num_decode: int, *, root: str | Path, t
 
 
 def write_local_cluster(num_prefill: int, num_decode: int, *, transport: str = "ipc", root: str | Path | None = None,
-                        heartbeat_interval_s: float = 0.2, missed_beats: int = 3) -> tuple[Path, ClusterConfig]:
+                        detector: DetectorSettings = LOCAL_DETECTOR) -> tuple[Path, ClusterConfig]:
     """Write ``cluster.toml`` into ``root`` (default: a new short temp dir; ipc paths must stay
     under ~100 characters) and return its path and parsed config."""
     root = Path(root or tempfile.mkdtemp(prefix="di-pd-"))
-    text = local_cluster_toml(num_prefill, num_decode, root=root, transport=transport,
-                              heartbeat_interval_s=heartbeat_interval_s, missed_beats=missed_beats)
+    text = local_cluster_toml(num_prefill, num_decode, root=root, transport=transport, detector=detector)
     path = root / "cluster.toml"
     path.write_text(text)
     return path, parse_cluster_config(text, source=str(path))

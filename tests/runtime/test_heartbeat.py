@@ -5,6 +5,7 @@ import asyncio
 import pytest
 
 from deepinfer.transport.ports import free_tcp_port as free_port  # below the ephemeral range
+from deepinfer.runtime.failure_detector import DetectorSettings
 from deepinfer.runtime.heartbeat import PeerAddress
 from deepinfer.runtime.node import Node, NodeSettings
 from deepinfer.runtime.peer_table import PeerTable
@@ -22,6 +23,9 @@ from deepinfer.transport.protocol import (
 
 INTERVAL = 0.1
 MISSED = 3
+MIN_SILENCE_S, PROBE_TIMEOUT_S = 0.5, 0.3  # quick detection for these tests (defaults: 2 s, 1 s)
+# the old fixed rule, for the pure tests: down after 3 s of silence, no probe
+FIXED_3S = DetectorSettings(interval_s=1.0, min_silence_s=3.0, max_silence_s=3.0, probe_timeout_s=0.0)
 
 
 def beat(name="a", instance=1, seq=1, draining=False):
@@ -29,20 +33,20 @@ def beat(name="a", instance=1, seq=1, draining=False):
 
 
 def test_first_beat_is_up_silence_past_threshold_is_down():
-    table = PeerTable(interval_s=1.0, missed_beats=3)
+    table = PeerTable(FIXED_3S)
     assert table.observe(beat(), now=0.0) == [PeerUp("a", Role.DECODE, 1)]
     assert table.observe(beat(seq=2), now=1.0) == []
-    assert table.sweep(now=3.9) == []  # 2.9 s of silence < 3 beats
+    assert table.sweep(now=3.9).events == []  # 2.9 s of silence < 3 beats
     assert table.is_up("a") and table.peers_up() == ["a"]
-    assert table.sweep(now=4.1) == [PeerDown("a", Role.DECODE, 1, DownReason.MISSED_BEATS)]
-    assert table.sweep(now=9.0) == []  # reported once
+    assert table.sweep(now=4.1).events == [PeerDown("a", Role.DECODE, 1, DownReason.MISSED_BEATS)]
+    assert table.sweep(now=9.0).events == []  # reported once
     assert not table.is_up("a")
     # the same instance coming back (partition healed) is up again
     assert table.observe(beat(seq=9), now=9.5) == [PeerUp("a", Role.DECODE, 1)]
 
 
 def test_new_instance_is_a_restart_and_old_instance_stays_dead():
-    table = PeerTable(interval_s=1.0, missed_beats=3)
+    table = PeerTable(FIXED_3S)
     table.observe(beat(instance=1), now=0.0)
     assert table.observe(beat(instance=2), now=0.5) == [
         PeerDown("a", Role.DECODE, 1, DownReason.RESTARTED), PeerUp("a", Role.DECODE, 2)]
@@ -54,7 +58,7 @@ def test_new_instance_is_a_restart_and_old_instance_stays_dead():
 
 
 def test_leave_marks_down_at_once_and_only_for_that_instance():
-    table = PeerTable(interval_s=1.0, missed_beats=3)
+    table = PeerTable(FIXED_3S)
     table.observe(beat(instance=1), now=0.0)
     table.observe(beat(name="b", instance=7, draining=True), now=0.0)
     assert table.get("b").is_draining
@@ -67,8 +71,10 @@ def test_leave_marks_down_at_once_and_only_for_that_instance():
 def settings(name, port_of, peers=(), **kw):
     return NodeSettings(name=name, role=Role.DECODE, control=f"tcp://127.0.0.1:{port_of[name][0]}",
                         events=f"tcp://127.0.0.1:{port_of[name][1]}",
-                        peers=tuple(PeerAddress(p, f"tcp://127.0.0.1:{port_of[p][1]}") for p in peers),
-                        heartbeat_interval_s=INTERVAL, missed_beats=MISSED, **kw)
+                        peers=tuple(PeerAddress(p, f"tcp://127.0.0.1:{port_of[p][1]}",
+                                                control=f"tcp://127.0.0.1:{port_of[p][0]}") for p in peers),
+                        heartbeat_interval_s=INTERVAL, missed_beats=MISSED, min_silence_s=MIN_SILENCE_S,
+                        max_silence_s=2 * MIN_SILENCE_S, probe_timeout_s=PROBE_TIMEOUT_S, **kw)
 
 
 @pytest.fixture
@@ -126,7 +132,7 @@ async def test_crash_restart_and_leave_between_real_nodes(ports):
         await first.stop()
 
 
-async def test_silent_peer_is_down_after_missed_beats(ports):
+async def test_silent_peer_that_answers_probes_stays_up_and_one_that_does_not_is_down(ports):
     observer = Node(settings("a", ports, peers=["b"]))
     await observer.start()
     events = observer.heartbeat.subscribe()
@@ -134,15 +140,21 @@ async def test_silent_peer_is_down_after_missed_beats(ports):
     await peer.start()
     try:
         await next_event(events)
-        # freeze b's heartbeats (a hung process) without closing anything
+        # freeze b's heartbeats only: its control channel still answers, so it is alive
         for task in peer.heartbeat._tasks:
             task.cancel()
+        with pytest.raises(TimeoutError):
+            await next_event(events, timeout=4 * (MIN_SILENCE_S + PROBE_TIMEOUT_S))
+        assert observer.heartbeat.monitor.num_probes_answered >= 2
+        assert observer.heartbeat.table.peers_up() == ["b"]
+        # now it goes mute on the control channel too (a hung process): probed, unanswered, down
+        await peer.control.close()
         loop = asyncio.get_running_loop()
         start = loop.time()
         down = await next_event(events)
         elapsed = loop.time() - start
         assert down.reason == DownReason.MISSED_BEATS and down.node_name == "b"
-        assert (MISSED - 1) * INTERVAL <= elapsed <= (MISSED + 1) * INTERVAL + 0.5
+        assert elapsed <= 2 * MIN_SILENCE_S + PROBE_TIMEOUT_S + 1.0, elapsed
         assert observer.heartbeat.table.peers_up() == []
     finally:
         await peer.stop()

@@ -1,4 +1,5 @@
-"""Real node processes: a peer SIGKILLed mid-request is seen down within the configured beats;
+"""Real node processes: a peer SIGKILLed mid-request is seen down within the configured silence
+(suspicion floor + unanswered probe);
 SIGTERM drains gracefully (in-flight work finishes, new work is refused, the process exits 0)."""
 
 import asyncio
@@ -19,6 +20,7 @@ from deepinfer.transport.protocol import DownReason, ErrorCode, Hello, NodeContr
 
 INTERVAL = 0.2
 MISSED = 3
+MIN_SILENCE_S, MAX_SILENCE_S, PROBE_TIMEOUT_S = 0.6, 1.2, 0.3  # quick for the test (defaults 2, 5, 1)
 
 CHILD = textwrap.dedent('''
     import asyncio, sys
@@ -62,6 +64,9 @@ def cluster(tmp_path):
 [cluster]
 heartbeat_interval_s = {INTERVAL}
 missed_beats = {MISSED}
+min_silence_s = {MIN_SILENCE_S}
+max_silence_s = {MAX_SILENCE_S}
+probe_timeout_s = {PROBE_TIMEOUT_S}
 drain_deadline_s = 5
 
 [[nodes]]
@@ -128,8 +133,9 @@ async def test_peer_killed_mid_request_is_down_within_the_configured_beats(clust
             down = await wait_event(events, PeerDown)
             elapsed = loop.time() - killed_at
             assert down == PeerDown("child", Role.DECODE, up.instance_id, DownReason.MISSED_BEATS)
-            # silence starts up to one interval before the kill; the sweep adds at most half one
-            assert (MISSED - 1) * INTERVAL <= elapsed <= (MISSED + 1) * INTERVAL + 1.0, elapsed
+            # silence starts up to one interval before the kill; suspected past the floor, then
+            # the probe goes unanswered; the sweep adds at most half an interval
+            assert MIN_SILENCE_S - INTERVAL + PROBE_TIMEOUT_S <= elapsed <= MAX_SILENCE_S + PROBE_TIMEOUT_S + 1.0, elapsed
             with pytest.raises(DeadlineExceeded):
                 await in_flight  # the stream to the dead peer ends in an explicit error ...
             assert client.num_pending == 0  # ... and leaves nothing behind
