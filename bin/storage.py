@@ -1,8 +1,16 @@
-"""`deepinfer storage`: one storage node of the erasure-coded KV cache cluster.
+"""`deepinfer storage`: one storage node of the erasure-coded KV cache cluster, and its tools.
 
-Prints one line ``deepinfer storage: NAME listening on ADDRESS (N fragments, B bytes)`` once it
-serves (scripts and tests wait for it), then runs until SIGTERM/SIGINT, on which it finishes
-in-flight requests, persists its index and exits 0.
+    deepinfer storage --dir D --listen ADDR [--cluster members.json]   run a node
+    deepinfer storage --cluster members.json status                    node states, fragments, repair
+    deepinfer storage --cluster members.json members add NAME ADDR     edit the membership record
+                                                     members drain|up|down|remove NAME
+(options before the action: argparse takes the action's words together)
+
+A node prints one line ``deepinfer storage: NAME listening on ADDRESS (N fragments, B bytes)``
+once it serves (scripts and tests wait for it), then runs until SIGTERM/SIGINT, on which it
+finishes in-flight requests, persists its index and exits 0. With ``--cluster`` (the membership
+file, cache/store/membership.py) it also repairs: rebuilds missing fragments, moves fragments to
+the nodes their groups now rank, and follows changes of the file.
 
 Test-only options (hidden from --help; never use them in production):
   --debug-delay-ms MS     sleep MS before answering every request (a slow node, for hedging tests)
@@ -28,11 +36,11 @@ for i, p in enumerate("kmgtp", start=1):
     _UNIT[p + "i"] = _UNIT[p + "ib"] = 1024**i
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str, flag: str = "--capacity") -> int:
     """'10GiB', '500GB', '1.5T', '4096' -> bytes."""
     match = _SIZE.match(text)
     if not match or match.group(2).lower() not in _UNIT:
-        raise CliError(f"--capacity {text!r} is not a size like 500GiB, 20TB or 1048576")
+        raise CliError(f"{flag} {text!r} is not a size like 500GiB, 20TB or 1048576")
     return int(float(match.group(1)) * _UNIT[match.group(2).lower()])
 
 
@@ -42,7 +50,13 @@ def add_parser(subparsers, name):
         help="run a storage node of the KV cache cluster",
         description="Run one storage node: erasure-coded fragments on local disk, LRU GC, TTL per traffic class.",
     )
-    p.add_argument("--dir", required=True, help="directory holding this node's fragments and index")
+    p.add_argument("action", nargs="?", default="serve", choices=["serve", "status", "members"],
+                   help="serve (default): run a node; status: print the cluster's nodes; members: edit the membership")
+    p.add_argument("member_args", nargs="*", metavar="ARG",
+                   help="for members: add NAME ADDRESS | drain NAME | up NAME | down NAME | remove NAME")
+    p.add_argument("--dir", default="", help="directory holding this node's fragments and index (serve)")
+    p.add_argument("--cluster", default="",
+                   help="membership file (JSON: epoch, ec, nodes with name/address/state); a node with it repairs")
     p.add_argument("--listen", default="tcp://127.0.0.1:7600", help="ZeroMQ address to listen on (port 0: any free port)")
     p.add_argument("--capacity", default="10GiB", help="bytes this node may hold, e.g. 500GiB")
     p.add_argument("--high-watermark", type=float, default=0.90, help="GC starts when used bytes pass this fraction of capacity")
@@ -50,6 +64,13 @@ def add_parser(subparsers, name):
     p.add_argument("--ttl", default="agent=3d,chat=7d", help="retention per traffic class, e.g. agent=3d,chat=7d,default=7d")
     p.add_argument("--name", default="", help="node name in stats and metrics (default: the directory's name)")
     p.add_argument("--gc-interval", type=float, default=1.0, help="seconds between GC passes")
+    p.add_argument("--audit-interval", type=float, default=60.0, help="seconds between repair audits of every object")
+    p.add_argument("--audit-rate", type=float, default=2000.0, help="objects per second the repair audit checks at most")
+    p.add_argument("--repair-rate", default="200MB", help="repair traffic per second at most (decode reads + writes), e.g. 200MB")
+    p.add_argument("--repair-retry", type=float, default=1.0, help="first wait before an object still short is tried again")
+    p.add_argument("--membership-poll", type=float, default=1.0, help="seconds between checks of the --cluster file")
+    p.add_argument("--scrub-interval", type=float, default=3600.0, help="seconds between checksum scrubs of every fragment")
+    p.add_argument("--scrub-rate", default="50MB", help="bytes per second the scrub reads at most, e.g. 50MB")
     p.add_argument("--fsync", action="store_true", help="fsync every fragment file (slower; the cache survives power loss)")
     p.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics on this port (0: off)")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address for the metrics endpoint")
@@ -69,6 +90,20 @@ def add_parser(subparsers, name):
 def _config(args):
     from deepinfer.cache.store.gc import parse_ttl_spec
     from deepinfer.cache.store.node import StorageNodeConfig
+    from deepinfer.cache.store.repair import RepairConfig
+    from deepinfer.cache.store.scrub import ScrubConfig
+
+    if not args.dir:
+        raise CliError("--dir is required to run a storage node")
+    for flag, value in (("--audit-interval", args.audit_interval), ("--audit-rate", args.audit_rate),
+                        ("--repair-retry", args.repair_retry), ("--membership-poll", args.membership_poll),
+                        ("--scrub-interval", args.scrub_interval)):  # fmt: skip
+        if not value > 0:
+            raise CliError(f"{flag} must be positive, got {value}")
+    repair = RepairConfig(audit_interval_s=args.audit_interval, audit_keys_per_s=args.audit_rate,
+                          repair_bytes_per_s=parse_size(args.repair_rate, "--repair-rate"), retry_s=args.repair_retry,
+                          membership_poll_s=args.membership_poll)  # fmt: skip
+    scrub = ScrubConfig(interval_s=args.scrub_interval, bytes_per_s=parse_size(args.scrub_rate, "--scrub-rate"))
 
     try:
         ttl = parse_ttl_spec(args.ttl)
@@ -81,6 +116,9 @@ def _config(args):
         dir=Path(args.dir),
         listen=args.listen,
         capacity_bytes=parse_size(args.capacity),
+        membership_file=Path(args.cluster) if args.cluster else None,
+        repair=repair,
+        scrub=scrub,
         high_watermark=args.high_watermark,
         low_watermark=args.low_watermark,
         ttl=ttl,
@@ -162,10 +200,55 @@ async def _serve(config, metrics_host: str, metrics_port: int) -> int:
     return 0
 
 
+def _status(args) -> int:
+    from deepinfer.cache.store.membership import MembershipError, load_membership
+    from deepinfer.cache.store.status import cluster_status
+    from deepinfer.runtime.loop import run as run_loop
+
+    if not args.cluster:
+        raise CliError("status needs --cluster MEMBERSHIP_FILE")
+    try:
+        membership = load_membership(args.cluster)
+        status = run_loop(cluster_status(membership))
+    except (MembershipError, ValueError) as exc:
+        raise CliError(str(exc)) from None
+    print(status.format())
+    return 0 if status.num_silent == 0 else 3
+
+
+def _members(args) -> int:
+    from deepinfer.cache.store.membership import Membership, MembershipError, NodeState, load_membership, save_membership
+
+    if not args.cluster:
+        raise CliError("members needs --cluster MEMBERSHIP_FILE")
+    verb, rest = (args.member_args[0], args.member_args[1:]) if args.member_args else ("", [])
+    path = Path(args.cluster)
+    try:
+        current = load_membership(path) if path.exists() else Membership(0, ())
+        if verb == "add" and len(rest) == 2:
+            record = current.with_node(rest[0], rest[1])
+        elif verb in ("drain", "up", "down", "remove") and len(rest) == 1:
+            state = {"drain": NodeState.DRAINING, "up": NodeState.UP, "down": NodeState.DOWN, "remove": NodeState.REMOVED}
+            record = current.with_state(rest[0], state[verb])
+        else:
+            raise CliError("members: give add NAME ADDRESS, or drain|up|down|remove NAME")
+    except MembershipError as exc:
+        raise CliError(str(exc)) from None
+    save_membership(path, record)
+    print(f"membership epoch {record.epoch}: " + ", ".join(f"{m.name} {m.state.value}" for m in record.members))
+    return 0
+
+
 def run(args) -> int:
     from deepinfer import envs
     from deepinfer.runtime.loop import run as run_loop
 
+    if args.action == "status":
+        return _status(args)
+    if args.action == "members":
+        return _members(args)
+    if args.member_args:
+        raise CliError(f"unexpected arguments {' '.join(args.member_args)!r} (serve takes options only)")
     config = _config(args)
     config.dir.mkdir(parents=True, exist_ok=True)
     logging.basicConfig(level=envs.get().log_level, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -269,6 +269,7 @@ class FragmentMeta(_HotMessage):
     object_size: int
     payload_crc: int
     write_id: int
+    expires_at: float = 0.0  # on puts: keep this expiry (wall clock; repairs keep the original); 0 = TTL of the class
 
 
 class PutFragments(_HotMessage):
@@ -289,6 +290,29 @@ class TouchFragments(_HotMessage):
 
 class StorageStatsRequest(_Message):
     pass
+
+
+class HasFragments(_HotMessage):
+    """Which fragment of each key the node holds (the repair audit's question; no payloads)."""
+
+    keys: list[bytes]
+
+
+class FragmentIndex(_HotMessage):
+    indices: list[int]  # one per key: the fragment index held, -1 when none
+    write_ids: list[int]  # the held fragment's write id (0 when none)
+    payload_crcs: list[int] = []  # the held fragment's payload CRC-32C (0 when none)
+
+
+class RepairHint(_HotMessage):
+    """Objects seen short of fragments (a degraded write, a read that found fragments missing or
+    corrupt): the node checks them before its periodic audit would, and repairs what it can."""
+
+    keys: list[bytes]
+
+
+class RepairHintAck(_HotMessage):
+    num_queued: int
 
 
 class RunGc(_Message):
@@ -336,6 +360,19 @@ class StorageStats(_Message):
     read_GBps: float  # over the last few seconds
     write_GBps: float
     uptime_s: float
+    # repair and scrub (cache/store/repair.py, scrub.py); appended: older peers omit them
+    num_repaired: int = 0  # fragments this node rebuilt (decoded + written) onto nodes lacking them
+    num_moved: int = 0  # fragments this node moved to the node its group now ranks
+    num_dropped: int = 0  # surplus fragments (duplicates, misplaced copies) this node deleted
+    num_repair_bytes: int = 0  # fragment payload bytes written by repair and moves
+    num_repair_failures: int = 0
+    num_under_replicated: int = 0  # objects known short of k+m fragments, waiting for repair
+    num_audited: int = 0  # objects whose fragments the audit counted across their group
+    audit_progress: float = 0.0  # of the current audit pass, 0..1
+    num_scrubbed: int = 0  # fragments whose checksums the scrub verified
+    num_scrub_errors: int = 0  # corrupt or vanished fragments the scrub found (then rebuilt)
+    membership_epoch: int = -1  # -1: the node runs without a membership record (no repair)
+    num_admin_refused: int = 0
 
 
 class GcDone(_Message):
@@ -344,8 +381,10 @@ class GcDone(_Message):
     num_bytes_freed: int
 
 
-StorageRequest = PutFragments | GetFragments | TouchFragments | StorageStatsRequest | RunGc | DebugSet
-StorageReply = PutAck | FragmentsReply | TouchAck | StorageStats | GcDone | ErrorReply
+StorageRequest = (
+    PutFragments | GetFragments | TouchFragments | StorageStatsRequest | RunGc | DebugSet | HasFragments | RepairHint
+)
+StorageReply = PutAck | FragmentsReply | TouchAck | StorageStats | GcDone | FragmentIndex | RepairHintAck | ErrorReply
 
 
 # =====================================================================================

@@ -23,15 +23,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import zmq.asyncio
 
 from deepinfer.cache.store import writes
 from deepinfer.cache.store.api import ClientStats, GetResult, GetStatus, PutResult, seconds_left
 from deepinfer.cache.store.ec import ECConfig, ErasureCodec, ErasureCodingError, Fragment, FragmentHeader
+from deepinfer.cache.store.membership import Membership, MembershipFile, NodeState
 from deepinfer.cache.store.node import MAX_FRAGMENT_BYTES
 from deepinfer.cache.store.node_health import NodeHealth
 from deepinfer.cache.store.placement import Placement
@@ -62,6 +64,7 @@ class ClusterStoreConfig:
     num_spare_nodes: int = 2  # ranked past k+m: asked on hedges (writes that skipped down nodes)
     suspect_s: float = 2.0
     probe_nodes: bool = True  # keep a probe connection per node (reachability.py)
+    send_repair_hints: bool = True  # tell nodes about degraded writes and reads that found fragments missing
 
     def __post_init__(self) -> None:
         k, n = self.ec.k, self.ec.num_fragments
@@ -82,32 +85,88 @@ class ClusterStoreConfig:
 class ClusterStore:
     def __init__(
         self,
-        nodes: Mapping[str, str],
+        nodes: Mapping[str, str] | Membership,
         config: ClusterStoreConfig = ClusterStoreConfig(),
         *,
         ctx: zmq.asyncio.Context | None = None,
+        membership_file: str | Path | None = None,
+        membership_poll_s: float = 1.0,
     ):
-        """``nodes``: storage node name -> ZeroMQ address (from the cluster config)."""
-        if len(nodes) < config.ec.num_fragments:
-            raise ValueError(
-                f"{len(nodes)} storage nodes cannot hold a k+m={config.ec.num_fragments} coding group; "
-                "add nodes or configure a smaller k/m"
-            )
+        """``nodes``: storage node name -> ZeroMQ address (from the cluster config), or a
+        membership record (membership.py); with ``membership_file`` the record is re-read when
+        the file changes (nodes added, drained, removed)."""
+        membership = nodes if isinstance(nodes, Membership) else Membership.of(nodes, k=config.ec.k, m=config.ec.m)
         self.config = config
         self.codec = ErasureCodec(config.ec)
         self.stats = ClientStats()
         self._ctx = ctx
-        self._node2address = dict(nodes)
-        self.placement = Placement(sorted(nodes))
-        self._node2client = {name: self._client(name, addr) for name, addr in nodes.items()}
+        self._node2client: dict[str, RequestClient] = {}
+        self._started: set[str] = set()  # nodes whose request client is started
         self.reachability = Reachability(ctx=ctx, on_lost=self._on_node_lost)
-        self.health = NodeHealth(nodes, config.suspect_s, unreachable=self.reachability.unreachable)
+        self.health = NodeHealth((), config.suspect_s, unreachable=self.reachability.unreachable)
         self._node2tasks: dict[str, set[asyncio.Task]] = defaultdict(set)  # requests in flight, per node
         self._background: set[asyncio.Task] = set()
+        self._hinted_at: OrderedDict[bytes, float] = OrderedDict()  # repair hints sent lately, per key
         self._is_started = False
+        self._membership_file = MembershipFile(membership_file, membership) if membership_file else None
+        self._membership_poll_s = membership_poll_s
+        self._set_membership(membership)
+
+    def _set_membership(self, membership: Membership) -> None:
+        """Use a (new) membership record: ranking, states, one request client per node."""
+        names = membership.ranked_names
+        if len(names) < self.config.ec.num_fragments:
+            raise ValueError(
+                f"{len(names)} storage nodes cannot hold a k+m={self.config.ec.num_fragments} coding group; "
+                "add nodes or configure a smaller k/m"
+            )
+        self.membership = membership
+        self.placement = Placement(names)
+        self.draining = membership.names_in(NodeState.DRAINING)
+        self.health.set_nodes(names)
+        self.health.excluded = {n: "down" for n in membership.names_in(NodeState.DOWN)}
+        for name, address in membership.node2address.items():
+            client = self._node2client.get(name)
+            if client is not None and client.address != address:  # moved: a fresh socket
+                self.background(client.close())
+                self._started.discard(name)
+                self.reachability.forget(name)
+                client = None
+            if client is None:
+                self._node2client[name] = self._client(name, address)
+        for name in set(self._node2client) - set(names):
+            self.background(self._node2client.pop(name).close())
+            self._started.discard(name)
+            self.reachability.forget(name)
 
     def _client(self, name: str, address: str) -> RequestClient:
         return RequestClient(address, StorageReply, ctx=self._ctx, max_attachment_bytes=MAX_FRAGMENT_BYTES, name=f"store-{name}")
+
+    async def apply_membership(self, membership: Membership) -> None:
+        """Switch to ``membership`` (a started store connects to the new nodes at once)."""
+        self._set_membership(membership)
+        if self._is_started:
+            await self._connect_all()
+
+    async def _connect_all(self) -> None:
+        for name, client in list(self._node2client.items()):
+            if name not in self._started:
+                self._started.add(name)
+                await client.start()
+        if self.config.probe_nodes:
+            self.reachability.watch(self.membership.node2address)
+
+    async def _follow_membership_file(self) -> None:
+        while True:
+            await asyncio.sleep(self._membership_poll_s)
+            record = self._membership_file.poll()
+            if record is not None and record.epoch >= self.membership.epoch:
+                try:
+                    await self.apply_membership(record)
+                    log.info("store membership epoch %d: %d nodes (%d draining, %d down)", record.epoch,
+                             len(record.ranked_names), len(self.draining), len(self.health.excluded))
+                except ValueError as exc:
+                    log.warning("store membership epoch %d ignored: %s", record.epoch, exc)
 
     @classmethod
     def from_cluster_config(cls, config, *, ctx: zmq.asyncio.Context | None = None, **options) -> "ClusterStore":
@@ -122,11 +181,10 @@ class ClusterStore:
         return cls(nodes, ClusterStoreConfig(ec=ec, **options), ctx=ctx)
 
     async def start(self) -> "ClusterStore":
-        for client in self._node2client.values():
-            await client.start()
-        if self.config.probe_nodes:
-            self.reachability.watch(self._node2address)
+        await self._connect_all()
         self._is_started = True
+        if self._membership_file is not None:
+            self.background(self._follow_membership_file())
         return self
 
     async def close(self) -> None:
@@ -173,7 +231,11 @@ class ClusterStore:
             task.cancel()
 
     def track(self, node: str, task: asyncio.Task) -> asyncio.Task:
-        """Register a request task to ``node`` so that losing the node cancels it."""
+        """Register a request task to ``node`` so that losing the node cancels it (at once, when
+        it was lost while the caller planned the request)."""
+        if node in self.reachability.unreachable:
+            task.cancel()
+            return task
         tasks = self._node2tasks[node]
         tasks.add(task)
         task.add_done_callback(tasks.discard)
@@ -182,23 +244,28 @@ class ClusterStore:
     def request_task(self, node: str, coro) -> asyncio.Task:
         return self.track(node, asyncio.create_task(coro))
 
+    def note_hint(self, key: bytes, every_s: float = 10.0) -> bool:
+        """True when a repair hint for ``key`` is due (not sent in the last ``every_s``): every
+        read of a degraded object must not send one."""
+        now = time.monotonic()
+        if now - self._hinted_at.get(key, -every_s) < every_s:
+            return False
+        self._hinted_at[key] = now
+        self._hinted_at.move_to_end(key)
+        while len(self._hinted_at) > 4096:
+            self._hinted_at.popitem(last=False)
+        return True
+
     def background(self, coro) -> None:
         task = asyncio.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
     def _read_window(self, key: bytes, unusable: set[str], suspects: set[str]) -> tuple[list[str], list[str]]:
-        """(nodes to ask in order, unusable nodes ranked among them)."""
-        width = self.config.ec.num_fragments + self.config.num_spare_nodes
-        ranked = self.placement.ranked(key)
-        if not unusable:
-            order, skipped = list(ranked[:width]), []
-        else:
-            order, skipped = [], []
-            for node in ranked:
-                if len(order) == width:
-                    break
-                (skipped if node in unusable else order).append(node)
+        """(nodes to ask in order, unusable nodes ranked among them); suspects go last."""
+        n = self.config.ec.num_fragments
+        order, skipped = self.placement.read_window(key, n, n + self.config.num_spare_nodes + len(self.draining),
+                                                    unusable, self.draining)  # fmt: skip
         if suspects:
             order = [n for n in order if n not in suspects] + [n for n in order if n in suspects]
         return order, skipped
@@ -230,6 +297,8 @@ class ClusterStore:
             if tasks:
                 await asyncio.gather(*tasks, return_exceptions=True)
         self._touch_unasked(reads, results)
+        if self.config.send_repair_hints:
+            writes.hint_short_reads(self, reads, results)
         return self._finish_gets(results, keys)
 
     def _unavailable(self, read: KeyRead) -> GetResult:
@@ -337,8 +406,8 @@ class ClusterStore:
 
     async def _best_effort(self, node: str, msg) -> None:
         try:
-            await self._node2client[node].request(msg, timeout_s=1.0)
-        except TransportError:
+            await self.request_task(node, self._node2client[node].request(msg, timeout_s=1.0))
+        except (TransportError, asyncio.CancelledError, KeyError):  # KeyError: left the membership meanwhile
             pass  # best effort: a missed touch or hint only makes that node's LRU or repair later
 
     def _finish_gets(self, results, keys) -> list[GetResult]:

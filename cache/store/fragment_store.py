@@ -12,7 +12,9 @@ Reads refresh recency in memory; recency reaches the index in batches (``flush``
 restart that forgets the last seconds of reads only makes LRU slightly less exact.
 
 Every read re-checks the file's checksums; a damaged fragment is counted, deleted and answered
-CORRUPT, never served. Thread-safe: metadata changes happen under one lock, payload reads and
+CORRUPT, never served; ``scrub`` does the same check without serving. Keys whose fragment was
+found damaged or vanished are remembered (``take_lost``) so the node's repair can rebuild them.
+Thread-safe: metadata changes happen under one lock, payload reads and
 writes of temp files outside it, so a node may serve from a thread pool.
 """
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 import os
+from collections import deque
 import sqlite3
 import threading
 import time
@@ -40,6 +43,12 @@ class _Entry:
     num_bytes: int
     expires_at: float
     last_access: float
+    index: int = -1  # fragment index, write id, payload crc: -1 until known (the index db does not keep them)
+    write_id: int = 0
+    payload_crc: int = 0
+
+
+MAX_LOST_KEYS = 65_536  # damaged fragments remembered for repair; past this the audit finds them
 
 
 class ReadResult(NamedTuple):
@@ -96,6 +105,7 @@ class FragmentStore:
         self._reserved_bytes = 0
         self._stats = StoreStats(capacity_bytes=watermarks.capacity_bytes)
         self._db: sqlite3.Connection | None = None
+        self._lost: deque[bytes] = deque(maxlen=MAX_LOST_KEYS)
 
     # ---- lifecycle ------------------------------------------------------------------------
     def open(self) -> "FragmentStore":
@@ -151,7 +161,8 @@ class FragmentStore:
                 ff.fragment_path(self._frag_dir, key).unlink(missing_ok=True)
                 self._stats.num_corrupt += 1
                 continue
-            adopt[key] = _Entry(size, record.expires_at, record.written_at)
+            h = record.header
+            adopt[key] = _Entry(size, record.expires_at, record.written_at, h.index, record.write_id, h.payload_crc)
         rows = {k: v for k, v in rows.items() if k in on_disk}
         rows.update(adopt)
         with self._lock:
@@ -171,18 +182,24 @@ class FragmentStore:
     def put(self, header: FragmentHeader, payload, *, write_id: int, traffic_class: str) -> FragmentStatus:
         return self.put_many([(header, payload, write_id, traffic_class)])[0]
 
-    def put_many(self, items: Sequence[tuple[FragmentHeader, object, int, str]]) -> list[FragmentStatus]:
-        """Store fragments (header, payload, write_id, traffic_class); one status each, in order.
-        A fragment with the key of a stored one replaces it (the newest write of a key wins)."""
+    def put_many(self, items: Sequence[tuple]) -> list[FragmentStatus]:
+        """Store fragments (header, payload, write_id, traffic_class[, expires_at]); one status
+        each, in order. ``expires_at`` (> 0) keeps a given expiry (a repaired fragment keeps its
+        object's); otherwise the class's TTL counts from now. A fragment with the key of a stored
+        one replaces it (the newest write of a key wins)."""
         now = self.clock()
-        return [self._put_one(h, payload, write_id, cls, now) for h, payload, write_id, cls in items]
+        return [self._put_one(h, payload, write_id, cls, rest[0] if rest else 0.0, now)
+                for h, payload, write_id, cls, *rest in items]  # fmt: skip
 
-    def _put_one(self, header, payload, write_id, traffic_class, now) -> FragmentStatus:
+    def _put_one(self, header, payload, write_id, traffic_class, expires_at, now) -> FragmentStatus:
         view = memoryview(payload).cast("B")
         if payload_crc(view) != header.payload_crc or not header.key or len(header.key) > ff.MAX_KEY_BYTES:
             self._stats.num_rejected += 1
             return FragmentStatus.INVALID
-        record = ff.FragmentRecord(header, write_id, traffic_class, now, self.ttl.expires_at(traffic_class, now))
+        expires_at = expires_at if expires_at > 0 else self.ttl.expires_at(traffic_class, now)
+        if is_expired(expires_at, now):  # a repair of an object that has just expired
+            return FragmentStatus.EXPIRED
+        record = ff.FragmentRecord(header, write_id, traffic_class, now, expires_at)
         try:
             prefix = ff.pack_prefix(record, view.nbytes)
         except ValueError:
@@ -202,7 +219,7 @@ class FragmentStore:
             with self._lock:
                 os.replace(tmp_path, path)
                 self._forget(header.key)
-                self._lru[header.key] = _Entry(num_bytes, record.expires_at, now)
+                self._lru[header.key] = _Entry(num_bytes, record.expires_at, now, header.index, write_id, header.payload_crc)
                 self._used_bytes += num_bytes
                 heapq.heappush(self._expiry_heap, (record.expires_at, header.key))
                 self._db.execute(
@@ -248,9 +265,11 @@ class FragmentStore:
             record, payload = ff.parse(ff.read_file(path))
             if record.key != key:
                 raise ff.CorruptFragment(f"file for {key.hex()} holds {record.key.hex()}")
-        except FileNotFoundError:  # deleted (GC, replace) between lookup and read
+        except FileNotFoundError:  # deleted (GC, replace) between lookup and read, or lost from the disk
             with self._lock:
                 self._stats.num_misses += 1
+                if self._lru.get(key) is entry and not path.exists():  # still indexed: the file vanished
+                    self._forget_lost(key)
             return ReadResult(FragmentStatus.NOT_FOUND)
         except ff.CorruptFragment:
             with self._lock:
@@ -258,6 +277,7 @@ class FragmentStore:
                 self._stats.num_misses += 1
                 if key in self._lru:
                     self._delete(key)
+                    self._lost.append(key)
             return ReadResult(FragmentStatus.CORRUPT)
         with self._lock:
             entry = self._lru.get(key)
@@ -268,6 +288,81 @@ class FragmentStore:
             self._stats.num_hits += 1
             self._stats.num_bytes_read += payload.nbytes
         return ReadResult(FragmentStatus.OK, record, payload)
+
+    def holding(self, key: bytes) -> tuple[int, int, int] | None:
+        """(fragment index, write id, payload crc) of the fragment held for ``key``, or None."""
+        with self._lock:
+            entry = self._lru.get(key)
+            if entry is None:
+                return None
+            if entry.index >= 0:
+                return entry.index, entry.write_id, entry.payload_crc
+        record = self.record_of(key)  # restarted since this fragment was written: its file's header says
+        with self._lock:
+            entry = self._lru.get(key)
+            if entry is None or record is None:
+                return None
+            entry.index, entry.write_id, entry.payload_crc = record.header.index, record.write_id, record.header.payload_crc
+            return entry.index, entry.write_id, entry.payload_crc
+
+    def record_of(self, key: bytes) -> ff.FragmentRecord | None:
+        """The stored fragment's record (header, write id, class, expiry), from its file's header."""
+        try:
+            record = ff.read_prefix(ff.fragment_path(self._frag_dir, key))
+        except (OSError, ff.CorruptFragment):
+            return None  # the scrub or the next read deals with the file
+        return record if record.key == key else None
+
+    def read_fragment(self, key: bytes) -> tuple[ff.FragmentRecord, memoryview] | None:
+        """The fragment with its record (traffic class, expiry), checksums verified; for repair
+        (no recency, no read counters). A damaged one is deleted and remembered as lost."""
+        if self.scrub(key)[0] != FragmentStatus.OK:
+            return None
+        try:
+            record, payload = ff.parse(ff.read_file(ff.fragment_path(self._frag_dir, key)))
+        except (OSError, ff.CorruptFragment):
+            return None
+        return (record, payload) if record.key == key else None
+
+    def scrub(self, key: bytes) -> tuple[FragmentStatus | None, int]:
+        """Verify one stored fragment's checksums: (OK | CORRUPT (deleted) | NOT_FOUND (its file
+        vanished; forgotten), file bytes). Damage is remembered as lost, for repair. (None, 0)
+        when the key is not held, or was replaced or deleted meanwhile (not damage)."""
+        with self._lock:
+            entry = self._lru.get(key)
+        if entry is None:
+            return None, 0
+        path = ff.fragment_path(self._frag_dir, key)
+        try:
+            record, _ = ff.parse(ff.read_file(path))
+            if record.key != key:
+                raise ff.CorruptFragment(f"file for {key.hex()} holds {record.key.hex()}")
+        except FileNotFoundError:
+            with self._lock:
+                if self._lru.get(key) is not entry or path.exists():
+                    return None, 0
+                self._forget_lost(key)
+            return FragmentStatus.NOT_FOUND, 0
+        except ff.CorruptFragment:
+            with self._lock:
+                self._stats.num_corrupt += 1
+                if self._lru.get(key) is entry:
+                    self._delete(key)
+                    self._lost.append(key)
+            return FragmentStatus.CORRUPT, entry.num_bytes
+        return FragmentStatus.OK, entry.num_bytes
+
+    def _forget_lost(self, key: bytes) -> None:
+        self._forget(key)
+        self._db.execute("DELETE FROM fragments WHERE key = ?", (key,))
+        self._lost.append(key)
+
+    def take_lost(self) -> list[bytes]:
+        """Keys whose fragment was found damaged or missing since the last call."""
+        with self._lock:
+            keys = list(self._lost)
+            self._lost.clear()
+            return keys
 
     def touch(self, keys: Sequence[bytes]) -> int:
         """Mark fragments as just used (a read that did not need this node's fragment)."""

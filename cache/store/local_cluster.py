@@ -5,9 +5,12 @@
         cluster.kill("node-03")                                 # SIGKILL: a crashed node
         cluster.restart("node-03")                              # same directory, same address
 
-Each node is ``python -m deepinfer.bin storage --dir ROOT/NAME --listen tcp://127.0.0.1:PORT``;
-the cluster waits for its ready line. Leaving the ``with`` block (or ``stop()``) sends SIGTERM to
-every node still running, then SIGKILL to any that has not exited after a grace period.
+Each node is ``python -m deepinfer.bin storage --dir ROOT/NAME --listen tcp://127.0.0.1:PORT``
+(ports chosen up front, below the ephemeral range: transport/ports.py); the cluster waits for its
+ready line. With ``membership=True`` the cluster writes ``ROOT/members.json`` (membership.py) and
+every node runs with ``--cluster`` on it, so the nodes repair and rebalance; ``add_node`` and
+``set_state`` edit that record. Leaving the ``with`` block (or ``stop()``) sends SIGTERM to every
+node still running, then SIGKILL to any that has not exited after a grace period.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from deepinfer.cache.store.membership import Membership, NodeState, load_membership, save_membership
+from deepinfer.transport.ports import free_tcp_port
+
 _READY = re.compile(r"listening on (\S+)")
 
 
@@ -35,9 +41,13 @@ class LocalCluster:
         extra_args: Sequence[str] = (),
         node2extra_args: Mapping[str, Sequence[str]] | None = None,
         start_timeout_s: float = 60.0,
+        membership: bool = False,
+        ec: tuple[int, int] = (10, 2),
     ):
         self.root = Path(root)
         self.names = [f"node-{i:02d}" for i in range(num_nodes)]
+        self.membership_path = self.root / "members.json" if membership else None
+        self.ec = ec
         self.capacity = capacity
         self.extra_args = list(extra_args)
         self.node2extra_args = dict(node2extra_args or {})
@@ -57,17 +67,50 @@ class LocalCluster:
         self.stop()
 
     def start(self) -> dict[str, str]:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.addresses = {name: f"tcp://127.0.0.1:{free_tcp_port()}" for name in self.names}
+        if self.membership_path is not None:
+            save_membership(self.membership_path, Membership.of(self.addresses, k=self.ec[0], m=self.ec[1], epoch=1))
         for name in self.names:  # launch all first: they start up in parallel
-            self._spawn(name, "tcp://127.0.0.1:0")
+            self._spawn(name, self.addresses[name])
         for name in self.names:
             self.addresses[name] = self._wait_ready(name)
         return dict(self.addresses)
+
+    @property
+    def membership(self) -> Membership:
+        assert self.membership_path is not None, "LocalCluster(membership=True) keeps a membership record"
+        return load_membership(self.membership_path)
+
+    def add_node(self, extra_args: Sequence[str] = ()) -> str:
+        """Start one more node and make it a member (state up); its name."""
+        name = f"node-{len(self.names):02d}"
+        self.names.append(name)
+        self.node2extra_args[name] = list(extra_args)
+        self.addresses[name] = f"tcp://127.0.0.1:{free_tcp_port()}"
+        if self.membership_path is not None:
+            save_membership(self.membership_path, self.membership.with_node(name, self.addresses[name]))
+        self._spawn(name, self.addresses[name])
+        self.addresses[name] = self._wait_ready(name)
+        return name
+
+    def set_state(self, name: str, state: NodeState) -> Membership:
+        record = self.membership.with_state(name, state)
+        save_membership(self.membership_path, record)
+        return record
+
+    def fragments_on_disk(self, name: str) -> int:
+        """Fragment files in the node's directory (counted on disk, whatever the node says)."""
+        frags = self.root / name / "frags"
+        return sum(1 for sub in frags.iterdir() if sub.is_dir() for _ in sub.iterdir()) if frags.is_dir() else 0
 
     def _spawn(self, name: str, listen: str) -> None:
         cmd = [
             sys.executable, "-m", "deepinfer.bin", "storage", "--dir", str(self.root / name), "--listen", listen,
             "--capacity", self.capacity, "--name", name, *self.extra_args, *self.node2extra_args.get(name, ()),
         ]  # fmt: skip
+        if self.membership_path is not None:
+            cmd += ["--cluster", str(self.membership_path)]
         env = {**os.environ, "DEEPINFER_LOG_LEVEL": os.environ.get("DEEPINFER_LOG_LEVEL", "WARNING")}
         self._procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env)
 

@@ -3,6 +3,8 @@
     DEALER (store clients) ──> ROUTER ──> handler task per request ──> thread pool ──> FragmentStore
                                                                          (disk I/O, checksums)
     timer: every gc_interval_s run GC (TTL + watermarks), every flush_interval_s persist recency
+    scrub (scrub.py): verify every fragment's checksums, ``scrub.bytes_per_s`` at most
+    repair (repair.py, with a membership file): rebuild missing fragments, move misplaced ones
 
 Disk work never runs on the event loop: puts, gets and GC go to a small thread pool (file I/O and
 CRC-32C release the GIL), so one slow disk read does not hold up other requests' replies.
@@ -26,15 +28,21 @@ from deepinfer.cache.store.admin_policy import AdminPolicy
 from deepinfer.cache.store.ec import FragmentHeader
 from deepinfer.cache.store.fragment_store import FragmentStore
 from deepinfer.cache.store.gc import TtlPolicy, Watermarks
+from deepinfer.cache.store.repair import RepairConfig, Repairer
+from deepinfer.cache.store.scrub import ScrubConfig, Scrubber
 from deepinfer.transport.protocol import (
     DebugSet,
+    FragmentIndex,
     FragmentMeta,
     FragmentsReply,
     FragmentStatus,
     GcDone,
     GetFragments,
+    HasFragments,
     PutAck,
     PutFragments,
+    RepairHint,
+    RepairHintAck,
     RunGc,
     StorageRequest,
     StorageStats,
@@ -70,6 +78,9 @@ class StorageNodeConfig:
     num_io_threads: int = 4
     fsync: bool = False
     admin: AdminPolicy = AdminPolicy()
+    membership_file: Path | None = None  # set: repair runs (this node's name must be a member)
+    repair: RepairConfig = field(default_factory=RepairConfig)
+    scrub: ScrubConfig = field(default_factory=ScrubConfig)
     curve: CurveServerKeys | None = None  # set: the ROUTER speaks CURVE
     # with curve: client keys a ZAP allow list admits (empty: any CURVE client); None: the
     # process already runs a ZAP handler (``deepinfer node`` does)
@@ -122,6 +133,10 @@ class StorageNode:
         )
         self._allow_list: ClientAllowList | None = None
         self.num_admin_refused = 0
+        self.scrubber = Scrubber(self.name, self.store, self._run_io, config.scrub)
+        self.repairer = (Repairer(self.name, self.store, self._run_io, config.membership_file, config.repair)
+                         if config.membership_file else None)  # fmt: skip
+        self._background: list[asyncio.Task] = []
         self._timer_task: asyncio.Task | None = None
         self._started_at = time.monotonic()
         self._read_rate = RateMeter()
@@ -140,7 +155,25 @@ class StorageNode:
             await self._allow_list.start()
         self.address = await self._server.start()
         self._timer_task = asyncio.create_task(self._timer(), name=f"storage-{self.name}-gc")
+        self._background.append(asyncio.create_task(self._guarded(self.scrubber.run), name=f"storage-{self.name}-scrub"))
+        if self.repairer is not None:
+            self._background.append(asyncio.create_task(self._guarded(self.repairer.run), name=f"storage-{self.name}-repair"))
         return self.address
+
+    async def _run_io(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def _guarded(self, run) -> None:
+        """Run a background loop; a bug in it is logged and the loop restarted after a pause."""
+        while True:
+            try:
+                await run()
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("%s: %s failed; restarting it in 5 s", self.name, run.__qualname__)
+                await asyncio.sleep(5.0)
 
     @property
     def num_in_flight(self) -> int:
@@ -157,9 +190,12 @@ class StorageNode:
         self._is_stopped = True
         await self._server.drain(drain_s)
         await self._server.close()
-        if self._timer_task is not None:
-            self._timer_task.cancel()
-            await asyncio.gather(self._timer_task, return_exceptions=True)
+        for task in [self._timer_task, *self._background]:
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*(t for t in [self._timer_task, *self._background] if t is not None), return_exceptions=True)
+        if self.repairer is not None:
+            await self.repairer.close()
         await asyncio.get_running_loop().run_in_executor(self._pool, self.store.close)
         self._pool.shutdown(wait=True)
         if self._allow_list is not None:
@@ -208,6 +244,10 @@ class StorageNode:
                 return await loop.run_in_executor(self._pool, self._put, msg, incoming.buffers)
             case TouchFragments():
                 return TouchAck(self.store.touch(msg.keys))
+            case HasFragments():
+                return await loop.run_in_executor(self._pool, self._has, msg.keys)
+            case RepairHint():
+                return RepairHintAck(self.repairer.hint(msg.keys) if self.repairer is not None else 0)
             case StorageStatsRequest():
                 return self.stats()
             case RunGc():
@@ -241,10 +281,20 @@ class StorageNode:
 
     def _put(self, msg: PutFragments, buffers: list[memoryview]) -> PutAck:
         items = [
-            (FragmentHeader(f.key, f.index, f.k, f.m, f.object_size, f.payload_crc), buf, f.write_id, msg.traffic_class)
+            (FragmentHeader(f.key, f.index, f.k, f.m, f.object_size, f.payload_crc), buf, f.write_id, msg.traffic_class,
+             f.expires_at)
             for f, buf in zip(msg.fragments, buffers)
-        ]
+        ]  # fmt: skip
         return PutAck(self.store.put_many(items))
+
+    def _has(self, keys: list[bytes]) -> FragmentIndex:
+        indices, write_ids, crcs = [], [], []
+        for key in keys:
+            index, write_id, crc = self.store.holding(key) or (-1, 0, 0)
+            indices.append(index)
+            write_ids.append(write_id)
+            crcs.append(crc)
+        return FragmentIndex(indices, write_ids, crcs)
 
     def stats(self) -> StorageStats:
         s = self.store.stats()
@@ -269,4 +319,19 @@ class StorageNode:
             read_GBps=self._read_rate.rate() / 1e9,
             write_GBps=self._write_rate.rate() / 1e9,
             uptime_s=time.monotonic() - self._started_at,
+            num_scrubbed=self.scrubber.stats.num_scrubbed,
+            num_scrub_errors=self.scrubber.stats.num_errors,
+            num_admin_refused=self.num_admin_refused,
+            **self._repair_stats(),
         )
+
+    def _repair_stats(self) -> dict:
+        r = self.repairer
+        if r is None:
+            return {}
+        return dict(
+            num_repaired=r.stats.num_repaired, num_moved=r.stats.num_moved, num_dropped=r.stats.num_dropped,
+            num_repair_bytes=r.stats.num_repair_bytes, num_repair_failures=r.stats.num_repair_failures,
+            num_under_replicated=r.num_under_replicated, num_audited=r.stats.num_audited,
+            audit_progress=r.audit_progress, membership_epoch=r.epoch,
+        )  # fmt: skip

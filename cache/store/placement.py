@@ -11,7 +11,10 @@ hash plus a cached tuple, whatever the cluster size.
 
 Writes skip nodes that are down, so a fragment may sit on a node further down the ranking than
 its index suggests. Fragments name their own index, so readers never need the exact write-time
-group: they ask nodes in ranking order (``read_order``) and decode whatever k fragments come back.
+group: they ask nodes in ranking order (``read_window``) and decode whatever k fragments come back.
+Draining nodes (membership.py) take no new fragments but still hold old ones: a read asks them
+right after the group's own nodes. Repair (repair.py) moves fragments to where the ranking says
+they belong, so after a membership change reads find them in the first wave again.
 """
 
 from __future__ import annotations
@@ -63,6 +66,32 @@ class Placement:
     def read_order(self, key: bytes, down: Collection[str] = ()) -> list[str]:
         """Nodes to ask for the key's fragments, most likely holders first, down nodes left out."""
         return [n for n in self.ranked(key) if n not in down]
+
+    def read_window(
+        self, key: bytes, n: int, width: int, unusable: Collection[str] = (), draining: Collection[str] = ()
+    ) -> tuple[list[str], list[str]]:
+        """(nodes to ask in order, unusable nodes ranked among them).
+
+        Order: the first ``n`` usable nodes that are not draining (the coding group, where the
+        fragments belong), then draining nodes (old fragments not moved yet), then the rest, up
+        to ``width`` nodes in all.
+        """
+        ranked = self.ranked(key)
+        if not unusable and not draining:
+            return list(ranked[:width]), []
+        group, drain, rest, skipped = [], [], [], []
+        for node in ranked:
+            if len(group) + len(drain) + len(rest) == width:
+                break
+            if node in unusable:
+                skipped.append(node)
+            elif node in draining:
+                drain.append(node)
+            elif len(group) < n:
+                group.append(node)
+            else:
+                rest.append(node)
+        return group + drain + rest, skipped
 
     def coding_group(self, key: bytes, width: int, down: Collection[str] = (), *, min_width: int | None = None) -> list[str]:
         """The first ``width`` up nodes of the ranking: fragment i goes to element i.

@@ -24,13 +24,15 @@ from deepinfer.cache.store.ec import Fragment
 
 class KeyRead:
     __slots__ = ("key", "k", "first_wave", "reserve", "pending", "write2index2fragment", "num_bad", "is_hedged",
-                 "skipped", "failed", "absent")  # fmt: skip
+                 "skipped", "failed", "absent", "lowest_holder", "_lowest_index")  # fmt: skip
 
     def __init__(self, key: bytes, k: int, read_order: Sequence[str], first_wave_size: int, skipped: Sequence[str] = ()):
         self.key = key
         self.skipped = list(skipped)
         self.failed: list[str] = []
         self.absent: list[str] = []  # answered without a usable fragment
+        self.lowest_holder = ""  # node that sent the lowest fragment index (repair hints go there)
+        self._lowest_index = 1 << 30
         self.k = k
         self.first_wave = list(read_order[:first_wave_size])
         self.reserve = list(read_order[first_wave_size:])  # asked only when the first wave falls short
@@ -61,6 +63,8 @@ class KeyRead:
             self.num_bad += 1
             return
         self.write2index2fragment.setdefault(write_id, {})[fragment.header.index] = fragment
+        if fragment.header.index < self._lowest_index:
+            self._lowest_index, self.lowest_holder = fragment.header.index, node
 
     def on_absent(self, node: str) -> None:
         """The node answered without a usable fragment (not stored, corrupt, expired)."""

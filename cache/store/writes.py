@@ -23,7 +23,7 @@ from deepinfer.cache.store.api import PutResult, seconds_left
 from deepinfer.cache.store.node import MAX_FRAGMENT_BYTES
 from deepinfer.cache.store.placement import PlacementError
 from deepinfer.transport.errors import TransportError
-from deepinfer.transport.protocol import FragmentMeta, FragmentStatus, PutAck, PutFragments
+from deepinfer.transport.protocol import FragmentMeta, FragmentStatus, PutAck, PutFragments, RepairHint
 
 MAX_REQUEST_BYTES = 64 * 1024 * 1024  # a batch to one node is split past this many payload bytes
 _FRAGMENT_OVERHEAD = 4096  # pyeclib's header and padding, generously
@@ -33,7 +33,7 @@ async def put_objects(store, items: Sequence[tuple[bytes, object]], traffic_clas
     n, quorum = store.config.ec.num_fragments, store.config.quorum
     placed = await _encode_and_place(store, items)
     pos2statuses = await _send_puts(store, placed.node2batch, len(items), traffic_class, deadline)
-    out = []
+    out, hints = [], defaultdict(list)
     for pos, (key, _) in enumerate(items):
         statuses = pos2statuses[pos]
         num_ok = statuses.count(FragmentStatus.OK)
@@ -44,9 +44,30 @@ async def put_objects(store, items: Sequence[tuple[bytes, object]], traffic_clas
             store.stats.num_bytes_written += placed.sizes[pos]
         if ok and num_ok < n:
             store.stats.num_degraded_writes += 1
+            hints[placed.pos2first[pos]].append(key)
     store.stats.num_puts += len(out)
     store.stats.num_put_failures += sum(not r.is_ok for r in out)
+    if store.config.send_repair_hints:
+        _send_hints(store, hints)
     return out
+
+
+def hint_short_reads(store, reads, results) -> None:
+    """Objects read back while some of their group's nodes answered without a fragment (not
+    stored, corrupt, expired): hint the node that gave the lowest index, the object's leader."""
+    hints: dict[str, list[bytes]] = defaultdict(list)
+    n = store.config.ec.num_fragments
+    for pos, read in reads.items():
+        if read.absent and results[pos] is not None and results[pos].is_hit and read.lowest_holder:
+            if any(node in read.first_wave[:n] for node in read.absent) and store.note_hint(read.key):
+                hints[read.lowest_holder].append(read.key)
+    _send_hints(store, hints)
+
+
+def _send_hints(store, node2keys: dict[str, list[bytes]]) -> None:
+    for node, keys in node2keys.items():  # best effort: a lost hint is found by the holders' audit
+        store.stats.num_repair_hints += len(keys)
+        store.background(store._best_effort(node, RepairHint(keys)))
 
 
 class _Placed:

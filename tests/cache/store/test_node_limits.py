@@ -55,9 +55,9 @@ async def test_a_300_mib_attachment_neither_balloons_nor_stays_in_the_daemon(tmp
             meta = FragmentMeta(b"too-big", 0, 10, 2, 3000 * MiB, 0, 1)
             t0 = time.monotonic()
             with pytest.raises((RemoteError, DeadlineExceeded)):  # refused (OVERSIZED) or cut off by libzmq
-                await client.request(PutFragments("chat", [meta]), buffers=[huge], timeout_s=5)
+                await client.request(PutFragments("chat", [meta]), buffers=[huge], timeout_s=3)
             del huge
-            assert time.monotonic() - t0 < 6
+            assert time.monotonic() - t0 < 4
             # the daemon still serves (the client reconnects if libzmq cut the connection)
             for _ in range(50):
                 try:
