@@ -299,7 +299,7 @@ class HasFragments(_HotMessage):
 
 
 class FragmentIndex(_HotMessage):
-    indices: list[int]  # one per key: the fragment index held, -1 when none
+    indices: list[int]  # one per key: the fragment index held, -1 when none, -2 evicted by GC lately
     write_ids: list[int]  # the held fragment's write id (0 when none)
     payload_crcs: list[int] = []  # the held fragment's payload CRC-32C (0 when none)
 

@@ -106,6 +106,7 @@ class FragmentStore:
         self._stats = StoreStats(capacity_bytes=watermarks.capacity_bytes)
         self._db: sqlite3.Connection | None = None
         self._lost: deque[bytes] = deque(maxlen=MAX_LOST_KEYS)
+        self._evicted: OrderedDict[bytes, None] = OrderedDict()  # recently evicted by LRU GC
 
     # ---- lifecycle ------------------------------------------------------------------------
     def open(self) -> "FragmentStore":
@@ -219,6 +220,7 @@ class FragmentStore:
             with self._lock:
                 os.replace(tmp_path, path)
                 self._forget(header.key)
+                self._evicted.pop(header.key, None)
                 self._lru[header.key] = _Entry(num_bytes, record.expires_at, now, header.index, write_id, header.payload_crc)
                 self._used_bytes += num_bytes
                 heapq.heappush(self._expiry_heap, (record.expires_at, header.key))
@@ -288,6 +290,11 @@ class FragmentStore:
             self._stats.num_hits += 1
             self._stats.num_bytes_read += payload.nbytes
         return ReadResult(FragmentStatus.OK, record, payload)
+
+    def was_evicted(self, key: bytes) -> bool:
+        """LRU GC deleted this key's fragment lately (the object is on its way out of the cache)."""
+        with self._lock:
+            return key in self._evicted
 
     def holding(self, key: bytes) -> tuple[int, int, int] | None:
         """(fragment index, write id, payload crc) of the fragment held for ``key``, or None."""
@@ -405,6 +412,9 @@ class FragmentStore:
             self._delete(key)
         for key in plan.evicted:
             self._delete(key)
+            self._evicted[key] = None  # repair must not write back what GC just made room from
+        while len(self._evicted) > MAX_LOST_KEYS:
+            self._evicted.popitem(last=False)
         self._stats.num_expired += len(plan.expired)
         self._stats.num_evicted += len(plan.evicted)
         return GcReport(len(plan.expired), len(plan.evicted), plan.num_bytes_freed)

@@ -289,8 +289,8 @@ class StorageNode:
 
     def _has(self, keys: list[bytes]) -> FragmentIndex:
         indices, write_ids, crcs = [], [], []
-        for key in keys:
-            index, write_id, crc = self.store.holding(key) or (-1, 0, 0)
+        for key in keys:  # -2: evicted by GC lately (repair leaves the object to age out)
+            index, write_id, crc = self.store.holding(key) or ((-2 if self.store.was_evicted(key) else -1), 0, 0)
             indices.append(index)
             write_ids.append(write_id)
             crcs.append(crc)

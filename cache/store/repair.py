@@ -14,7 +14,8 @@ ranking says they belong. Runs in every daemon started with a membership file; n
                                                              the missing indices
                                                  - drops:    surplus copies are deleted
 
-An audit holds every index <= m of a recoverable object, so m+1 nodes look at each object per
+An object some group node's LRU GC evicted lately (HasFragments answers -2) is left alone: it is
+leaving the cache, and writing it back would fight the GC of a full node. An audit holds every index <= m of a recoverable object, so m+1 nodes look at each object per
 pass; only the leader (the lowest index) rebuilds. Re-encoding must reproduce the CRCs of the
 fragments that exist, or nothing is written. Repair traffic (bytes read to decode + bytes written)
 goes through a token bucket and the audit through a keys/s budget, so foreground reads keep the
@@ -43,6 +44,7 @@ from deepinfer.transport.protocol import FragmentIndex, FragmentMeta, FragmentSt
 log = logging.getLogger(__name__)
 
 MAX_HINTED = 100_000  # keys waiting for a look; older hints are dropped (the audit finds them)
+EVICTED = -2  # FragmentIndex: the node's GC evicted the key lately
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,7 +253,7 @@ class Repairer:
         plans, silent = [], []
         for key, window in key2window.items():
             group = [node for node in window if node not in draining][:n]
-            holdings, is_silent = {}, False
+            holdings, is_silent, is_evicted = {}, False, False
             for node in window:
                 if node == self.name:
                     held = local[key]
@@ -261,9 +263,13 @@ class Repairer:
                         is_silent |= node in group  # a group node we cannot see: plan nothing yet
                         continue
                     held = answer.get(key)
-                if held is not None:
+                if held is not None and held[0] == EVICTED:
+                    is_evicted = True
+                elif held is not None:
                     holdings[node] = Holding(*held)
-            if is_silent:
+            if is_evicted:  # GC on a full node made room from it: the object ages out, it is not lost
+                self._retry.pop(key, None)
+            elif is_silent:
                 silent.append(key)
             else:
                 plans.append(plan_repair(key, peers.config.ec.k, n, group, holdings))
@@ -278,7 +284,7 @@ class Repairer:
         if not isinstance(reply, FragmentIndex) or len(reply.indices) != len(keys):
             return None
         crcs = reply.payload_crcs or [0] * len(keys)
-        return {k: (i, w, c) for k, i, w, c in zip(keys, reply.indices, reply.write_ids, crcs) if i >= 0}
+        return {k: (i, w, c) for k, i, w, c in zip(keys, reply.indices, reply.write_ids, crcs) if i >= 0 or i == EVICTED}
 
     async def _move(self, target: str, items: list[tuple[RepairPlan, int]]) -> None:
         """Copy this node's fragments to ``target``; delete each once the target stored it."""

@@ -195,3 +195,21 @@ def test_storage_status_and_members_commands(tmp_path):
         out = cli("--cluster", path, "members", "drain", "node-77")
         assert out.returncode == 1 and "no storage node 'node-77'" in out.stderr
         assert "\n" not in out.stderr.strip()  # one line, no traceback
+
+
+async def test_repair_does_not_write_back_what_gc_evicted(tmp_path):
+    # small nodes past their high watermark, node-00 smaller still: its GC evicts objects the
+    # other 11 keep; repair must not write them back onto it (a fight it would lose forever)
+    args = [*FAST, "--high-watermark", "0.8", "--low-watermark", "0.5", "--gc-interval", "0.2"]
+    with LocalCluster(tmp_path, 12, capacity="200KB", membership=True, extra_args=args,
+                      node2extra_args={"node-00": ["--capacity", "60KB"]}) as cluster:  # fmt: skip
+        async with _store(cluster) as store:
+            objs = _objects(60, seed=6, size=20_000)  # ~2.1 KB per fragment, ~40 fit a node
+            for i in range(0, 60, 5):
+                await _put(store, dict(list(objs.items())[i : i + 5]))
+            await asyncio.sleep(2.0)  # four audit passes
+            stats = await store.node_stats()
+            assert stats["node-00"].num_evicted > 0
+            assert sum(s.num_evicted for s in stats.values()) == stats["node-00"].num_evicted  # the others keep theirs
+            assert sum(s.num_repaired for s in stats.values()) == 0
+            assert all(s.used_bytes <= s.high_watermark_bytes for s in stats.values())

@@ -212,3 +212,30 @@ def test_concurrent_puts_gets_and_gc_keep_accounts_straight(tmp_path):
     assert store.stats().num_evicted > 0 and store.stats().num_corrupt == 0
     assert store.used_bytes <= store.watermarks.capacity_bytes
     store.check_integrity()
+
+
+def test_scrub_finds_rot_and_vanished_files_and_remembers_them_for_repair(tmp_path):
+    store = _open(tmp_path)
+    for key in (b"a", b"b", b"c"):
+        _put(store, key)
+    assert store.scrub(b"a")[0] == FragmentStatus.OK and store.scrub(b"zz") == (None, 0)
+    path = ff.fragment_path(tmp_path / "frags", b"b")
+    raw = bytearray(path.read_bytes())
+    raw[-5] ^= 1
+    path.write_bytes(bytes(raw))
+    ff.fragment_path(tmp_path / "frags", b"c").unlink()
+    assert store.scrub(b"b")[0] == FragmentStatus.CORRUPT and not path.exists()
+    assert store.scrub(b"c") == (FragmentStatus.NOT_FOUND, 0)
+    assert sorted(store.take_lost()) == [b"b", b"c"] and store.take_lost() == []
+    assert store.keys_lru_first() == [b"a"] and store.holding(b"a") is not None
+    store.check_integrity()
+
+
+def test_evicted_keys_are_remembered_until_written_again(tmp_path):
+    store = _open(tmp_path, capacity=5000, high=0.8, low=0.5)
+    for i in range(6):  # fragments of ~1 KB (k=4): the fifth passes the high watermark
+        _put(store, b"k%d" % i, size=4000)
+    evicted = [b"k%d" % i for i in range(6) if not store.contains(b"k%d" % i)]
+    assert evicted and all(store.was_evicted(k) for k in evicted)
+    _put(store, evicted[0], size=4000)
+    assert not store.was_evicted(evicted[0])
