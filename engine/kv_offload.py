@@ -345,7 +345,7 @@ class KVOffload:
         if not (self.config.write_to_store and self.tiers.has_store):
             return
         with self._store_lock:
-            if len(self._store_writes) >= self.config.max_store_writes_in_flight or not self.store_health.can_try():
+            if len(self._store_writes) >= self.config.max_store_writes_in_flight or not self.store_health.can_write():
                 self.stats.num_store_writes_dropped += len(hashes)
                 return
             fut = self._run_io(self.tiers.write_store(list(zip(hashes, payloads)), traffic_class=self.config.traffic_class,
@@ -362,15 +362,15 @@ class KVOffload:
         exc = fut.exception()
         if exc is not None:
             self.stats.num_store_write_failures += 1
-            self.store_health.on_failure(f"a write-behind raised {type(exc).__name__}: {exc}")
+            self.store_health.on_write_failure(f"a write-behind raised {type(exc).__name__}: {exc}")
             return
         res = fut.result()
         self.stats.num_written_store += res.num_ok
         self.stats.num_store_write_failures += res.num_failed
         if res.num_ok:
-            self.store_health.on_answer()
+            self.store_health.on_write_answer()
         elif res.num_failed:
-            self.store_health.on_failure(f"no block of a {res.num_failed}-block write-behind was stored "
+            self.store_health.on_write_failure(f"no block of a {res.num_failed}-block write-behind was stored "
                                          f"({res.first_error})")
         if res.num_failed and res.num_ok:
             log.debug("kv write-behind: %d blocks not stored (%s)", res.num_failed, res.first_error)

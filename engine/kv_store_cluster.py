@@ -7,6 +7,10 @@
     "/etc/deepinfer/cluster.toml"                      a cluster config: its role = "storage"
                                                        nodes (data addresses), k and m from
                                                        its [storage] section
+    "/etc/deepinfer/members.json"                      the storage membership record (the
+                                                       nodes' own --cluster file): k, m and
+                                                       node states from it; the engine follows
+                                                       the file as nodes join, drain or leave
 
 Objects are placed by a rendezvous ranking over node *names* (cache/store/placement.py), so
 every engine sharing a cluster must name its nodes alike: an address list names each node by
@@ -37,6 +41,7 @@ class StoreCluster:
     ec_k: int
     ec_m: int
     source: str  # where the list came from, for logs: "3 addresses" or the config file's path
+    membership_file: str = ""  # set: a membership record (cache/store/membership.py) the store follows
 
     def describe(self) -> str:
         return f"{len(self.node2address)} storage nodes ({self.source}), EC {self.ec_k}+{self.ec_m}"
@@ -64,6 +69,8 @@ def resolve_store_cluster(nodes: str | Sequence[str], ec: str | None = None) -> 
         if not text:
             raise StoreClusterError("kv_store_nodes is empty: give storage node addresses or a cluster config file")
         if "://" not in text:
+            if text.endswith(".json"):
+                return _from_membership_file(text, ec)
             return _from_config_file(text, ec)
         entries = [e.strip() for e in text.split(",")]
     elif isinstance(nodes, Sequence) and all(isinstance(e, str) for e in nodes):
@@ -110,6 +117,19 @@ def _from_config_file(path: str, ec: str | None) -> StoreCluster:
     return StoreCluster({s.name: s.data for s in specs}, k, m, str(file))
 
 
+def _from_membership_file(path: str, ec: str | None) -> StoreCluster:
+    from deepinfer.cache.store.membership import MembershipError, load_membership
+
+    if ec is not None:
+        raise StoreClusterError(f"kv_store_ec is for an address list; {path} records k and m itself (its \"ec\")")
+    try:
+        record = load_membership(Path(path).expanduser())
+    except MembershipError as exc:
+        raise StoreClusterError(f"kv_store_nodes: {exc}") from None
+    _check_width(len(record.ranked_names), record.k, record.m, f"kv_store_nodes: {path} lists", "add storage nodes")
+    return StoreCluster(record.node2address, record.k, record.m, path, membership_file=str(Path(path).expanduser()))
+
+
 def _check_width(num_nodes: int, k: int, m: int, what: str, fix: str) -> None:
     if num_nodes < k + m:
         raise StoreClusterError(f"{what} {num_nodes} storage nodes; erasure coding {k}+{m} needs at least {k + m}: "
@@ -120,5 +140,9 @@ def build_cluster_store(cluster: StoreCluster):
     """A ClusterStore over ``cluster`` (not started: KVOffload starts and closes it on its I/O loop)."""
     from deepinfer.cache.store.client import ClusterStore, ClusterStoreConfig
     from deepinfer.cache.store.ec import ECConfig
+    from deepinfer.cache.store.membership import load_membership
 
-    return ClusterStore(cluster.node2address, ClusterStoreConfig(ec=ECConfig(k=cluster.ec_k, m=cluster.ec_m)))
+    config = ClusterStoreConfig(ec=ECConfig(k=cluster.ec_k, m=cluster.ec_m))
+    if cluster.membership_file:
+        return ClusterStore(load_membership(cluster.membership_file), config, membership_file=cluster.membership_file)
+    return ClusterStore(cluster.node2address, config)

@@ -1,9 +1,10 @@
 """Prometheus collector for an engine's KV tiers, read at scrape time (nothing to keep in sync).
 
 Counters from ``KVOffloadStats`` (store reads, deadline misses that fell back to recompute,
-blocks loaded per tier, write-behind) and gauges of the host tier, labelled by engine name;
-register it in the engine process's registry next to the store client's collector
-(cache/store/metrics.py)::
+blocks loaded per tier, write-behind), gauges of the host tier, and the store client's own
+counters (``deepinfer_store_client_*``: reads, hits, unavailable, hedged reads, degraded writes,
+repair hints, bytes; cache/store/metrics.py), labelled by engine name; one registration puts
+them all on the engine process's /metrics::
 
     registry.register(KVTierCollector(offload, "prefill-0"))
 """
@@ -11,6 +12,9 @@ register it in the engine process's registry next to the store client's collecto
 from __future__ import annotations
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from deepinfer.cache.store.api import ClientStats
+from deepinfer.cache.store.metrics import StoreClientCollector
 
 # KVOffloadStats field -> (metric name, help)
 _COUNTERS = {
@@ -48,6 +52,9 @@ class KVTierCollector:
             family = CounterMetricFamily(name, text, labels=["engine"])
             family.add_metric([self._name], float(getattr(stats, field)))
             yield family
+        store_stats = getattr(self._offload.tiers.store, "stats", None)
+        if isinstance(store_stats, ClientStats):  # the cluster or fs store's client counters
+            yield from StoreClientCollector(store_stats, self._name).collect()
         host = self._offload.tiers.host_stats()
         if host is None:
             return

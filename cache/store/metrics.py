@@ -6,7 +6,8 @@ writes, bytes read/written, read/write GB/s. ``deepinfer storage --metrics-port 
 on ``GET /metrics``; under ``deepinfer node --role storage`` it joins the node's registry.
 
 ``StoreClientCollector``: an engine's store client counters (hits, misses, deadline misses that
-fell back to recompute, hedged reads, bytes), for the engine process's registry.
+fell back to recompute, unavailable reads, hedged reads, degraded writes, repair hints, bytes),
+for the engine process's registry (engine/kv_tier_metrics.py yields them with the KV tiers').
 """
 
 from __future__ import annotations
@@ -37,6 +38,18 @@ _FIELDS = {
     "num_bytes_read": ("deepinfer_storage_read_bytes", "counter", "payload bytes served"),
     "read_GBps": ("deepinfer_storage_read_gbps", "gauge", "payload GB/s served, last seconds"),
     "write_GBps": ("deepinfer_storage_write_gbps", "gauge", "payload GB/s written, last seconds"),
+    "num_repaired": ("deepinfer_storage_repaired_fragments", "counter", "fragments rebuilt (decoded) onto nodes lacking them"),
+    "num_moved": ("deepinfer_storage_moved_fragments", "counter", "fragments moved to the node their group now ranks"),
+    "num_dropped": ("deepinfer_storage_dropped_fragments", "counter", "surplus fragment copies deleted"),
+    "num_repair_bytes": ("deepinfer_storage_repair_written_bytes", "counter", "payload bytes written by repair and moves"),
+    "num_repair_failures": ("deepinfer_storage_repair_failures", "counter", "repairs that could not finish (retried)"),
+    "num_under_replicated": ("deepinfer_storage_under_replicated_objects", "gauge", "objects known short of k+m fragments"),
+    "num_audited": ("deepinfer_storage_audited_objects", "counter", "objects whose fragments the repair audit counted"),
+    "audit_progress": ("deepinfer_storage_audit_progress", "gauge", "fraction of the current audit pass done"),
+    "num_scrubbed": ("deepinfer_storage_scrubbed_fragments", "counter", "fragments whose checksums the scrub verified"),
+    "num_scrub_errors": ("deepinfer_storage_scrub_errors", "counter", "corrupt or vanished fragments the scrub found"),
+    "membership_epoch": ("deepinfer_storage_membership_epoch", "gauge", "membership record in use (-1: none, no repair)"),
+    "num_admin_refused": ("deepinfer_storage_admin_refused", "counter", "admin messages refused (peer not trusted)"),
 }
 
 
@@ -61,6 +74,8 @@ _CLIENT_FIELDS = {
     "num_hedged": ("deepinfer_store_client_hedged_reads", "reads that asked past the first k+1 nodes"),
     "num_puts": ("deepinfer_store_client_puts", "objects written"),
     "num_put_failures": ("deepinfer_store_client_put_failures", "object writes short of quorum"),
+    "num_degraded_writes": ("deepinfer_store_client_degraded_writes", "objects stored with fewer than k+m fragments"),
+    "num_repair_hints": ("deepinfer_store_client_repair_hints", "objects reported to storage nodes as short of fragments"),
     "num_bytes_read": ("deepinfer_store_client_read_bytes", "object bytes read"),
     "num_bytes_written": ("deepinfer_store_client_written_bytes", "object bytes written"),
 }

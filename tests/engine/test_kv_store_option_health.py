@@ -50,3 +50,23 @@ def test_backoff_probe_and_recovery(caplog):
     clock.now += 1.0
     assert health.can_try()
     assert len([r for r in caplog.records if r.levelno == logging.WARNING]) == 2
+
+
+def test_writes_back_off_on_their_own_so_reads_never_flap_with_them(caplog):
+    # a cluster with k nodes up: reads answer, every write fails (quorum k+1 unreachable)
+    caplog.set_level(logging.INFO, logger="deepinfer.engine.kv_store_health")
+    clock = Clock()
+    health = StoreHealth(min_backoff_s=1.0, max_backoff_s=4.0, clock=clock)
+    for _ in range(5):
+        health.on_write_failure("no block of a 4-block write-behind was stored")
+        health.on_answer()  # a read hit in between
+        assert health.can_try() and not health.is_out  # reads never stop
+        assert health.is_write_out and not health.can_write()
+        clock.now += 0.5
+    assert health.num_write_outages == 1 and health.num_outages == 0
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1 and "does not take writes" in messages[0]  # one warning, no "answers again"
+    clock.now += 10
+    assert health.can_write()  # the probe
+    health.on_write_answer()
+    assert not health.is_write_out and "takes writes again" in caplog.records[-1].getMessage()

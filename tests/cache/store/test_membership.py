@@ -99,3 +99,20 @@ def test_status_table_names_states_and_silent_nodes():
     assert status.fragment_spread() == pytest.approx(2 / 11)
     line_c = next(line for line in text.splitlines() if line.startswith("c "))
     assert " no " in line_c
+
+
+def test_an_engine_names_its_cluster_by_the_membership_file(tmp_path):
+    from deepinfer.engine.kv_store_cluster import StoreClusterError, build_cluster_store, resolve_store_cluster
+
+    path = tmp_path / "members.json"
+    record = Membership.of({"a": "tcp://h:1", "b": "tcp://h:2", "c": "tcp://h:3"}, k=2, m=1, epoch=3)
+    save_membership(path, record.with_state("c", NodeState.DRAINING))
+    cluster = resolve_store_cluster(str(path))
+    assert (cluster.ec_k, cluster.ec_m, cluster.membership_file) == (2, 1, str(path))
+    store = build_cluster_store(cluster)
+    assert store.membership.epoch == 4 and store.draining == {"c"}  # not started: no sockets yet
+    with pytest.raises(StoreClusterError, match="records k and m itself"):
+        resolve_store_cluster(str(path), "2+1")
+    save_membership(path, record.with_state("c", NodeState.REMOVED))
+    with pytest.raises(StoreClusterError, match="lists 2 storage nodes; erasure coding 2\\+1 needs at least 3"):
+        resolve_store_cluster(str(path))
