@@ -27,6 +27,7 @@ BENCHES = {
     "swa": "exact vs bounded SWA replay: cost and quality",
     "pd": "prefill/decode disaggregation vs co-located: TTFT, ITL, handoff GB/s",
     "balance": "cluster simulator: balancers against baselines on one trace",
+    "eplb": "expert-parallel load balancer vs DeepSeek's EPLB: realised imbalance on routing traces",
 }
 
 

@@ -1,0 +1,213 @@
+"""`deepinfer bench eplb`: our EPLB planner next to DeepSeek's on recorded and synthetic traces.
+
+Every setting replays one routing trace ([steps, layers, experts] token counts) through three
+placements driven by the same window and schedule (``deepinfer_bench.eplb.replay``):
+
+    static     the start-up placement, never re-planned (experts in id order, wrap-around spares)
+    baseline   DeepSeek's EPLB (``deepinfer_bench.eplb.baseline``): greedy packing of the window mean
+    ours       ``deepinfer.engine.parallel.eplb.plan``: LPT + swaps, spares on distinct GPUs, and
+               swaps that balance each step of the window, not only its mean
+
+Realised imbalance: each step waits for its slowest GPU at every MoE layer, so a stretch of
+steps scores ``sum over steps and layers of the max GPU load / sum of the mean GPU load`` (1.0 is
+perfect). A replica carries its expert's tokens over its replica count (even split), for all
+three. Figures start at the first plan (step ``window``); the "per period" column gives each
+period between plans.
+
+Settings (SPEC section 6: prefill 4 spare experts per GPU, 100-step window, re-placed every
+1000 steps; decode 1 spare per GPU, 1000-step window, every 10,000 steps):
+
+    synthetic prefill-ep2 / prefill-ep4 / decode-ep64: ``deepinfer_bench.eplb.synthetic`` traces
+        (drifting Zipf-like topic mix, bursts, per-request skew) at V4-Flash width, 256 experts
+        top-6, ``--layers`` layers; each prefill setting has its own trace (2 or 4 DP ranks)
+    tiny prefill-ep2 / prefill-ep4 / decode-ep16: traces recorded from the tiny V4 model
+        (``deepinfer_bench.eplb.tiny_trace``): 16 experts top-4, 4 layers, random weights. Its CPU
+        steps are slow, so a trace has a few hundred steps: one plan, after a window of 50 steps
+        (prefill, ~40 prompts; a 10-step window holds too few prompts to say anything about the
+        next ones) or 100 steps (decode), serving the rest of the trace; EP stops at 16 GPUs
+        (one expert owned per GPU)
+
+``--trace PATH.npy`` replays your own float array [steps, layers, experts] instead, with
+``--gpus --redundant-per-gpu --window --period [--nodes]``.
+
+Figures (``--json``): ``realised_imbalance`` (ours) and ``baseline_imbalance``, the worst over
+the settings run (the only setting with --trace); ``wins`` (settings where ours is below the
+baseline) of ``settings``; per setting ``<trace>_<setting>_{ours,baseline,static}`` and
+``..._{ours,baseline}_worst_period``; ``plan_ms_{ours,baseline}`` (mean per plan); ``wall_s``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from deepinfer.engine.parallel.eplb import DECODE, PREFILL, EplbConfig, plan
+from deepinfer_bench.eplb.baseline import deepseek_plan
+from deepinfer_bench.eplb.replay import replay
+from deepinfer_bench.eplb.synthetic import SyntheticTrace, decode_config, prefill_config
+from deepinfer_bench.report import Report, base_parser
+
+POLICIES = {"static": None, "baseline": deepseek_plan, "ours": plan}
+TINY_PREFILL = dict(redundant_per_gpu=4, window=50, period=500)
+TINY_DECODE = dict(redundant_per_gpu=1, window=100, period=1000)
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    trace: str  # "synthetic" | "tiny" | "file"
+    name: str
+    config: EplbConfig
+
+    @property
+    def key(self) -> str:
+        return f"{self.trace}_{self.name}".replace("-", "_")
+
+
+def build_parser():
+    p = base_parser("eplb", "Our EPLB planner vs DeepSeek's on recorded and synthetic routing traces.")
+    p.add_argument("--traces", default="synthetic,tiny", help="which traces: synthetic, tiny (default: %(default)s)")
+    p.add_argument("--layers", type=int, default=4, help="synthetic: MoE layers (default %(default)s)")
+    p.add_argument("--experts", type=int, default=256, help="synthetic: logical experts (default %(default)s)")
+    p.add_argument("--top-k", type=int, default=6, help="synthetic: experts per token (default %(default)s)")
+    p.add_argument("--prefill-periods", type=int, default=3, help="synthetic: prefill periods measured (default %(default)s)")
+    p.add_argument("--decode-periods", type=int, default=2, help="synthetic: decode periods measured (default %(default)s)")
+    p.add_argument("--decode-gpus", type=int, default=64, help="synthetic: decode EP size (default %(default)s)")
+    p.add_argument("--tiny-prefill-steps", type=int, default=150, help="tiny: prefill steps recorded (default %(default)s)")
+    p.add_argument("--tiny-decode-steps", type=int, default=300, help="tiny: decode steps recorded (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="trace seed (default %(default)s)")
+    p.add_argument("--trace", metavar="PATH.npy", default=None, help="replay this [steps, layers, experts] array")
+    p.add_argument("--gpus", type=int, default=None, help="--trace: EP size")
+    p.add_argument("--redundant-per-gpu", type=int, default=None, help="--trace: spare expert slots per GPU")
+    p.add_argument("--window", type=int, default=None, help="--trace: steps of statistics per plan")
+    p.add_argument("--period", type=int, default=None, help="--trace: steps between plans")
+    p.add_argument("--nodes", type=int, default=1, help="--trace: nodes the GPUs sit on (default %(default)s)")
+    return p
+
+
+class BenchError(ValueError):
+    """A bad option or trace; the message says which."""
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    start = time.perf_counter()
+    try:
+        runs = list(_runs(args))
+    except BenchError as exc:
+        print(f"deepinfer bench eplb: {exc}")
+        return 2
+    report = Report("eplb: realised imbalance (slowest GPU / mean, summed over layers and steps); 1.0 is perfect")
+    ours_all, base_all, plan_time = [], [], {"ours": [0.0, 0], "baseline": [0.0, 0]}
+    for setting, chunks, num_layers, num_experts in runs:
+        cfg = setting.config
+        series = replay(chunks, cfg, POLICIES, num_layers, num_experts)
+        num_steps = sum(len(c) for c in series["ours"].peak)
+        if num_steps <= cfg.window:
+            raise SystemExit(f"deepinfer bench eplb: {setting.key}: {num_steps} steps do not pass the window {cfg.window}")
+        bounds = list(range(cfg.window, num_steps, cfg.period)) + [num_steps]
+        value = {name: s.imbalance(cfg.window) for name, s in series.items()}
+        per_period = {name: [s.imbalance(a, b) for a, b in zip(bounds, bounds[1:])] for name, s in series.items()}
+        report.row(trace=setting.trace, setting=setting.name, gpus=cfg.num_gpus,
+                   slots_per_gpu=cfg.num_physical(num_experts) // cfg.num_gpus, layers=num_layers,
+                   measured_steps=num_steps - cfg.window, static=value["static"], baseline=value["baseline"],
+                   ours=value["ours"], ours_per_period=" ".join(f"{v:.3f}" for v in per_period["ours"]),
+                   baseline_per_period=" ".join(f"{v:.3f}" for v in per_period["baseline"]))  # fmt: skip
+        for name in ("ours", "baseline", "static"):
+            report.figure(f"{setting.key}_{name}", value[name])
+        for name in ("ours", "baseline"):
+            report.figure(f"{setting.key}_{name}_worst_period", max(per_period[name]))
+            plan_time[name][0] += series[name].plan_seconds
+            plan_time[name][1] += series[name].num_plans
+        ours_all.append(value["ours"])
+        base_all.append(value["baseline"])
+    report.figure("realised_imbalance", max(ours_all))
+    report.figure("baseline_imbalance", max(base_all))
+    report.figure("wins", sum(o < b for o, b in zip(ours_all, base_all)))
+    report.figure("settings", len(ours_all))
+    for name, (seconds, count) in plan_time.items():
+        report.figure(f"plan_ms_{name}", 1000.0 * seconds / max(count, 1))
+    report.figure("wall_s", time.perf_counter() - start)
+    report.finish(args.json)
+    return 0
+
+
+def _runs(args):
+    """(setting, chunks, num_layers, num_experts) per setting; chunks may be a lazy iterator."""
+    if args.trace is not None:
+        yield _file_run(args)
+        return
+    traces = [t.strip() for t in args.traces.split(",") if t.strip()]
+    unknown = sorted(set(traces) - {"synthetic", "tiny"})
+    if unknown or not traces:
+        raise BenchError(f"--traces {args.traces!r}: choose from synthetic, tiny")
+    if min(args.layers, args.experts, args.top_k, args.prefill_periods, args.decode_periods) < 1:
+        raise BenchError("--layers, --experts, --top-k and the period counts must be at least 1")
+    if "synthetic" in traces:
+        yield from _synthetic_runs(args)
+    if "tiny" in traces:
+        yield from _tiny_runs(args)
+
+
+def _synthetic_runs(args):
+    experts = args.experts
+    for gpus in (2, 4):
+        cfg = EplbConfig(num_gpus=gpus, **PREFILL)
+        _check_split(experts, gpus)
+        steps = cfg.window + args.prefill_periods * cfg.period
+        trace = SyntheticTrace(prefill_config(steps, gpus, num_layers=args.layers, num_experts=experts,
+                                              top_k=args.top_k, seed=args.seed))
+        yield Setting("synthetic", f"prefill-ep{gpus}", cfg), trace.chunks(), args.layers, experts
+    cfg = EplbConfig(num_gpus=args.decode_gpus, **DECODE)
+    _check_split(experts, args.decode_gpus)
+    steps = cfg.window + args.decode_periods * cfg.period
+    trace = SyntheticTrace(decode_config(steps, args.decode_gpus, num_layers=args.layers, num_experts=experts,
+                                         top_k=args.top_k, seed=args.seed))
+    yield Setting("synthetic", f"decode-ep{args.decode_gpus}", cfg), trace.chunks(), args.layers, experts
+
+
+def _tiny_runs(args):
+    from deepinfer_bench.eplb.tiny_trace import record
+
+    if args.tiny_prefill_steps <= TINY_PREFILL["window"] or args.tiny_decode_steps <= TINY_DECODE["window"]:
+        raise BenchError(f"--tiny-prefill-steps must exceed {TINY_PREFILL['window']} and --tiny-decode-steps "
+                         f"{TINY_DECODE['window']} (the windows)")
+    prefill, decode = record(args.tiny_prefill_steps, args.tiny_decode_steps, seed=args.seed)
+    layers, experts = prefill.shape[1:]
+    for gpus in (2, 4):
+        yield Setting("tiny", f"prefill-ep{gpus}", EplbConfig(num_gpus=gpus, **TINY_PREFILL)), [prefill], layers, experts
+    yield Setting("tiny", f"decode-ep{experts}", EplbConfig(num_gpus=experts, **TINY_DECODE)), [decode], layers, experts
+
+
+def _file_run(args):
+    missing = [f"--{n.replace('_', '-')}" for n in ("gpus", "redundant_per_gpu", "window", "period")
+               if getattr(args, n) is None]
+    if missing:
+        raise BenchError(f"--trace needs {', '.join(missing)}")
+    try:
+        trace = np.load(args.trace, mmap_mode="r")
+    except (OSError, ValueError) as exc:
+        raise BenchError(f"cannot read {args.trace} as a .npy array: {exc}") from None
+    if trace.ndim != 3 or not np.issubdtype(trace.dtype, np.number):
+        raise BenchError(f"{args.trace}: want a numeric array [steps, layers, experts], got {trace.dtype} {trace.shape}")
+    steps, layers, experts = trace.shape
+    cfg = EplbConfig(num_gpus=args.gpus, redundant_per_gpu=args.redundant_per_gpu, window=args.window,
+                     period=args.period, num_nodes=args.nodes)
+    try:
+        cfg.validate(experts)
+    except ValueError as exc:
+        raise BenchError(f"{args.trace}: {exc}") from None
+    if experts % args.nodes:
+        raise BenchError(f"{experts} experts do not split over {args.nodes} nodes")
+    if steps <= args.window:
+        raise BenchError(f"{args.trace}: {steps} steps are not more than the window ({args.window}); nothing to measure")
+    if np.any(np.asarray(trace[: min(steps, 4096)]) < 0) or not np.isfinite(np.asarray(trace[: min(steps, 4096)])).all():
+        raise BenchError(f"{args.trace}: token counts must be finite and non-negative")
+    chunks = (np.asarray(trace[i : i + 1000]) for i in range(0, steps, 1000))
+    return Setting("file", f"ep{args.gpus}", cfg), chunks, layers, experts
+
+
+def _check_split(experts: int, gpus: int) -> None:
+    if experts % gpus:
+        raise BenchError(f"{experts} experts do not split over {gpus} GPUs; choose --experts as a multiple")
