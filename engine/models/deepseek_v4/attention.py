@@ -31,15 +31,20 @@ def _write_ring(ring: torch.Tensor, fresh: torch.Tensor, write: RingWrite) -> No
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, device=None, dtype=None):
+    def __init__(self, config: ModelConfig, layer: int, device=None, dtype=None, *, q_head_norm: bool = True,
+                 with_compressor: bool = True):
+        """``q_head_norm``: V4 RMS-normalises each query head (weightless); V4.1 does not.
+        ``with_compressor``: build V4's compressor/indexer for compressed layers (a model
+        with its own compressed-KV scheme passes False and overrides ``input_linears``)."""
         super().__init__()
         c = config
         self.layer = layer
+        self.q_head_norm = q_head_norm
         self.num_heads, self.head_dim, self.eps = c.num_attention_heads, c.head_dim, c.rms_norm_eps
         self.sliding_window = c.sliding_window
         self.o_groups, self.o_lora_rank = c.o_groups, c.o_lora_rank
         self.ratio = c.compress_ratio(layer)
-        self.is_csa = self.ratio > 0 and c.layer_types[layer] == "compressed_sparse_attention"
+        self.is_csa = with_compressor and self.ratio > 0 and c.layer_types[layer] == "compressed_sparse_attention"
         self.rope_name = "compress" if self.ratio else "main"
         h, hd = c.hidden_size, c.head_dim
         self.q_a_proj = linear_holder(h, c.q_lora_rank, device, dtype)
@@ -51,7 +56,7 @@ class Attention(nn.Module):
         self.o_b_proj = linear_holder(c.o_groups * c.o_lora_rank, h, device, dtype)
         self.sinks = nn.Parameter(torch.empty(c.num_attention_heads, device=device, dtype=torch.float32), requires_grad=False)
         self.compressor: Compressor | None = None
-        if self.ratio:
+        if self.ratio and with_compressor:
             self.compressor = Compressor(h, hd, self.ratio, self.is_csa, c.rms_norm_eps, device, dtype)
             if self.is_csa:
                 self.compressor.indexer = Indexer(
@@ -67,39 +72,33 @@ class Attention(nn.Module):
     def indexer(self) -> Indexer | None:
         return self.compressor.indexer if self.is_csa else None
 
-    def finalize(self) -> None:
-        """Fuse the projections that read the same input (call once weights are in place)."""
+    def input_linears(self) -> list[nn.Linear]:
+        """Projections that read the attention input ``h``: q_a and kv first, then the compressed-KV
+        side (one fused GEMM; ``project`` splits its columns in this order)."""
         inputs = [self.q_a_proj, self.kv_proj]
         if self.compressor is not None:
             inputs += self.compressor.input_linears()
         if self.indexer is not None:
             inputs += self.indexer.input_linears()
-        self.w_in, self.in_sizes = fuse_linears(inputs)
-        q_bs = [self.q_b_proj] + ([self.indexer.q_b_proj] if self.indexer is not None else [])
-        self.w_qb, _ = fuse_linears(q_bs)
+        return inputs
+
+    def q_b_linears(self) -> list[nn.Linear]:
+        """Projections that read the normed q_a output: q_b first, then the indexer's query."""
+        return [self.q_b_proj] + ([self.indexer.q_b_proj] if self.indexer is not None else [])
+
+    def finalize(self) -> None:
+        """Fuse the projections that read the same input (call once weights are in place)."""
+        self.w_in, self.in_sizes = fuse_linears(self.input_linears())
+        self.w_qb, _ = fuse_linears(self.q_b_linears())
         # one stable view: the native GEMM caches its packed weights on the tensor object
         self.w_o_a = self.o_a_proj.weight.view(self.o_groups, self.o_lora_rank, -1)
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext, blocks: BlockCache, swa: SwaArena) -> torch.Tensor:
         """``h [R, hidden]`` (R = ctx.num_rows) -> ``[R, hidden]``; only rows < T attend."""
-        bi, rows, t, layer = ctx.batch_invariant, ctx.num_rows, ctx.num_tokens, self.layer
-        hd, nh = self.head_dim, self.num_heads
-        rope, ix = ctx.rope[self.rope_name], self.indexer
-        # CPU: projections, norms and rotations in one native call (bitwise the ops below)
-        fused = cpu_gemm.attention_inputs(
-            h, self.w_in, self.in_sizes[0], self.q_a_norm.weight, self.w_qb, self.kv_norm.weight, self.eps, nh, hd,
-            rope.cos, rope.sin, *(() if ix is None else (ix.num_heads, ix.head_dim, *ctx.rope["compress"].tables())),
-        )  # fmt: skip
-        if fused is not None:
-            proj, q_all, q, kv = fused
-            proj = proj.split(self.in_sizes, dim=-1)
-        else:
-            proj = ops.linear(h, self.w_in, bi).split(self.in_sizes, dim=-1)
-            q_all = ops.linear(ops.rms_norm(proj[0], self.q_a_norm.weight, self.eps), self.w_qb, bi)
-            q = ops.rms_norm(q_all[:, : nh * hd].view(rows, nh, hd), None, self.eps)
-            q = ops.apply_rope_(q, rope.cos, rope.sin)
-            kv = ops.apply_rope_(ops.rms_norm(proj[1], self.kv_norm.weight, self.eps), rope.cos, rope.sin)
-
+        bi, rows, nh, hd = ctx.batch_invariant, ctx.num_rows, self.num_heads, self.head_dim
+        ix = self.indexer
+        index_tables = () if ix is None else (ix.num_heads, ix.head_dim, *ctx.rope["compress"].tables())
+        proj, q_all, q, kv = self.project(h, ctx, index_tables)
         index_q = index_w = None
         if self.compressor is not None:
             plan = ctx.compress[(self.ratio, self.is_csa)]
@@ -108,12 +107,62 @@ class Attention(nn.Module):
                 self._compress(ix, proj[4], proj[5], plan, blocks, swa, "index", "indexer_keys")
                 index_w = proj[6].float() * ix.num_heads**-0.5
                 index_q = q_all[:, nh * hd :].view(rows, ix.num_heads, ix.head_dim)
-                if fused is None:
-                    ops.apply_rope_(index_q, *ctx.rope["compress"].tables())
             groups = plan.groups
         else:
             groups = ctx.window.groups
+        layer = self.layer
 
+        def compressed_keys(g, pick):
+            if not g.num_candidates:
+                return None, None, None
+            if ix is None:
+                return blocks.flat(layer, "compressed"), g.cand_rows, g.cand_bias
+            keys = blocks.flat(layer, "indexer_keys").index_select(0, g.cand_rows.reshape(-1))
+            keys = keys.view(-1, g.num_candidates, keys.shape[-1])
+            cand_rows, cand_bias = ix.select(pick(index_q), pick(index_w), keys, g, bi)
+            return blocks.flat(layer, "compressed"), cand_rows, cand_bias
+
+        out = self.attend(q, kv, groups, ctx, swa, compressed_keys)
+        return self.output(out, ctx)
+
+    def project(self, h: torch.Tensor, ctx: ForwardContext, index_tables: tuple = ()):
+        """(proj columns split by ``in_sizes``, q_all, q [R, nh, hd] rotated, kv [R, hd] rotated).
+
+        ``index_tables`` = (index heads, index head dim, cos, sin): the indexer's query heads in
+        q_all are rotated in place with those tables (CPU: in the same native call)."""
+        bi, rows, nh, hd = ctx.batch_invariant, ctx.num_rows, self.num_heads, self.head_dim
+        rope = ctx.rope[self.rope_name]
+        # CPU: projections, norms and rotations in one native call (bitwise the ops below); it
+        # always normalises the query heads, so a model without that norm takes the ops
+        fused = None
+        if self.q_head_norm:
+            fused = cpu_gemm.attention_inputs(
+                h, self.w_in, self.in_sizes[0], self.q_a_norm.weight, self.w_qb, self.kv_norm.weight, self.eps, nh, hd,
+                rope.cos, rope.sin, *index_tables,
+            )  # fmt: skip
+        if fused is not None:
+            proj, q_all, q, kv = fused
+            return proj.split(self.in_sizes, dim=-1), q_all, q, kv
+        proj = ops.linear(h, self.w_in, bi).split(self.in_sizes, dim=-1)
+        q_all = ops.linear(ops.rms_norm(proj[0], self.q_a_norm.weight, self.eps), self.w_qb, bi)
+        q = q_all[:, : nh * hd].reshape(rows, nh, hd)
+        q = ops.rms_norm(q, None, self.eps) if self.q_head_norm else q.contiguous()
+        q = ops.apply_rope_(q, rope.cos, rope.sin)
+        kv = ops.apply_rope_(ops.rms_norm(proj[1], self.kv_norm.weight, self.eps), rope.cos, rope.sin)
+        if index_tables:
+            heads, dim, cos, sin = index_tables
+            ops.apply_rope_(q_all[:, nh * hd :].view(rows, heads, dim), cos, sin)
+        return proj, q_all, q, kv
+
+    def attend(self, q: torch.Tensor, kv: torch.Tensor, groups, ctx: ForwardContext, swa: SwaArena,
+               compressed_keys) -> torch.Tensor:
+        """Attention of every token over its window rows (+ compressed keys): ``[R, nh, hd]``.
+
+        ``compressed_keys(group, pick)`` gives (paged rows, row ids [G, k], bias [G, 1, k]) of a
+        group's compressed keys, or Nones; ``pick(x)`` selects the group's rows of a per-token
+        tensor. The window ring of this layer is read for the pool and then updated with ``kv``."""
+        bi, rows, t, layer = ctx.batch_invariant, ctx.num_rows, ctx.num_tokens, self.layer
+        hd, nh = self.head_dim, self.num_heads
         window_ring, win = swa.flat(layer, "window"), ctx.window
         # pool = [ring rows before each step | fresh rows | zero row for the sink]; the SIMD CPU
         # kernel reads it in place (the fresh rows reach the ring after the last group), else
@@ -132,15 +181,7 @@ class Attention(nn.Module):
             pick = (lambda x: x[:t]) if sel is None else (lambda x: x.index_select(0, sel))
             qg = pick(q)
             num = qg.shape[0]
-            compressed = cand_rows = cand_bias = None
-            if g.num_candidates:
-                if self.indexer is not None:
-                    cand_keys = blocks.flat(layer, "indexer_keys").index_select(0, g.cand_rows.reshape(-1))
-                    cand_keys = cand_keys.view(num, g.num_candidates, -1)
-                    cand_rows, cand_bias = self.indexer.select(pick(index_q), pick(index_w), cand_keys, g, bi)
-                else:
-                    cand_rows, cand_bias = g.cand_rows, g.cand_bias
-                compressed = blocks.flat(layer, "compressed")
+            compressed, cand_rows, cand_bias = compressed_keys(g, pick)
             win_rows = g.win_index.view(num, g.window_len + 1)
             part = None
             if in_place:
@@ -162,6 +203,11 @@ class Attention(nn.Module):
 
         if ring_pending:
             _write_ring(window_ring, kv, win.ring_write)
+        return out
+
+    def output(self, out: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Un-rotate the attention output and apply the grouped low-rank output projection."""
+        bi, rows, rope = ctx.batch_invariant, ctx.num_rows, ctx.rope[self.rope_name]
         fused_out = cpu_gemm.attention_outputs(out, rope.cos, rope.neg_sin, self.w_o_a, self.o_b_proj.weight)
         if fused_out is not None:
             return fused_out

@@ -25,20 +25,27 @@ from deepinfer.kernels import ops
 
 
 class Compressor(nn.Module):
-    def __init__(self, hidden_size: int, head_dim: int, ratio: int, overlap: bool, eps: float, device=None, dtype=None):
+    def __init__(self, hidden_size: int, head_dim: int, ratio: int, overlap: bool, eps: float, device=None, dtype=None,
+                 *, position_bias: bool = True, gated: bool = True):
+        """``position_bias``/``gated`` False: no learned per-slot bias / no gate (V4.1's compressors
+        have no bias, and its ratio-1 one is a plain projection: ``gated`` needs ``ratio == 1``)."""
         super().__init__()
+        if not gated and (ratio != 1 or overlap):
+            raise ValueError(f"an ungated compressor pools nothing: it needs ratio 1 without overlap, got {ratio}")
         self.head_dim, self.ratio, self.overlap, self.eps = head_dim, ratio, overlap, eps
         width = 2 * head_dim if overlap else head_dim  # projected features per source token
         self.width = width
         self.kv_proj = linear_holder(hidden_size, width, device, dtype)
-        self.gate_proj = linear_holder(hidden_size, width, device, dtype)
-        self.position_bias = nn.Parameter(
-            torch.empty(ratio, width, device=device, dtype=torch.float32), requires_grad=False
-        )
+        self.gate_proj = linear_holder(hidden_size, width, device, dtype) if gated else None
+        self.position_bias = None
+        if position_bias:
+            self.position_bias = nn.Parameter(
+                torch.empty(ratio, width, device=device, dtype=torch.float32), requires_grad=False
+            )
         self.kv_norm = Norm(head_dim, device)
 
     def input_linears(self) -> list[nn.Linear]:
-        return [self.kv_proj, self.gate_proj]
+        return [self.kv_proj] if self.gate_proj is None else [self.kv_proj, self.gate_proj]
 
     def close_entries(
         self,
@@ -53,7 +60,23 @@ class Compressor(nn.Module):
         ``kv``/``gate [T, width]`` are this forward's projections; ``ring_*`` the flat rings
         holding earlier positions. Sources come from ``pool = cat(ring rows, fresh rows)``.
         """
+        return ops.apply_rope_(self.pool_entries(kv, gate, ring_kv, ring_gate, plan), plan.cos, plan.sin)
+
+    def pool_entries(
+        self,
+        kv: torch.Tensor,
+        gate: torch.Tensor | None,
+        ring_kv: torch.Tensor | None,
+        ring_gate: torch.Tensor | None,
+        plan: EntryPlan,
+    ) -> torch.Tensor:
+        """``close_entries`` before the rotation: the normed pooled latent ``[E, head_dim]``
+        (V4.1's indexer keys are projected from it). An ungated compressor takes its one row."""
         num_entries, span = plan.src_index.shape
+        if self.gate_proj is None:
+            return ops.rms_norm(kv.index_select(0, plan.src_index.reshape(-1) - plan.ring_rows.numel()),
+                                self.kv_norm.weight, self.eps)
+
         r, d = self.ratio, self.head_dim
         pool_kv = torch.cat([ring_kv.index_select(0, plan.ring_rows), kv])
         pool_gate = torch.cat([ring_gate.index_select(0, plan.ring_rows), gate])
@@ -65,12 +88,11 @@ class Compressor(nn.Module):
             # slots 0..r-1: Ca of window w-1, slots r..2r-1: Cb of window w
             src_kv = torch.cat([src_kv[:, :r, :d], src_kv[:, r:, d:]], dim=1)
             src_gate = torch.cat([src_gate[:, :r, :d] + bias[:, :d], src_gate[:, r:, d:] + bias[:, d:]], dim=1)
-        else:
+        elif bias is not None:
             src_gate = src_gate + bias
         src_gate = src_gate.masked_fill(~plan.src_valid[..., None], NEG_INF)
         weights = src_gate.softmax(dim=1).to(src_kv.dtype)
-        pooled = ops.rms_norm((src_kv * weights).sum(dim=1), self.kv_norm.weight, self.eps)
-        return ops.apply_rope_(pooled, plan.cos, plan.sin)
+        return ops.rms_norm((src_kv * weights).sum(dim=1), self.kv_norm.weight, self.eps)
 
 
 class Scorer(nn.Module):
@@ -105,12 +127,25 @@ class Indexer(Compressor):
         candidates of ``group``. Candidates never closed score -inf and, if picked because a
         token has fewer than k closed entries, are masked out of the attention.
         """
-        scores = ops.bmm(q, keys.transpose(1, 2), batch_invariant).float()  # [G, H, B]
-        scores = torch.relu(scores) * self.head_dim**-0.5
-        total = (scores * head_weights[:, :, None]).sum(dim=1)  # [G, B]
-        total = total.masked_fill(~group.cand_valid, NEG_INF)
-        k = min(self.top_k, group.num_candidates)
-        # topk works row by row: the same scores give the same picks in the same order
-        picked = torch.topk(total, k, dim=-1).indices
-        bias = group.cand_bias[:, 0, :].gather(1, picked)  # 0, or -inf for entries never closed
-        return group.cand_rows.gather(1, picked), bias[:, None, :]
+        total = index_scores(q, head_weights, keys, group, batch_invariant)
+        return top_entries(total, group, self.top_k)
+
+
+def index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor, group: TokenGroup,
+                 batch_invariant: bool) -> torch.Tensor:
+    """``sum_h w_h * relu(q_h . k) / sqrt(Di)`` per candidate ``[G, B]`` float32, -inf where the
+    candidate never closed before the token (shapes as in ``Indexer.select``)."""
+    scores = ops.bmm(q, keys.transpose(1, 2), batch_invariant).float()  # [G, H, B]
+    scores = torch.relu(scores) * q.shape[-1] ** -0.5
+    total = (scores * head_weights[:, :, None]).sum(dim=1)  # [G, B]
+    return total.masked_fill(~group.cand_valid, NEG_INF)
+
+
+def top_entries(total: torch.Tensor, group: TokenGroup, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``top_k`` best-scoring candidates of ``total [G, B]``: (flat block-cache rows [G, k],
+    attention bias [G, 1, k]: 0, or -inf for candidates never closed)."""
+    k = min(top_k, group.num_candidates)
+    # topk works row by row: the same scores give the same picks in the same order
+    picked = torch.topk(total, k, dim=-1).indices
+    bias = group.cand_bias[:, 0, :].gather(1, picked)  # 0, or -inf for entries never closed
+    return group.cand_rows.gather(1, picked), bias[:, None, :]

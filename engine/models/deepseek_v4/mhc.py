@@ -2,7 +2,8 @@
 
 Each block reads one collapsed stream (weights ``pre``) and writes ``post_k * out`` plus a
 Sinkhorn-normalised mix ``comb`` of the old streams back into every stream; ``hc_head``
-collapses the streams once more before the final norm.
+collapses the streams once more before the final norm. ``weights`` + ``collapse`` give the same
+numbers as separate steps, for V4.1's single pass (collapse with the previous sublayer's pre).
 """
 
 from __future__ import annotations
@@ -42,6 +43,26 @@ class HyperConnection(nn.Module):
     @staticmethod
     def post(block_out, streams, post, comb, batch_invariant: bool) -> torch.Tensor:
         return ops.hc_post(block_out, streams, post, comb, batch_invariant)
+
+    def weights(self, streams: torch.Tensor, batch_invariant: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``streams [T, N, D]`` -> (pre [T, N], post [T, N], comb [T, N, N]), the numbers of ``pre``
+        without the collapse: V4.1's single-pass mHC collapses a sublayer's streams with the pre
+        weights of the sublayer before it, so the weights and the collapse are separate steps."""
+        t, n, d = streams.shape
+        flat = ops.rms_norm(streams.reshape(t, n * d).float(), None, self.norm_eps)  # explicit width: t may be 0
+        mixes = ops.linear(flat, self.fn, batch_invariant)
+        pre_post = ops.sigmoid(mixes[:, : 2 * n] * self.pre_post_scale + self.pre_post_base, batch_invariant)
+        pre, post = pre_post[:, :n] + self.hc_eps, pre_post[:, n:] * 2
+        comb = torch.softmax(mixes[:, 2 * n :].view(t, n, n) * self.comb_scale + self.comb_base, dim=-1) + self.hc_eps
+        return pre, post, ops.sinkhorn(comb, self.sinkhorn_iters, self.hc_eps)
+
+    @staticmethod
+    def collapse(streams: torch.Tensor, pre: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
+        """``sum_k pre[:, k] * streams[:, k]`` -> ``[T, D]`` (float32 sum, cast back)."""
+        t, n, d = streams.shape
+        if streams.dtype != torch.float32:
+            return (pre.unsqueeze(-1) * streams.float()).sum(dim=1).to(streams.dtype)
+        return ops.bmm(pre.unsqueeze(1), streams, batch_invariant).view(t, d)
 
 
 class HyperHead(nn.Module):
