@@ -93,44 +93,47 @@ class BenchError(ValueError):
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     start = time.perf_counter()
+    report = Report("eplb: realised imbalance (slowest GPU / mean, summed over layers and steps); 1.0 is perfect")
     try:
-        runs = list(_runs(args))
+        results = [_measure(report, *run) for run in _runs(args)]
     except BenchError as exc:
         print(f"deepinfer bench eplb: {exc}")
         return 2
-    report = Report("eplb: realised imbalance (slowest GPU / mean, summed over layers and steps); 1.0 is perfect")
-    ours_all, base_all, plan_time = [], [], {"ours": [0.0, 0], "baseline": [0.0, 0]}
-    for setting, chunks, num_layers, num_experts in runs:
-        cfg = setting.config
-        series = replay(chunks, cfg, POLICIES, num_layers, num_experts)
-        num_steps = sum(len(c) for c in series["ours"].peak)
-        if num_steps <= cfg.window:
-            raise SystemExit(f"deepinfer bench eplb: {setting.key}: {num_steps} steps do not pass the window {cfg.window}")
-        bounds = list(range(cfg.window, num_steps, cfg.period)) + [num_steps]
-        value = {name: s.imbalance(cfg.window) for name, s in series.items()}
-        per_period = {name: [s.imbalance(a, b) for a, b in zip(bounds, bounds[1:])] for name, s in series.items()}
-        report.row(trace=setting.trace, setting=setting.name, gpus=cfg.num_gpus,
-                   slots_per_gpu=cfg.num_physical(num_experts) // cfg.num_gpus, layers=num_layers,
-                   measured_steps=num_steps - cfg.window, static=value["static"], baseline=value["baseline"],
-                   ours=value["ours"], ours_per_period=" ".join(f"{v:.3f}" for v in per_period["ours"]),
-                   baseline_per_period=" ".join(f"{v:.3f}" for v in per_period["baseline"]))  # fmt: skip
-        for name in ("ours", "baseline", "static"):
-            report.figure(f"{setting.key}_{name}", value[name])
-        for name in ("ours", "baseline"):
-            report.figure(f"{setting.key}_{name}_worst_period", max(per_period[name]))
-            plan_time[name][0] += series[name].plan_seconds
-            plan_time[name][1] += series[name].num_plans
-        ours_all.append(value["ours"])
-        base_all.append(value["baseline"])
-    report.figure("realised_imbalance", max(ours_all))
-    report.figure("baseline_imbalance", max(base_all))
-    report.figure("wins", sum(o < b for o, b in zip(ours_all, base_all)))
-    report.figure("settings", len(ours_all))
-    for name, (seconds, count) in plan_time.items():
-        report.figure(f"plan_ms_{name}", 1000.0 * seconds / max(count, 1))
+    ours, baseline = [r[0] for r in results], [r[1] for r in results]
+    report.figure("realised_imbalance", max(ours))
+    report.figure("baseline_imbalance", max(baseline))
+    report.figure("wins", sum(o < b for o, b in zip(ours, baseline)))
+    report.figure("settings", len(results))
+    for i, name in enumerate(("ours", "baseline")):
+        seconds, plans = sum(r[2][i] for r in results), sum(r[3][i] for r in results)
+        report.figure(f"plan_ms_{name}", 1000.0 * seconds / max(plans, 1))
     report.figure("wall_s", time.perf_counter() - start)
     report.finish(args.json)
     return 0
+
+
+def _measure(report: Report, setting: Setting, chunks, num_layers: int, num_experts: int):
+    """Replay one setting, add its row and figures; (ours, baseline, plan seconds, plans)."""
+    cfg = setting.config
+    series = replay(chunks, cfg, POLICIES, num_layers, num_experts)
+    num_steps = sum(len(c) for c in series["ours"].peak)
+    if num_steps <= cfg.window:
+        raise BenchError(f"{setting.key}: {num_steps} steps do not pass the window of {cfg.window}")
+    bounds = list(range(cfg.window, num_steps, cfg.period)) + [num_steps]
+    value = {name: s.imbalance(cfg.window) for name, s in series.items()}
+    per_period = {name: [s.imbalance(a, b) for a, b in zip(bounds, bounds[1:])] for name, s in series.items()}
+    report.row(trace=setting.trace, setting=setting.name, gpus=cfg.num_gpus,
+               slots_per_gpu=cfg.num_physical(num_experts) // cfg.num_gpus, layers=num_layers,
+               measured_steps=num_steps - cfg.window, static=value["static"], baseline=value["baseline"],
+               ours=value["ours"], ours_per_period=" ".join(f"{v:.3f}" for v in per_period["ours"]),
+               baseline_per_period=" ".join(f"{v:.3f}" for v in per_period["baseline"]))  # fmt: skip
+    for name in ("ours", "baseline", "static"):
+        report.figure(f"{setting.key}_{name}", value[name])
+    for name in ("ours", "baseline"):
+        report.figure(f"{setting.key}_{name}_worst_period", max(per_period[name]))
+    names = ("ours", "baseline")
+    return (value["ours"], value["baseline"], [series[n].plan_seconds for n in names],
+            [series[n].num_plans for n in names])
 
 
 def _runs(args):
