@@ -201,8 +201,6 @@ def _file_run(args):
         cfg.validate(experts)
     except ValueError as exc:
         raise BenchError(f"{args.trace}: {exc}") from None
-    if experts % args.nodes:
-        raise BenchError(f"{experts} experts do not split over {args.nodes} nodes")
     if steps <= args.window:
         raise BenchError(f"{args.trace}: {steps} steps are not more than the window ({args.window}); nothing to measure")
     if np.any(np.asarray(trace[: min(steps, 4096)]) < 0) or not np.isfinite(np.asarray(trace[: min(steps, 4096)])).all():

@@ -89,6 +89,7 @@ def plan(
             for g in range(gpus_per_node):
                 first = (node * gpus_per_node + g) * slots_per_gpu
                 phy2log[layer, first : first + slots_per_gpu] = np.sort(experts[slot2local[gpu_of == g]])
+        # Step 4: a layer keeps the placement in service unless the new one is better
         if current is not None:
             h = None if history is None else history[:, layer : layer + 1]
             new, old = (_layer_cost(load[layer : layer + 1], h, p[layer : layer + 1], num_gpus)
@@ -107,13 +108,14 @@ def _layer_cost(load: np.ndarray, history: np.ndarray | None, phy2log: np.ndarra
 
 
 def _place_in_node(w: np.ndarray, h: np.ndarray | None, num_gpus: int, slots_per_gpu: int):
-    """One node of one layer. w: [E] tokens per expert, h: [T, E] per step or None.
-    Returns (slot2expert [slots], gpu_of [slots]): each slot's expert (node-local) and GPU."""
+    """Steps 2 and 3 for one node of one layer. w: [E] tokens per expert, h: [T, E] per step or
+    None. Returns (slot2expert [slots], gpu_of [slots]): each slot's expert (node-local), GPU."""
     num_slots = num_gpus * slots_per_gpu
     best = None
-    # two starting counts: the heaviest-replica rule and the widest spread (spares one per
-    # expert, heaviest first); each is improved together with its placement, the better kept
+    # two starting counts: the heaviest-replica rule and the widest spread; the better is kept
     for start_counts in (replica_counts, spread_counts):
+        # Step 2: replica counts, then pack the mean (Step 3) and move slots between experts
+        # while the packing stays COUNT_MOVE_GAP off the mean
         counts = start_counts(w[None, :], num_slots)[0]
         slot2expert = np.repeat(np.arange(w.shape[0]), counts)
         gpu_of = pack(w[slot2expert] / counts[slot2expert], num_gpus, slots_per_gpu, kind=slot2expert)
@@ -121,8 +123,7 @@ def _place_in_node(w: np.ndarray, h: np.ndarray | None, num_gpus: int, slots_per
         for _ in range(num_slots):
             if heaviest <= w.sum() / num_gpus * (1 + COUNT_MOVE_GAP):
                 break
-            # the most promising count moves, each re-balanced by swaps; the best one is taken
-            found = None
+            found = None  # the most promising moves, each re-balanced by swaps; the best is taken
             for slot, expert in count_moves(w, counts, slot2expert, gpu_of, num_gpus, COUNT_MOVES_TRIED):
                 trial_counts, trial_slots = counts.copy(), slot2expert.copy()
                 trial_counts[slot2expert[slot]] -= 1
@@ -136,6 +137,7 @@ def _place_in_node(w: np.ndarray, h: np.ndarray | None, num_gpus: int, slots_per
             if found is None:
                 break
             heaviest, counts, slot2expert, gpu_of = found
+        # Step 3 with the window's steps: swaps for each step's slowest GPU
         steps = None if h is None else h[:, slot2expert] / counts[slot2expert]  # [T, slots]
         if steps is not None:
             gpu_of = pack(w[slot2expert] / counts[slot2expert], num_gpus, slots_per_gpu, history=steps, start=gpu_of)

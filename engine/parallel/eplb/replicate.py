@@ -24,7 +24,6 @@ def replica_counts(load: np.ndarray, num_physical: int) -> np.ndarray:
     return counts
 
 
-
 def spread_counts(load: np.ndarray, num_physical: int) -> np.ndarray:
     """Spares one per expert, heaviest expert first, round after round: the widest spread.
     load: [layers, num_logical] -> logcnt: [layers, num_logical]."""

@@ -28,11 +28,14 @@ class EplbConfig:
 
     def validate(self, num_logical: int) -> None:
         if self.num_gpus < 1 or self.num_nodes < 1 or self.num_gpus % self.num_nodes:
-            raise ValueError(f"{self.num_gpus} GPUs do not split over {self.num_nodes} nodes")
+            raise ValueError(f"{self.num_gpus} GPUs do not split over {self.num_nodes} nodes; "
+                             "give a GPU count that is a multiple of the node count")
         if num_logical % self.num_gpus:
-            raise ValueError(f"{num_logical} experts do not split evenly over {self.num_gpus} GPUs")
+            raise ValueError(f"{num_logical} experts do not split evenly over {self.num_gpus} GPUs; "
+                             "give an EP size that divides the expert count")
         if self.redundant_per_gpu < 0 or self.window < 1 or self.period < 1:
-            raise ValueError("redundant experts per GPU must be >= 0, window and period >= 1 step")
+            raise ValueError(f"redundant experts per GPU must be >= 0 (got {self.redundant_per_gpu}), window and "
+                             f"period >= 1 step (got {self.window}, {self.period})")
 
 
 PREFILL = dict(redundant_per_gpu=4, window=100, period=1000)
