@@ -1,0 +1,134 @@
+"""``deepinfer bench spec --simulated``: DSpark's verify-length policies on a simulated drafter.
+
+Per concurrency (sequences per rank, default 1, 4, 16, 60, 128), ``deepinfer_bench.spec_sim``
+runs four policies on the same random draws: no speculation, fixed-5 verification, the exact
+confidence schedule and the production variant (budget sized from confidences two steps old).
+Columns:
+
+    ver_*      drafts verified per request per step (fixed: 5.00)
+    acc_*      tokens committed per request per step, the target's own token included
+               (DeepSpec's "acceptance length"; no speculation: 1.00)
+    tok_s_*    committed tokens per second of simulated device time
+    policy_us  host wall time of one exact schedule call here (not charged to the device time:
+               with asynchronous scheduling it overlaps the device's step)
+
+Where the numbers come from: the drafter's acceptance curve is set so fixed-5 commits DeepSeek's
+3.29 tokens per step; the step-time curve is a smooth roofline whose floor and per-token slope are
+fitted to DeepSeek's two published operating points at 60 sequences (13,730 tok/s fixed-5,
+14,466 tok/s scheduled, with their accepted lengths and a 30 % cut in verified drafts); the knee
+(128 tokens) and the drafter's cost (3/40 of a target step over its 5 x R tokens) are
+assumptions. The tok/s gain at 60 is therefore partly built into the curve; what the run tests
+is whether the scheduler, fed calibrated confidences, finds such an operating point, how much
+accepted length it gives up, and how the gain moves with concurrency.
+
+Figures (``--json``): ``mode`` = "simulated"; at concurrency 60 (the issue's keys)
+``verified_per_step_fixed`` / ``_sched``, ``accepted_len_fixed`` / ``_sched``, ``tok_s_off`` /
+``_fixed`` / ``_sched``; per concurrency C ``cC_<figure>_<policy>`` (``expected_len``: what the schedule expected to commit, a
+calibration check against ``accepted_len``);
+``step_floor_ms``, ``step_per_token_us``, ``wall_s``.
+
+The model-backed run (the trained tiny model, ``greedy_identical``) needs DSpark in the engine
+and is not built yet.
+"""
+
+from __future__ import annotations
+
+import time
+
+from deepinfer_bench.report import Report, base_parser
+from deepinfer_bench.spec_sim import POLICIES, AcceptanceModel, StepTimeModel, simulate
+
+DEFAULT_CONCURRENCY = "1,4,16,60,128"
+HEADLINE = 60
+SHORT = {"off": "off", "fixed": "fixed", "confidence": "sched", "delayed": "delayed"}
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"deepinfer bench spec: expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise SystemExit(f"deepinfer bench spec: values must be >= 1, got {text!r}")
+    return values
+
+
+def _curve(text: str) -> tuple[float, ...]:
+    try:
+        curve = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise SystemExit(f"deepinfer bench spec: --curve wants comma-separated probabilities, got {text!r}") from None
+    if not curve or not all(0.0 < p < 1.0 for p in curve):
+        raise SystemExit(f"deepinfer bench spec: --curve probabilities must lie strictly between 0 and 1, got {text!r}")
+    return curve
+
+
+def build_parser():
+    acc, tm = AcceptanceModel(), StepTimeModel(0.0, 0.0)
+    p = base_parser("spec", "DSpark verify-length policies: off / fixed-5 / confidence schedule.")
+    p.add_argument("--simulated", action="store_true", help="use the simulated-acceptance drafter (the only mode so far)")
+    p.add_argument("--concurrency", default=DEFAULT_CONCURRENCY, help="sequences per rank (default %(default)s)")
+    p.add_argument("--steps", type=int, default=None, help="steps per concurrency (default max(1000, 20000 / C))")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
+    p.add_argument("--curve", default=",".join(f"{v:g}" for v in acc.curve),
+                   help="mean conditional acceptance per draft position (default %(default)s)")
+    p.add_argument("--context-spread", type=float, default=acc.context_spread, help="sd of the per-context logit shift (default %(default)s)")
+    p.add_argument("--concentration", type=float, default=acc.concentration, help="Beta concentration of the true acceptance (default %(default)s)")
+    p.add_argument("--signals", type=int, default=acc.num_signals, help="confidence head sharpness, 0 = context only (default %(default)s)")
+    p.add_argument("--knee", type=float, default=tm.knee, help="verify tokens where compute saturates (default %(default)s)")
+    p.add_argument("--draft-fraction", type=float, default=tm.draft_fraction, help="drafter pass / target step (default %(default)s)")
+    p.add_argument("--max-verify-tokens", type=int, default=None, help="cap on verify tokens per step (default none)")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if not args.simulated:
+        print("deepinfer bench spec: the model-backed run needs DSpark in the engine (not built yet); pass --simulated")
+        return 2
+    if args.steps is not None and args.steps < 3:
+        raise SystemExit("deepinfer bench spec: --steps must be >= 3 (the delayed policy needs two steps of history)")
+    if args.signals < 0 or args.concentration <= 0 or args.context_spread < 0:
+        raise SystemExit("deepinfer bench spec: --signals must be >= 0, --concentration > 0, --context-spread >= 0")
+    start = time.perf_counter()
+    acceptance = AcceptanceModel(_curve(args.curve), args.context_spread, args.concentration, args.signals)
+    timing = StepTimeModel.fit_deepseek(acceptance.num_drafts, knee=args.knee, draft_fraction=args.draft_fraction)
+    report = Report(
+        f"spec (simulated drafter, D={acceptance.num_drafts}): verified drafts and committed tokens per request "
+        f"per step; step time {timing.floor_s * 1e3:.2f} ms floor + {timing.per_token_s * 1e6:.2f} us/token past "
+        f"{timing.knee:g} tokens (fitted to DeepSeek's 60-sequence figures)"
+    )
+    report.figure("mode", "simulated")
+    for concurrency in _ints(args.concurrency):
+        num_steps = args.steps or max(1000, 20000 // concurrency)
+        res = simulate(concurrency, num_steps, acceptance, timing, seed=args.seed + concurrency,
+                       max_verify_tokens=args.max_verify_tokens)
+        fixed, sched, delayed, off = res["fixed"], res["confidence"], res["delayed"], res["off"]
+        report.row(conc=concurrency, steps=num_steps,
+                   ver_fixed=fixed.verified_per_step, ver_sched=sched.verified_per_step,
+                   ver_delayed=delayed.verified_per_step,
+                   acc_fixed=fixed.accepted_len, acc_sched=sched.accepted_len, acc_delayed=delayed.accepted_len,
+                   tok_s_off=round(off.tok_s), tok_s_fixed=round(fixed.tok_s), tok_s_sched=round(sched.tok_s),
+                   tok_s_delayed=round(delayed.tok_s),
+                   sched_vs_fixed=f"{sched.tok_s / fixed.tok_s - 1:+.2%}",
+                   delayed_vs_fixed=f"{delayed.tok_s / fixed.tok_s - 1:+.2%}",
+                   sched_vs_off=f"{sched.tok_s / off.tok_s:.2f}x", policy_us=round(sched.policy_us))  # fmt: skip
+        for name in POLICIES:
+            r, short = res[name], SHORT[name]
+            if name != "off":  # off verifies nothing and expects exactly 1 token per request
+                report.figure(f"c{concurrency}_verified_per_step_{short}", r.verified_per_step)
+                report.figure(f"c{concurrency}_expected_len_{short}", r.expected / r.num_requests)
+            report.figure(f"c{concurrency}_accepted_len_{short}", r.accepted_len)
+            report.figure(f"c{concurrency}_tok_s_{short}", r.tok_s)
+        report.figure(f"c{concurrency}_policy_us_sched", sched.policy_us)
+        if concurrency == HEADLINE:
+            for name, r in (("fixed", fixed), ("sched", sched)):
+                report.figure(f"verified_per_step_{name}", r.verified_per_step)
+                report.figure(f"accepted_len_{name}", r.accepted_len)
+            for name, r in (("off", off), ("fixed", fixed), ("sched", sched)):
+                report.figure(f"tok_s_{name}", r.tok_s)
+    report.figure("step_floor_ms", timing.floor_s * 1e3)
+    report.figure("step_per_token_us", timing.per_token_s * 1e6)
+    report.figure("wall_s", time.perf_counter() - start)
+    report.finish(args.json)
+    return 0
