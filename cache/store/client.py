@@ -5,11 +5,13 @@ its rendezvous ranking (placement.py), one PutFragments per node for the whole b
 is stored once ``write_quorum`` fragments are durable (default k+1). A write short of k+m is
 *degraded*: the nodes holding its fragments are told (RepairHint) and their repair adds the rest.
 
-Read (hedged, read_state.py): per object ask the first k+1 usable nodes of its ranking, one
+Read (reads.py, hedged): per object ask the first k+1 usable nodes of its ranking, one
 GetFragments per node for the whole batch; decode as soon as k fragments of one write are in.
-The rest of the ranking is asked when an answer shows the first wave cannot reach k, or when the
-hedge delay passes first. A key that cannot reach k fragments because nodes are unusable ends at
-once as UNAVAILABLE naming them; one not assembled by the deadline is a typed DEADLINE miss.
+A key that cannot reach k fragments because nodes are unusable ends at once as UNAVAILABLE naming
+them; one not assembled by the deadline is a typed DEADLINE miss.
+
+Membership (membership.py): a node list, or a membership record whose file the store follows
+(``membership_file``): nodes join, drain (read after the group, never written to) or leave.
 
 Node health (node_health.py): heartbeats (``on_peer_event``), the membership record's states, and
 this client's own probe connection to every node (reachability.py): a node that refuses or drops
@@ -30,26 +32,17 @@ from pathlib import Path
 
 import zmq.asyncio
 
-from deepinfer.cache.store import writes
-from deepinfer.cache.store.api import ClientStats, GetResult, GetStatus, PutResult, seconds_left
-from deepinfer.cache.store.ec import ECConfig, ErasureCodec, ErasureCodingError, Fragment, FragmentHeader
+from deepinfer.cache.store import reads, writes
+from deepinfer.cache.store.api import ClientStats, GetResult, PutResult
+from deepinfer.cache.store.ec import ECConfig, ErasureCodec
 from deepinfer.cache.store.membership import Membership, MembershipFile, NodeState
 from deepinfer.cache.store.node import MAX_FRAGMENT_BYTES
 from deepinfer.cache.store.node_health import NodeHealth
 from deepinfer.cache.store.placement import Placement
 from deepinfer.cache.store.reachability import Reachability
-from deepinfer.cache.store.read_state import KeyRead
 from deepinfer.transport.channels import RequestClient
 from deepinfer.transport.errors import TransportError
-from deepinfer.transport.protocol import (
-    FragmentsReply,
-    FragmentStatus,
-    GetFragments,
-    StorageReply,
-    StorageStats,
-    StorageStatsRequest,
-    TouchFragments,
-)
+from deepinfer.transport.protocol import StorageReply, StorageStats, StorageStatsRequest
 
 log = logging.getLogger(__name__)
 
@@ -261,175 +254,16 @@ class ClusterStore:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    def _read_window(self, key: bytes, unusable: set[str], suspects: set[str]) -> tuple[list[str], list[str]]:
-        """(nodes to ask in order, unusable nodes ranked among them); suspects go last."""
-        n = self.config.ec.num_fragments
-        order, skipped = self.placement.read_window(key, n, n + self.config.num_spare_nodes + len(self.draining),
-                                                    unusable, self.draining)  # fmt: skip
-        if suspects:
-            order = [n for n in order if n not in suspects] + [n for n in order if n in suspects]
-        return order, skipped
-
-    # ---- reads ----------------------------------------------------------------------------
+    # ---- reads (reads.py) ----------------------------------------------------------------
     async def get_blocks(self, keys: Sequence[bytes], deadline: float) -> list[GetResult]:
         """One result per key, in order; never raises for a missing or late object."""
-        k = self.config.ec.k
-        results: list[GetResult | None] = [None] * len(keys)
-        unusable, suspects = self.health.unusable(), self.health.suspects()
-        reads: dict[int, KeyRead] = {}
-        node2positions: dict[str, list[int]] = defaultdict(list)
-        for pos, key in enumerate(keys):
-            order, skipped = self._read_window(key, unusable, suspects)
-            read = KeyRead(key, k, order, self.config.first_wave, skipped)
-            if len(order) < k:
-                results[pos] = self._unavailable(read)
-                continue
-            reads[pos] = read
-            for node in read.start():
-                node2positions[node].append(pos)
-        tasks: dict[asyncio.Task, tuple[str, list[int]]] = {}
-        try:
-            self._launch(tasks, node2positions, keys, deadline)
-            await self._collect(tasks, reads, results, keys, deadline)
-        finally:  # done, deadline or cancelled: nothing of this call keeps running
-            for task in tasks:
-                task.cancel()
-            if tasks:
-                await asyncio.gather(*tasks, return_exceptions=True)
-        self._touch_unasked(reads, results)
-        if self.config.send_repair_hints:
-            writes.hint_short_reads(self, reads, results)
-        return self._finish_gets(results, keys)
+        return await reads.get_objects(self, keys, deadline)
 
-    def _unavailable(self, read: KeyRead) -> GetResult:
-        nodes = read.unavailable_nodes()
-        detail = ", ".join(f"{n} {self.health.why(n)}" for n in nodes[:6]) + (", ..." if len(nodes) > 6 else "")
-        return GetResult(read.key, GetStatus.UNAVAILABLE, message=f"fewer than k={read.k} of its nodes usable: {detail}")
-
-    def _launch(self, tasks, node2positions, keys, deadline) -> None:
-        for node, positions in node2positions.items():
-            msg = GetFragments([keys[p] for p in positions], timeout_ms=max(0.0, seconds_left(deadline)) * 1000)
-            coro = self._node2client[node].request_with_buffers(msg, timeout_s=max(0.001, seconds_left(deadline)))
-            tasks[self.request_task(node, coro)] = (node, positions)
-
-    async def _collect(self, tasks, reads: dict[int, KeyRead], results, keys, deadline) -> None:
-        # A big batch takes longer to serve everywhere; only lateness beyond that is a straggler.
-        num_keys = max((len(p) for _, p in tasks.values()), default=1)
-        hedge_at = time.monotonic() + self.config.hedge_delay_s + self.config.hedge_delay_per_key_s * num_keys
-        open_positions = set(reads)
-        pending = set(tasks)
-        while open_positions:
-            now = time.monotonic()
-            if now >= deadline:
-                return
-            timeout = deadline - now if now >= hedge_at else min(hedge_at, deadline) - now
-            done, pending = await asyncio.wait(pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                self._on_reply(task, tasks[task], reads)
-            hedges: dict[str, list[int]] = defaultdict(list)
-            is_timer = time.monotonic() >= hedge_at
-            for pos in list(open_positions):
-                read = reads[pos]
-                if read.is_ready:
-                    results[pos] = self._decode(read)
-                    open_positions.discard(pos)
-                    continue
-                if read.must_hedge_now or (is_timer and not read.is_hedged):
-                    if is_timer and len(read.pending) * 2 < len(read.first_wave):
-                        # most of the wave answered in time: the stragglers are outliers, not load
-                        for node in read.pending:
-                            self.health.suspect(node)
-                    extra = read.hedge()
-                    self.stats.num_hedged += bool(extra)
-                    unusable = self.health.unusable()
-                    for node in extra:
-                        if node in unusable:  # lost since the read began: asking it would wait for the deadline
-                            read.on_failed(node)
-                        else:
-                            hedges[node].append(pos)
-                if read.is_hopeless:
-                    results[pos] = self._unavailable(read) if read.is_unavailable else GetResult(read.key, GetStatus.MISS)
-                    open_positions.discard(pos)
-            if hedges:
-                before = set(tasks)
-                self._launch(tasks, hedges, keys, deadline)
-                pending |= set(tasks) - before
-            if is_timer:
-                hedge_at = float("inf")
-            if not pending and open_positions:  # nobody left to ask (cannot happen with a sane order)
-                for pos in open_positions:
-                    results[pos] = GetResult(keys[pos], GetStatus.MISS)
-                return
-
-    def _on_reply(self, task: asyncio.Task, meta: tuple[str, list[int]], reads: dict[int, KeyRead]) -> None:
-        node, positions = meta
-        try:
-            reply, buffers = task.result()
-        except (TransportError, asyncio.CancelledError) as exc:  # cancelled: the node's connection was lost
-            if isinstance(exc, TransportError):
-                self.health.suspect(node)
-                log.debug("store read from %s failed: %s", node, exc)
-            for pos in positions:
-                reads[pos].on_failed(node)
-            return
-        if not isinstance(reply, FragmentsReply) or len(reply.statuses) != len(positions) or len(reply.fragments) != len(buffers):
-            log.warning("store node %s sent a malformed reply to GetFragments", node)
-            for pos in positions:
-                reads[pos].on_failed(node)
-            return
-        self.health.clear(node)
-        it = iter(zip(reply.fragments, buffers))
-        for pos, status in zip(positions, reply.statuses):
-            if status != FragmentStatus.OK:
-                reads[pos].on_absent(node)
-                continue
-            meta_f, buf = next(it)
-            header = FragmentHeader(meta_f.key, meta_f.index, meta_f.k, meta_f.m, meta_f.object_size, meta_f.payload_crc)
-            reads[pos].on_fragment(node, Fragment(header, buf), meta_f.write_id)
-
-    def _decode(self, read: KeyRead) -> GetResult:
-        try:  # the node checked every payload's crc before sending it
-            return GetResult(read.key, GetStatus.HIT, self.codec.decode(read.fragments(), verify=False))
-        except ErasureCodingError as exc:
-            log.warning("store object %s: %s", read.key.hex(), exc)
-            return GetResult(read.key, GetStatus.MISS)
-
-    def _touch_unasked(self, reads: dict[int, KeyRead], results) -> None:
-        """Tell the group's nodes a read did not need that the object is in use (their LRU)."""
-        node2keys: dict[str, list[bytes]] = defaultdict(list)
-        for pos, read in reads.items():
-            if results[pos] is not None and results[pos].is_hit and read.reserve:
-                for node in read.reserve[: max(0, self.config.ec.num_fragments - len(read.first_wave))]:
-                    node2keys[node].append(read.key)
-        for node, node_keys in node2keys.items():
-            self.background(self._best_effort(node, TouchFragments(node_keys)))
-
-    async def _best_effort(self, node: str, msg) -> None:
+    async def best_effort(self, node: str, msg) -> None:
         try:
             await self.request_task(node, self._node2client[node].request(msg, timeout_s=1.0))
         except (TransportError, asyncio.CancelledError, KeyError):  # KeyError: left the membership meanwhile
             pass  # best effort: a missed touch or hint only makes that node's LRU or repair later
-
-    def _finish_gets(self, results, keys) -> list[GetResult]:
-        out: list[GetResult] = []
-        num_late = 0
-        for key, res in zip(keys, results):
-            res = res or GetResult(key, GetStatus.DEADLINE)
-            out.append(res)
-            if res.is_hit:
-                self.stats.num_hits += 1
-                self.stats.num_bytes_read += len(res.data)
-            elif res.status == GetStatus.DEADLINE:
-                num_late += 1
-            elif res.status == GetStatus.UNAVAILABLE:
-                self.stats.num_unavailable += 1
-            else:
-                self.stats.num_misses += 1
-        self.stats.num_gets += len(keys)
-        self.stats.num_deadline_misses += num_late
-        if num_late:  # debug: the engine's KV tiers say once when the store stops answering
-            log.debug("store read: %d of %d objects missed the deadline; the engine recomputes them", num_late, len(keys))
-        return out
 
     # ---- writes (writes.py) ---------------------------------------------------------------
     async def put_blocks(self, items: Sequence[tuple[bytes, object]], *, traffic_class: str, deadline: float) -> list[PutResult]:

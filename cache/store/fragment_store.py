@@ -12,9 +12,8 @@ Reads refresh recency in memory; recency reaches the index in batches (``flush``
 restart that forgets the last seconds of reads only makes LRU slightly less exact.
 
 Every read re-checks the file's checksums; a damaged fragment is counted, deleted and answered
-CORRUPT, never served; ``scrub`` does the same check without serving. Keys whose fragment was
-found damaged or vanished are remembered (``take_lost``) so the node's repair can rebuild them.
-Thread-safe: metadata changes happen under one lock, payload reads and
+CORRUPT, never served; what repair and scrub ask of the store (``scrub``, ``holding``, lost and
+evicted keys) is in fragment_checks.py. Thread-safe: metadata changes happen under one lock, payload reads and
 writes of temp files outside it, so a node may serve from a thread pool.
 """
 
@@ -34,6 +33,7 @@ from typing import NamedTuple
 
 from deepinfer.cache.store import fragment_file as ff
 from deepinfer.cache.store.ec import FragmentHeader, payload_crc
+from deepinfer.cache.store.fragment_checks import MAX_LOST_KEYS, FragmentChecks
 from deepinfer.cache.store.gc import GcEntry, TtlPolicy, Watermarks, is_expired, plan_gc
 from deepinfer.transport.protocol import FragmentStatus  # statuses are wire values: the node sends them as is
 
@@ -47,8 +47,6 @@ class _Entry:
     write_id: int = 0
     payload_crc: int = 0
 
-
-MAX_LOST_KEYS = 65_536  # damaged fragments remembered for repair; past this the audit finds them
 
 
 class ReadResult(NamedTuple):
@@ -80,7 +78,7 @@ class StoreStats:
     num_bytes_read: int = 0
 
 
-class FragmentStore:
+class FragmentStore(FragmentChecks):
     def __init__(
         self,
         root: str | Path,
@@ -290,86 +288,6 @@ class FragmentStore:
             self._stats.num_hits += 1
             self._stats.num_bytes_read += payload.nbytes
         return ReadResult(FragmentStatus.OK, record, payload)
-
-    def was_evicted(self, key: bytes) -> bool:
-        """LRU GC deleted this key's fragment lately (the object is on its way out of the cache)."""
-        with self._lock:
-            return key in self._evicted
-
-    def holding(self, key: bytes) -> tuple[int, int, int] | None:
-        """(fragment index, write id, payload crc) of the fragment held for ``key``, or None."""
-        with self._lock:
-            entry = self._lru.get(key)
-            if entry is None:
-                return None
-            if entry.index >= 0:
-                return entry.index, entry.write_id, entry.payload_crc
-        record = self.record_of(key)  # restarted since this fragment was written: its file's header says
-        with self._lock:
-            entry = self._lru.get(key)
-            if entry is None or record is None:
-                return None
-            entry.index, entry.write_id, entry.payload_crc = record.header.index, record.write_id, record.header.payload_crc
-            return entry.index, entry.write_id, entry.payload_crc
-
-    def record_of(self, key: bytes) -> ff.FragmentRecord | None:
-        """The stored fragment's record (header, write id, class, expiry), from its file's header."""
-        try:
-            record = ff.read_prefix(ff.fragment_path(self._frag_dir, key))
-        except (OSError, ff.CorruptFragment):
-            return None  # the scrub or the next read deals with the file
-        return record if record.key == key else None
-
-    def read_fragment(self, key: bytes) -> tuple[ff.FragmentRecord, memoryview] | None:
-        """The fragment with its record (traffic class, expiry), checksums verified; for repair
-        (no recency, no read counters). A damaged one is deleted and remembered as lost."""
-        if self.scrub(key)[0] != FragmentStatus.OK:
-            return None
-        try:
-            record, payload = ff.parse(ff.read_file(ff.fragment_path(self._frag_dir, key)))
-        except (OSError, ff.CorruptFragment):
-            return None
-        return (record, payload) if record.key == key else None
-
-    def scrub(self, key: bytes) -> tuple[FragmentStatus | None, int]:
-        """Verify one stored fragment's checksums: (OK | CORRUPT (deleted) | NOT_FOUND (its file
-        vanished; forgotten), file bytes). Damage is remembered as lost, for repair. (None, 0)
-        when the key is not held, or was replaced or deleted meanwhile (not damage)."""
-        with self._lock:
-            entry = self._lru.get(key)
-        if entry is None:
-            return None, 0
-        path = ff.fragment_path(self._frag_dir, key)
-        try:
-            record, _ = ff.parse(ff.read_file(path))
-            if record.key != key:
-                raise ff.CorruptFragment(f"file for {key.hex()} holds {record.key.hex()}")
-        except FileNotFoundError:
-            with self._lock:
-                if self._lru.get(key) is not entry or path.exists():
-                    return None, 0
-                self._forget_lost(key)
-            return FragmentStatus.NOT_FOUND, 0
-        except ff.CorruptFragment:
-            with self._lock:
-                self._stats.num_corrupt += 1
-                if self._lru.get(key) is entry:
-                    self._delete(key)
-                    self._lost.append(key)
-            return FragmentStatus.CORRUPT, entry.num_bytes
-        return FragmentStatus.OK, entry.num_bytes
-
-    def _forget_lost(self, key: bytes) -> None:
-        self._forget(key)
-        self._db.execute("DELETE FROM fragments WHERE key = ?", (key,))
-        self._lost.append(key)
-
-    def take_lost(self) -> list[bytes]:
-        """Keys whose fragment was found damaged or missing since the last call."""
-        with self._lock:
-            keys = list(self._lost)
-            self._lost.clear()
-            return keys
 
     def touch(self, keys: Sequence[bytes]) -> int:
         """Mark fragments as just used (a read that did not need this node's fragment)."""

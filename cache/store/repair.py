@@ -54,6 +54,7 @@ class RepairConfig:
     batch_keys: int = 128
     repair_bytes_per_s: float = 200e6  # decode reads + rebuilt and moved writes
     retry_s: float = 1.0  # first look again at an object still short; doubles up to max_retry_s
+    hint_delay_s: float = 0.2  # hints are gathered this long, then audited as one batch
     max_retry_s: float = 30.0
     membership_poll_s: float = 1.0
     request_timeout_s: float = 5.0
@@ -79,7 +80,7 @@ class Repairer:
         self.stats = RepairStats()
         self._file = MembershipFile(membership_file)
         self.peers = None  # a ClusterStore over the membership, once this node is in it
-        self._hinted: OrderedDict[bytes, None] = OrderedDict()
+        self._hinted: OrderedDict[bytes, float] = OrderedDict()  # key -> when hinted
         self._retry: dict[bytes, tuple[float, float]] = {}  # key -> (due at, current back-off)
         self._pass: list[bytes] = []
         self._pass_pos = 0
@@ -102,8 +103,9 @@ class Repairer:
         return self._pass_pos / len(self._pass) if self._pass else 1.0
 
     def hint(self, keys: list[bytes]) -> int:
+        now = time.monotonic()
         for key in keys:
-            self._hinted[key] = None
+            self._hinted[key] = now
             self._hinted.move_to_end(key)
         while len(self._hinted) > MAX_HINTED:
             self._hinted.popitem(last=False)
@@ -161,16 +163,24 @@ class Repairer:
 
     async def _next_batch(self) -> tuple[list[bytes], set[bytes]]:
         size = self.config.batch_keys
-        for key in self.store.take_lost():  # damaged or vanished here: find its leader
-            self._hinted[key] = None
-        urgent = []
-        while self._hinted and len(urgent) < size:
-            urgent.append(self._hinted.popitem(last=False)[0])
-        unusable = self.peers.health.unusable()
         now = time.monotonic()
+        for key in self.store.take_lost():  # damaged or vanished here: find its leader
+            self._hinted[key] = now - self.config.hint_delay_s
+        unusable = self.peers.health.unusable()
         if unusable < self._last_unusable:  # a node came back: what waited for it is due now
             self._retry = {k: (now, backoff) for k, (_, backoff) in self._retry.items()}
         self._last_unusable = unusable
+        urgent = []
+        # hints come one write batch at a time: gather them a moment, then audit them together
+        oldest = next(iter(self._hinted.values()), now)
+        is_due = len(self._hinted) >= size or oldest <= now - self.config.hint_delay_s
+        while is_due and self._hinted and len(urgent) < size:
+            urgent.append(self._hinted.popitem(last=False)[0])
+        if urgent and self._num_placeable(unusable) < self.peers.config.ec.num_fragments:
+            # degraded writes while nodes are missing: nowhere to rebuild onto until one comes back
+            for key in urgent:
+                self._retry[key] = (now + self.config.max_retry_s, self.config.max_retry_s)
+            urgent = []
         batch = list(urgent)
         for key, (due, _) in list(self._retry.items()):
             if len(batch) >= size:
@@ -194,6 +204,10 @@ class Repairer:
         held = await self._run_io(lambda: [(k, self.store.holding(k)) for k in chunk])
         m = self.peers.config.ec.m
         return [k for k, h in held if h is not None and (h[0] <= m or self.name not in self._group(k))]
+
+    def _num_placeable(self, unusable: set[str]) -> int:
+        peers = self.peers
+        return len(set(peers.placement.node_names) - unusable - peers.draining)
 
     def _group(self, key: bytes) -> list[str]:
         peers = self.peers
@@ -223,12 +237,14 @@ class Repairer:
                 drops.append(plan.key)
             if plan.rebuilds and plan.leader != self.name and plan.key in urgent:
                 forwards[plan.leader].append(plan.key)
-            if plan.num_unplaced or plan.rebuilds or plan.moves:
-                self._schedule_retry([plan.key])  # looked at again until the next audit finds it whole
+            if plan.rebuilds or plan.moves:
+                self._schedule_retry([plan.key])  # looked at again until an audit finds it whole
+            elif plan.num_unplaced:  # nowhere to put the rest until a node comes back (which makes it due)
+                self._retry[plan.key] = (time.monotonic() + self.config.max_retry_s, self.config.max_retry_s)
             else:
                 self._retry.pop(plan.key, None)
         for leader, leader_keys in forwards.items():
-            self.peers.background(self.peers._best_effort(leader, RepairHint(leader_keys)))
+            self.peers.background(self.peers.best_effort(leader, RepairHint(leader_keys)))
         for target, items in moves.items():
             await self._move(target, items)
         if rebuilds:

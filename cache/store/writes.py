@@ -48,26 +48,14 @@ async def put_objects(store, items: Sequence[tuple[bytes, object]], traffic_clas
     store.stats.num_puts += len(out)
     store.stats.num_put_failures += sum(not r.is_ok for r in out)
     if store.config.send_repair_hints:
-        _send_hints(store, hints)
+        send_hints(store, hints)
     return out
 
 
-def hint_short_reads(store, reads, results) -> None:
-    """Objects read back while some of their group's nodes answered without a fragment (not
-    stored, corrupt, expired): hint the node that gave the lowest index, the object's leader."""
-    hints: dict[str, list[bytes]] = defaultdict(list)
-    n = store.config.ec.num_fragments
-    for pos, read in reads.items():
-        if read.absent and results[pos] is not None and results[pos].is_hit and read.lowest_holder:
-            if any(node in read.first_wave[:n] for node in read.absent) and store.note_hint(read.key):
-                hints[read.lowest_holder].append(read.key)
-    _send_hints(store, hints)
-
-
-def _send_hints(store, node2keys: dict[str, list[bytes]]) -> None:
+def send_hints(store, node2keys: dict[str, list[bytes]]) -> None:
     for node, keys in node2keys.items():  # best effort: a lost hint is found by the holders' audit
         store.stats.num_repair_hints += len(keys)
-        store.background(store._best_effort(node, RepairHint(keys)))
+        store.background(store.best_effort(node, RepairHint(keys)))
 
 
 class _Placed:

@@ -10,8 +10,12 @@
    - p99 of single-object reads with one daemon delayed 200 ms per request vs healthy, in
      interleaved blocks so background load hits both alike (hedged reads: decode from the first
      k of k+1 answers);
-   - SIGKILL two daemons (the client is not told: hedging and suspicion alone route around
-     them) and get everything again; count reads that did not return byte-identical data.
+   - degraded writes: SIGKILL one daemon and put ``--num-objects`` new objects (k+1 of k+m
+     fragments each; the client's probe connection sees the crash at once), against the healthy
+     put of the same count just before; restart the daemon and time the daemons' repair (they run
+     with the membership file) until every degraded object has its k+m fragments on disk again;
+   - SIGKILL two daemons (the client is not told: its probes and hedging route around them) and
+     get everything again; count reads that did not return byte-identical data.
 
 3. ``--engine-ttft``: an AsyncEngine on the built-in tiny model started with
    ``kv_store_nodes`` = those daemons (``deepinfer serve --kv-store-nodes``): per repetition a
@@ -27,6 +31,11 @@ JSON keys: ``ec_encode_GBps``, ``pyeclib_encode_GBps``, ``ec_decode_GBps``, ``py
 (2 data fragments missing), ``ec_decode_verify_GBps`` (with the CRC pass),
 ``ec_decode_all_data_GBps``/``pyeclib_decode_all_data_GBps`` (every data fragment at hand),
 ``cluster_put_GBps``, ``cluster_get_GBps``, ``cluster_get_GBps_2_down``, ``reads_failed_2_down``,
+``healthy_write_GBps`` / ``degraded_write_GBps`` (one daemon down) and their ratio
+``degraded_vs_healthy_write`` (target >= 0.8; medians of ``--repair-rounds`` alternating rounds,
+the per-round ratios in ``degraded_vs_healthy_write_rounds``), ``repair_MBps`` (fragment bytes the daemons rebuilt
+per second, from the restarted daemon's ready line until every object is whole), ``repair_s``,
+``repaired_fragments``,
 ``hedged_read_p99_ratio_one_slow`` (+ the two p99s in ms), ``num_cpus``, ``num_nodes``, ``k``, ``m``;
 with ``--engine-ttft``: ``engine_ttft_ms_computed``, ``engine_ttft_ms_store`` (medians),
 ``engine_store_cached_tokens``, ``engine_prompt_len``.
@@ -47,6 +56,7 @@ from deepinfer_bench.report import Report, base_parser
 from deepinfer.cache.store.api import deadline_after
 from deepinfer.cache.store.client import ClusterStore, ClusterStoreConfig
 from deepinfer.cache.store.ec import ECConfig, ErasureCodec
+from deepinfer.cache.store import fragment_file as ff
 from deepinfer.cache.store.local_cluster import LocalCluster
 from deepinfer.runtime import loop as runtime_loop
 from deepinfer.transport.protocol import DebugSet
@@ -65,6 +75,8 @@ def parse_args(argv):
     p.add_argument("--codec-repeat", type=int, default=20, help="encode/decode samples per path")
     p.add_argument("--slow-reads", type=int, default=240, help="single-object reads per side of the p99 comparison")
     p.add_argument("--slow-delay-ms", type=float, default=200.0, help="delay of the slow daemon")
+    p.add_argument("--repair-rounds", type=int, default=3,
+                   help="rounds of healthy put / one daemon killed, degraded put / restart and repair")
     p.add_argument("--engine-ttft", action="store_true",
                    help="also measure an engine's TTFT of a prompt served from the cluster vs computed")
     p.add_argument("--engine-prompt-len", type=int, default=4000, help="prompt tokens of --engine-ttft")
@@ -77,6 +89,8 @@ def parse_args(argv):
         p.error(f"--nodes {args.nodes} cannot hold a coding group of k+m = {args.k + args.m}")
     if args.m < 2:
         p.error("--m must be >= 2: the benchmark kills two daemons")
+    if args.repair_rounds < 1:
+        p.error("--repair-rounds must be >= 1")
     return args
 
 
@@ -171,6 +185,8 @@ async def bench_cluster(args, cluster: LocalCluster, report: Report) -> None:
         report.figure("read_p99_one_slow_ms", p99(slowed) * 1e3)
         report.figure("hedged_read_p99_ratio_one_slow", ratio)
 
+        await bench_degraded_and_repair(args, cluster, store, report)
+
         # two daemons SIGKILLed; the client is not told
         for name in cluster.names[1:3]:
             cluster.kill(name)
@@ -181,9 +197,66 @@ async def bench_cluster(args, cluster: LocalCluster, report: Report) -> None:
         report.figure("client_hedged_reads", store.stats.num_hedged)
 
 
+async def bench_degraded_and_repair(args, cluster: LocalCluster, store: ClusterStore, report: Report) -> None:
+    rng = random.Random(1)
+    total = args.object_size * args.num_objects
+    n = args.k + args.m
+    victim = cluster.names[-1]
+
+    async def put_all() -> tuple[float, dict[bytes, bytes], set[int]]:
+        objs = {rng.randbytes(16): rng.randbytes(args.object_size) for _ in range(args.num_objects)}
+        keys, num_acks = list(objs), set()
+        t0 = time.perf_counter()
+        for i in range(0, len(keys), args.batch):
+            acks = await store.put_blocks([(k, objs[k]) for k in keys[i : i + args.batch]], traffic_class="chat",
+                                          deadline=deadline_after(60))  # fmt: skip
+            assert all(a.is_ok for a in acks), [a.message for a in acks if not a.is_ok][:2]
+            num_acks |= {a.num_acks for a in acks}
+        return total / (time.perf_counter() - t0) / 1e9, objs, num_acks
+
+    def num_short(keys) -> int:
+        roots = [cluster.root / name / "frags" for name in cluster.names]
+        return sum(sum(ff.fragment_path(r, key).exists() for r in roots) < n for key in keys)
+
+    async def repair_bytes() -> int:
+        return sum(s.num_repair_bytes for s in (await store.node_stats()).values() if s)
+
+    healthy, degraded, repair_mbps, repair_s = [], [], [], []
+    for _ in range(args.repair_rounds):  # alternate: background load hits both sides alike
+        gbps, _, _ = await put_all()
+        healthy.append(gbps)
+        cluster.kill(victim)
+        while store.reachability.is_reachable(victim):  # the probe sees the crash within milliseconds
+            await asyncio.sleep(0.01)
+        gbps, objs, num_acks = await put_all()
+        degraded.append(gbps)
+        assert num_acks == {n - 1}, f"degraded writes stored {num_acks} fragments, expected {n - 1}"
+        before = await repair_bytes()
+        cluster.restart(victim)
+        t0 = time.perf_counter()  # from the moment it serves again (its process start is not repair)
+        while num_short(objs):
+            assert time.perf_counter() - t0 < 300, f"{num_short(objs)} objects still short of {n} fragments after 300 s"
+            await asyncio.sleep(0.05)
+        repair_s.append(time.perf_counter() - t0)
+        repair_mbps.append((await repair_bytes() - before) / repair_s[-1] / 1e6)
+    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    rounds = f"median of {args.repair_rounds} rounds"
+    report.row(measure="healthy_write", GBps=median(healthy), note=f"{args.num_objects} objects, all {n} nodes up, {rounds}")
+    report.row(measure="degraded_write", GBps=median(degraded), note=f"{victim} SIGKILLed: {n - 1} fragments each")
+    report.row(measure="repair", MBps=median(repair_mbps),
+               note=f"{args.num_objects} objects whole again {median(repair_s):.2f} s after {victim} served again")
+    report.figure("healthy_write_GBps", median(healthy))
+    report.figure("degraded_write_GBps", median(degraded))
+    report.figure("degraded_vs_healthy_write", median(degraded) / median(healthy))
+    report.figure("degraded_vs_healthy_write_rounds", ",".join(f"{d / h:.2f}" for d, h in zip(degraded, healthy)))
+    report.figure("repair_MBps", median(repair_mbps))
+    report.figure("repair_s", median(repair_s))
+    report.figure("repaired_fragments", args.num_objects)
+
+
 async def bench_engine_ttft(args, cluster: LocalCluster, report: Report) -> None:
-    from deepinfer.engine.async_engine import AsyncEngine
-    from deepinfer.engine.sampling_params import SamplingParams
+    from deepinfer.engine.api.async_engine import AsyncEngine
+    from deepinfer.engine.api.sampling_params import SamplingParams
     from deepinfer.runtime.gateway.builtin_model import ensure_builtin_model
 
     model_dir, _ = ensure_builtin_model(show_progress=False)
@@ -240,9 +313,14 @@ def main(argv) -> int:
     if not args.skip_throughput:
         bench_codec(args, report)
     floor_mib = 256 if args.engine_ttft else 1  # the engine writes every prompt block behind
-    capacity = f"{max(floor_mib, 4 * args.object_size * args.num_objects // args.k // MiB)}MiB"
+    num_puts = 2 + 2 * args.repair_rounds  # cluster put + two per repair round, with room to spare
+    capacity = f"{max(floor_mib, 2 * num_puts * args.object_size * args.num_objects // args.k // MiB)}MiB"
     with tempfile.TemporaryDirectory(prefix="bench-store-") as root:
-        with LocalCluster(root, args.nodes, capacity=capacity, extra_args=["--debug-hooks"]) as cluster:
+        # the daemons repair (membership file), retry a short object every 0.2 s and are not throttled:
+        # the benchmark measures the repair path, not --repair-rate
+        repair_args = ["--repair-retry", "0.2", "--membership-poll", "0.2", "--repair-rate", "10GB"]
+        with LocalCluster(root, args.nodes, capacity=capacity, membership=True, ec=(args.k, args.m),
+                          extra_args=["--debug-hooks", *repair_args]) as cluster:  # fmt: skip
             if args.engine_ttft:  # first: the throughput part kills two daemons
                 runtime_loop.run(bench_engine_ttft(args, cluster, report))
             if not args.skip_throughput:

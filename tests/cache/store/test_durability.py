@@ -19,7 +19,7 @@ from deepinfer.cache.store.client import ClusterStore
 from deepinfer.cache.store.local_cluster import LocalCluster
 from deepinfer.cache.store.membership import NodeState
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(240)
 
 FAST = ["--audit-interval", "0.5", "--repair-retry", "0.2", "--membership-poll", "0.2"]
 
@@ -70,7 +70,7 @@ async def test_one_down_degrades_writes_then_repair_restores_every_object(tmp_pa
             during = _objects(40, seed=2)
             acks, degraded_s = await _put(store, during)
             assert {a.num_acks for a in acks} == {11}  # degraded: k+1 durable, the 12th by repair
-            assert degraded_s < max(3 * healthy_s, 1.0), f"healthy {healthy_s:.3f} s, degraded {degraded_s:.3f} s"
+            assert degraded_s < max(3 * healthy_s, 2.0), f"healthy {healthy_s:.3f} s, degraded {degraded_s:.3f} s"
             everything = {**before, **during}
             assert await _num_bad_reads(store, everything) == 0
 
@@ -78,7 +78,7 @@ async def test_one_down_degrades_writes_then_repair_restores_every_object(tmp_pa
             shutil.rmtree(cluster.root / "node-05")
             cluster.restart("node-05")
             t0 = time.monotonic()
-            await _until(lambda: set(_key2count(cluster, everything).values()) == {12}, 30, "12 fragments of every object")
+            await _until(lambda: set(_key2count(cluster, everything).values()) == {12}, 90, "12 fragments of every object")
             print(f"repair of 80 objects onto a replaced node: {time.monotonic() - t0:.1f} s")
             assert cluster.fragments_on_disk("node-05") == 80
 
@@ -123,7 +123,7 @@ async def test_scrub_rebuilds_corrupt_and_deleted_fragments_and_reads_stay_exact
 
             # nobody reads them: only the scrub can find the damage
             damaged = _damage(cluster, keys[:10], seed=4)
-            await _until(lambda: is_whole(damaged), 30, "every damaged fragment rebuilt")
+            await _until(lambda: is_whole(damaged), 90, "every damaged fragment rebuilt")
             for path in damaged:
                 ff.parse(path.read_bytes())  # rebuilt, checksums intact
             stats = await store.node_stats()
@@ -133,7 +133,7 @@ async def test_scrub_rebuilds_corrupt_and_deleted_fragments_and_reads_stay_exact
             # damage read at once: never served, decoded around, rebuilt as well
             damaged = _damage(cluster, keys[10:20], seed=5)
             assert await _num_bad_reads(store, objs) == 0
-            await _until(lambda: is_whole(damaged), 30, "fragments damaged under reads rebuilt")
+            await _until(lambda: is_whole(damaged), 90, "fragments damaged under reads rebuilt")
             assert await _num_bad_reads(store, objs) == 0
 
 
