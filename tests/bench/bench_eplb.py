@@ -5,8 +5,9 @@ placements driven by the same window and schedule (``deepinfer_bench.eplb.replay
 
     static     the start-up placement, never re-planned (experts in id order, wrap-around spares)
     baseline   DeepSeek's EPLB (``deepinfer_bench.eplb.baseline``): greedy packing of the window mean
-    ours       ``deepinfer.engine.parallel.eplb.plan``: LPT + swaps, spares on distinct GPUs, and
-               swaps that balance each step of the window, not only its mean
+    ours       ``deepinfer.engine.parallel.eplb.plan``: two replica-count rules and count moves,
+               LPT (an expert's replicas on different GPUs) + swaps, swaps that balance each step
+               of the window and not only its mean, a layer kept when the new plan is no better
 
 Realised imbalance: each step waits for its slowest GPU at every MoE layer, so a stretch of
 steps scores ``sum over steps and layers of the max GPU load / sum of the mean GPU load`` (1.0 is
@@ -28,7 +29,9 @@ Settings (SPEC section 6: prefill 4 spare experts per GPU, 100-step window, re-p
         (one expert owned per GPU)
 
 ``--trace PATH.npy`` replays your own float array [steps, layers, experts] instead, with
-``--gpus --redundant-per-gpu --window --period [--nodes]``.
+``--gpus --redundant-per-gpu --window --period [--nodes]``. Size: ``--traces``, ``--layers``,
+``--experts``, ``--prefill-periods``, ``--decode-periods``, ``--decode-gpus``, ``--tiny-*-steps``
+(the default run takes about a minute on two idle cores, most of it recording the tiny traces).
 
 Figures (``--json``): ``realised_imbalance`` (ours) and ``baseline_imbalance``, the worst over
 the settings run (the only setting with --trace); ``wins`` (settings where ours is below the
