@@ -11,8 +11,10 @@ The story, chosen from how serving traffic behaves rather than to favour any pla
   ``drift_minutes``). Bursts (a batch job, a launch) arrive every ``burst_every_minutes`` on
   average, last ``burst_minutes`` on average and take ``burst_share`` of the traffic for one topic.
 * Prefill (``kind="prefill"``): each of the group's DP ranks processes ``chunk_tokens`` per step
-  from its own queue of requests, whose prompt lengths are log-normal (median
-  ``median_prompt_tokens``); long prompts span steps, as chunked prefill does. Each request's
+  (SPEC's 32K budget) from its own queue of requests, whose uncached prompt tokens are
+  log-normal (median ``median_prompt_tokens`` = 2K, sigma 1.5: bench balance's workload, where
+  most of a turn's prompt is a cached prefix and documents add the tail); long prompts span
+  steps, as chunked prefill does. Each request's
   expert profile is its topic's affinity times log-normal noise (``request_sigma``): one prompt is
   narrower than its topic. A step therefore holds a handful of requests and its load moves
   with them: most of what no placement can fix.
@@ -21,8 +23,9 @@ The story, chosen from how serving traffic behaves rather than to favour any pla
   lifetime (``seq_steps``); thousands of sequences average their own skew away.
 * Counts are Poisson around top_k * (expected tokens), per step, layer and expert.
 
-Time: a prefill step of 32K tokens per rank takes about 2 s (runtime.balance's V4.1-Flash cost
-model), a decode step about 15 ms, so the same minutes of drift and bursts are ~130x more steps
+Time: a prefill step of 32K tokens per rank takes about 2 s (~16K tokens/s per rank, the V4.1-
+Flash cost model of bench balance), a decode step about 15 ms (assumed: ~10 ms at 20 requests,
+here 64 verifying 4 tokens each), so the same minutes of drift and bursts are ~130x more steps
 for decode. Defaults follow V4-Flash: 256 experts, top-6.
 """
 
