@@ -7,12 +7,12 @@ and does not pull torch into processes that never touch a model (storage nodes, 
 __version__ = "0.1.0"
 
 _LAZY = {
-    "LLM": ("deepinfer.engine.llm", "LLM"),
-    "SamplingParams": ("deepinfer.engine.sampling_params", "SamplingParams"),
-    "AsyncEngine": ("deepinfer.engine.async_engine", "AsyncEngine"),
-    "RequestOutput": ("deepinfer.engine.outputs", "RequestOutput"),
-    "CompletionOutput": ("deepinfer.engine.outputs", "CompletionOutput"),
-    "Logprob": ("deepinfer.engine.outputs", "Logprob"),
+    "LLM": ("deepinfer.engine.api.llm", "LLM"),
+    "SamplingParams": ("deepinfer.engine.api.sampling_params", "SamplingParams"),
+    "AsyncEngine": ("deepinfer.engine.api.async_engine", "AsyncEngine"),
+    "RequestOutput": ("deepinfer.engine.api.outputs", "RequestOutput"),
+    "CompletionOutput": ("deepinfer.engine.api.outputs", "CompletionOutput"),
+    "Logprob": ("deepinfer.engine.api.outputs", "Logprob"),
 }
 
 __all__ = ["__version__", *_LAZY]

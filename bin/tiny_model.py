@@ -30,7 +30,7 @@ def add_parser(subparsers, name):
 
 
 def run(args) -> int:
-    from deepinfer.engine.tiny_model import TinyModelError, write_tiny_model
+    from deepinfer.engine.models.deepseek_v4.tiny_model import TinyModelError, write_tiny_model
 
     try:
         cfg = write_tiny_model(

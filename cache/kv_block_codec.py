@@ -49,7 +49,7 @@ class BlockCodec:
 
     @classmethod
     def from_kv_layout(cls, layout) -> "BlockCodec":
-        """The block part of a runner's ``kv_layout()`` (engine/kv_layout.py; duck-typed so that
+        """The block part of a runner's ``kv_layout()`` (engine/kv/layout.py; duck-typed so that
         cache/ does not import engine/): ``block_tensors`` with ``name``, ``shape``, ``dtype``."""
         return cls([BlockTensorSpec(t.name, tuple(t.shape), t.dtype) for t in layout.block_tensors])
 

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 M32 = 0xFFFFFFFF
-_MUL_A = 0x7FEB352D
-_MUL_B = 0x2C1B3C6D
+MUL_A = 0x7FEB352D
+MUL_B = 0x2C1B3C6D
 _TOKEN_SALT = 0x9E3779B9
 _KEY_SALT = 0x85EBCA6B
 
@@ -27,9 +27,9 @@ def mix32(x: int) -> int:
     """Scalar twin of ``mix32_tensor`` (per-row keys are mixed in Python: B values per step)."""
     x &= M32
     x ^= x >> 16
-    x = (x * _MUL_A) & M32
+    x = (x * MUL_A) & M32
     x ^= x >> 15
-    x = (x * _MUL_B) & M32
+    x = (x * MUL_B) & M32
     x ^= x >> 16
     return x
 
@@ -37,9 +37,9 @@ def mix32(x: int) -> int:
 def mix32_tensor(x: torch.Tensor) -> torch.Tensor:
     """Same as ``mix32`` on an int64 tensor whose values are in [0, 2^32)."""
     x = x ^ (x >> 16)
-    x = (x * _MUL_A) & M32
+    x = (x * MUL_A) & M32
     x = x ^ (x >> 15)
-    x = (x * _MUL_B) & M32
+    x = (x * MUL_B) & M32
     return x ^ (x >> 16)
 
 
@@ -60,9 +60,9 @@ def mix32_np(x: np.ndarray) -> np.ndarray:
     """``mix32`` on a uint32 array: uint32 arithmetic wraps mod 2^32, so no masking is needed
     (about 3x fewer passes than the int64 tensor form on CPU); same values bit for bit."""
     x = x ^ (x >> np.uint32(16))
-    x *= np.uint32(_MUL_A)
+    x *= np.uint32(MUL_A)
     x ^= x >> np.uint32(15)
-    x *= np.uint32(_MUL_B)
+    x *= np.uint32(MUL_B)
     x ^= x >> np.uint32(16)
     return x
 
@@ -146,7 +146,7 @@ class GumbelNoise:
             r1 = min(r0 + rows, k.shape[0])
             xb, tb = x[: r1 - r0], t[: r1 - r0]
             np.bitwise_xor(k[r0:r1, None], th, out=xb)
-            for shift, mul in ((16, _MUL_A), (15, _MUL_B)):  # mix32_np, in place
+            for shift, mul in ((16, MUL_A), (15, MUL_B)):  # mix32_np, in place
                 np.right_shift(xb, np.uint32(shift), out=tb)
                 xb ^= tb
                 xb *= np.uint32(mul)

@@ -1,7 +1,7 @@
 """Fused Gumbel-max sampling on NVIDIA GPUs (Triton): ``argmax(logits / T + G)`` in one pass.
 
-The sampler's temperature-only draw (engine/sampler.py, ``noisy_argmax``) written as torch ops
-on a GPU is ~20 elementwise kernels over ``[B, V]`` (the counter hash of engine/counter_rng.py in
+The sampler's temperature-only draw (engine/sample/sampler.py, ``noisy_argmax``) written as torch ops
+on a GPU is ~20 elementwise kernels over ``[B, V]`` (the counter hash of kernels/counter_rng.py in
 int64, two logs, divide, add) plus the argmax, and ~0.4 ms of launches on the engine's device
 thread at 256 x 4096, all of it between two forwards. Here one program per row streams the row's
 logits once, hashes ``(row key, token)`` to the same 24-bit uniform, takes the same two logs,
@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from deepinfer.engine.counter_rng import _MUL_A, _MUL_B
+from deepinfer.kernels import counter_rng
 
 _BLOCK = 1024
 
@@ -58,5 +58,5 @@ def gumbel_argmax(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.T
         raise ValueError(f"gumbel_argmax: token_hash must be int32 [{v}], got {token_hash.dtype} "
                          f"{tuple(token_hash.shape)}")
     _kernel()[(b,)](logits, logits.stride(0), temperature.to(torch.float32).contiguous(), keys.contiguous(),
-                    token_hash, out, v, MUL_A=_MUL_A, MUL_B=_MUL_B, BLOCK=_BLOCK)
+                    token_hash, out, v, MUL_A=counter_rng.MUL_A, MUL_B=counter_rng.MUL_B, BLOCK=_BLOCK)
     return out

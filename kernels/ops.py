@@ -6,6 +6,12 @@ oracle for every other backend. The default routing adds the native CPU kernels
 (kernels/cpu_native.py, and the fixed-order GEMMs of kernels/cpu_gemm.py), which fall back to the reference for anything they do not handle.
 A faster backend (Triton/CuPy on NVIDIA) registers replacements for the ops it implements with
 ``register``; ``reset`` restores the default routing and ``use_reference`` the pure reference.
+``use_gpu`` registers the Triton kernels (kernels/gpu_routing.py) for CUDA tensors only.
+
+Two ops exist for fused backends: ``rms_norm_rope`` (by default ``apply_rope_(rms_norm(...))``
+through the current routing, so CPU numbers stay those of the two ops) and ``moe_experts_``
+(routed experts of a MoE block; its reference is an expert-by-expert oracle, so models call it
+only where ``backend_of("moe_experts_")`` names a fused backend).
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ OP_NAMES = (
     "swiglu_clamped",
     "moe_route",
     "moe_combine_",
+    "rms_norm_rope",
+    "moe_experts_",
 )
 
 _reference: dict[str, Callable] = {name: getattr(torch_ref, name) for name in OP_NAMES}
@@ -46,6 +54,7 @@ _default: dict[str, Callable] = {
     },
     "linear": cpu_gemm.linear,
     "grouped_linear": cpu_gemm.grouped_linear,
+    "rms_norm_rope": lambda x, weight, eps, cos, sin: apply_rope_(rms_norm(x, weight, eps), cos, sin),
 }
 _active: dict[str, Callable] = {}
 
@@ -68,6 +77,25 @@ def use_reference() -> None:
     """Route every op to the torch reference."""
     for name, fn in _reference.items():
         register(name, fn)
+
+
+def use_gpu() -> bool:
+    """Route CUDA tensors of the ops the Triton kernels implement to them, keeping the current
+    routing for everything else; False (nothing changed) without CUDA or Triton, or with
+    ``DEEPINFER_ACCELERATOR=cpu``. Idempotent; ``reset`` undoes it."""
+    import torch
+
+    from deepinfer import envs
+
+    if envs.get().accelerator == "cpu" or not torch.cuda.is_available():
+        return False
+    try:
+        from deepinfer.kernels import gpu_routing
+    except ImportError:  # no Triton: the torch ops run on the GPU
+        return False
+    for name, fn in gpu_routing.routing(_active).items():
+        register(name, fn)
+    return True
 
 
 def backend_of(name: str) -> str:
@@ -93,4 +121,6 @@ hc_head = torch_ref.hc_head
 swiglu_clamped = torch_ref.swiglu_clamped
 moe_route = torch_ref.moe_route
 moe_combine_ = torch_ref.moe_combine_
+rms_norm_rope = torch_ref.rms_norm_rope
+moe_experts_ = torch_ref.moe_experts_
 reset()

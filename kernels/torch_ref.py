@@ -313,3 +313,24 @@ def swiglu_clamped(gate_up: torch.Tensor, limit: float, batch_invariant: bool = 
     """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` for ``gate_up = [gate | up]``."""
     gate, up = gate_up.chunk(2, dim=-1)
     return silu(gate.clamp(max=limit), batch_invariant) * up.clamp(min=-limit, max=limit)
+
+
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rope_(rms_norm(x, weight, eps), cos, sin)``: a query's or key's norm and rotation."""
+    return apply_rope_(rms_norm(x, weight, eps), cos, sin)
+
+
+def moe_experts_(out: torch.Tensor, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,
+                 gate_up: torch.Tensor, down: torch.Tensor, limit: float, batch_invariant: bool = False) -> torch.Tensor:
+    """Routed experts added onto ``out``: ``out[t] += sum_j weights[t, j] * expert_{ids[t, j]}(x[t])``
+    for the first T rows (T = ``len(expert_ids)``), expert e being ``down[e] @ swiglu_clamped(gate_up[e]
+    @ x)``; slot order j in the sum. The oracle of fused backends: one expert at a time (host sync)."""
+    t, k = expert_ids.shape
+    flat = expert_ids.reshape(-1)
+    rows = x.new_zeros(t * k, x.shape[-1])
+    for e in flat.unique().tolist():
+        pairs = (flat == e).nonzero()[:, 0]
+        hidden = linear(x.index_select(0, pairs // k), gate_up[e], batch_invariant)
+        rows[pairs] = linear(swiglu_clamped(hidden, limit, batch_invariant), down[e], batch_invariant)
+    return moe_combine_(out, rows, torch.arange(t * k, device=x.device), weights)

@@ -469,7 +469,7 @@ class PdKvPush(_Message):
     lease_s: float
     first_logprobs: bytes = b""  # msgpack list[PositionLogprobs] of the first token ("" if none)
     prompt_logprobs: bytes = b""  # msgpack list[PositionLogprobs | None] ("" if not asked)
-    window_start: int = 0  # the request's replay bounds after a prefix hit (engine/batch.py)
+    window_start: int = 0  # the request's replay bounds after a prefix hit (engine/core/batch.py)
     write_from: int = 0
 
 
@@ -579,7 +579,7 @@ class PdEngineStatus(_Message):
     handoff_p99_s: float
     handoff_GBps: float
     failures: dict[str, int] = {}
-    swa: dict[str, int] = {}  # SWA slot counters (engine/swa_slots.py SwaSlotStats); {} without slots
+    swa: dict[str, int] = {}  # SWA slot counters (engine/kv/swa_slots.py SwaSlotStats); {} without slots
 
 
 PdEngineRequest = PdDispatch | PdKvReady | PdAbort | PdLeaseRenew | PdStatusRequest

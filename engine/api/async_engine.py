@@ -41,16 +41,16 @@ from pathlib import Path
 from typing import Any
 
 from deepinfer import envs
-from deepinfer.engine.engine_core import EngineCore
-from deepinfer.engine.engine_factory import EngineOptions, EngineParts, build_engine
-from deepinfer.engine.model_config import ModelConfig
-from deepinfer.engine.output_processor import merge_output
-from deepinfer.engine.outputs import RequestOutput
-from deepinfer.engine.sampling_params import SamplingParams
-from deepinfer.engine.step_pipeline import AsyncStepPipeline
-from deepinfer.engine.swa_peer import SwaPeer
-from deepinfer.engine.swa_slots import SwaSlotManager, SwaSlotRunner
-from deepinfer.engine.tokenizer import Tokenizer
+from deepinfer.engine.core.engine_core import EngineCore
+from deepinfer.engine.core.factory import EngineOptions, EngineParts, build_engine
+from deepinfer.engine.models.deepseek_v4.config import ModelConfig
+from deepinfer.engine.text.output_processor import merge_output
+from deepinfer.engine.api.outputs import RequestOutput
+from deepinfer.engine.api.sampling_params import SamplingParams
+from deepinfer.engine.core.step_loop import AsyncStepPipeline
+from deepinfer.cache.swa_peer import SwaPeer
+from deepinfer.engine.kv.swa_slots import SwaSlotManager, SwaSlotRunner
+from deepinfer.engine.text.tokenizer import Tokenizer
 from deepinfer.runtime.gateway.engine_client import EngineOverloadedError, EngineStats, ModelInfo
 
 log = logging.getLogger(__name__)

@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
-from deepinfer.engine.async_engine import AsyncEngine, RequestStream
-from deepinfer.engine.engine_factory import EngineOptionsError
-from deepinfer.engine.output_processor import merge_output
-from deepinfer.engine.outputs import RequestOutput
-from deepinfer.engine.sampling_params import SamplingParams
-from deepinfer.engine.tokenizer import Tokenizer
+from deepinfer.engine.api.async_engine import AsyncEngine, RequestStream
+from deepinfer.engine.core.factory import EngineOptionsError
+from deepinfer.engine.text.output_processor import merge_output
+from deepinfer.engine.api.outputs import RequestOutput
+from deepinfer.engine.api.sampling_params import SamplingParams
+from deepinfer.engine.text.tokenizer import Tokenizer
 
 PromptType = str | Mapping[str, object]
 

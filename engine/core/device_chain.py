@@ -28,7 +28,7 @@ import threading
 from collections import deque
 from concurrent.futures import Executor
 
-from deepinfer.engine.engine_core import EngineCore, PlaceholderRows, SampledStep, SamplingPrep, StepPlan
+from deepinfer.engine.core.engine_core import EngineCore, PlaceholderRows, SampledStep, SamplingPrep, StepPlan
 
 # How long a chain whose next step is not handed over yet waits for it before ending its job
 # (other jobs on the executor wait at most this long behind it).

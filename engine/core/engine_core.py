@@ -42,18 +42,18 @@ import torch
 from deepinfer.cache.block_hash import MultiModalSpan
 from deepinfer.cache.block_pool import BlockEvent, BlockPool
 from deepinfer.cache.slot_pool import SlotPool
-from deepinfer.engine.batch import ForwardBatch
-from deepinfer.engine.cost_model import CostModel
-from deepinfer.engine.output_processor import DetokenizerFactory, OutputProcessor, format_logprobs
-from deepinfer.engine.outputs import RequestOutput
-from deepinfer.engine.request import RequestStatus
-from deepinfer.engine.sampling_prep import SampledStep, SamplingPrep, SamplingPreparer
-from deepinfer.engine.sampling_params import SamplingParams
-from deepinfer.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from deepinfer.engine.structured_output import GrammarState, StructuredOutputBackend
+from deepinfer.engine.core.batch import ForwardBatch
+from deepinfer.engine.sched.cost_model import CostModel
+from deepinfer.engine.text.output_processor import DetokenizerFactory, OutputProcessor, format_logprobs
+from deepinfer.engine.api.outputs import RequestOutput
+from deepinfer.engine.core.request import RequestStatus
+from deepinfer.engine.sample.prep import SampledStep, SamplingPrep, SamplingPreparer
+from deepinfer.engine.api.sampling_params import SamplingParams
+from deepinfer.engine.sched.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from deepinfer.engine.sample.structured_output import GrammarState, StructuredOutputBackend
 
 if TYPE_CHECKING:
-    from deepinfer.engine.kv_offload import KVOffload
+    from deepinfer.engine.kv.offload import KVOffload
 
 
 def tune_interpreter_for_serving(gen0_threshold: int = 50_000, switch_interval_s: float = 0.0005) -> None:
@@ -92,7 +92,7 @@ class StepPlan:
     sched: SchedulerOutput
     batch: ForwardBatch
     exec_seconds: float | None = None
-    # KV tiers (engine/kv_offload.py): block copies out of / into the device that must run on
+    # KV tiers (engine/kv/offload.py): block copies out of / into the device that must run on
     # the device thread right before this plan's forward
     device_io: Callable[[], None] | None = None
 
@@ -200,7 +200,7 @@ class EngineCore:
                     outs.append(out)
         return outs
 
-    # ---- hook (pd-disagg, engine/handoff.py): tokens another engine generated ---------------
+    # ---- hook (pd-disagg, engine/kv/handoff.py): tokens another engine generated ---------------
     def prime_outputs(self, request_id: str, token_ids: Sequence[int], logprobs: list | None = None,
                       *, emit: bool) -> RequestOutput | None:
         """Append ``token_ids`` as already-sampled outputs of ``request_id`` (added with n == 1,

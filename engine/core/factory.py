@@ -10,8 +10,8 @@ pool never preempts then). ``max_model_len`` defaults to the model's context len
 
 SWA slots: ``swa_replay`` sets how a prefix hit's sliding-window state is replayed; a host slot
 store (``swa_store_slots``) saves finished sequences' states so a continuation restores them
-(engine/swa_slots.py). With ``swa_directory`` the engine also shares slots with other engines;
-the sockets for that start on the serving loop (AsyncEngine, engine/swa_peer.py). KV tiers
+(engine/kv/swa_slots.py). With ``swa_directory`` the engine also shares slots with other engines;
+the sockets for that start on the serving loop (AsyncEngine, cache/swa_peer.py). KV tiers
 (``kv_host_tier_bytes``, ``kv_store_dir`` or the storage cluster ``kv_store_nodes``) extend the prefix
 cache past the device pool.
 """
@@ -28,16 +28,16 @@ import torch
 
 from deepinfer import envs
 from deepinfer.cache.block_cache import BlockCache
-from deepinfer.engine.engine_core import EngineCore, EngineCoreConfig
-from deepinfer.engine.model_config import ModelConfig
-from deepinfer.engine.model_runner import ModelRunner
-from deepinfer.engine.scheduler import SchedulerConfig
-from deepinfer.engine.kv_offload import KVOffload, KVOffloadConfig
-from deepinfer.engine.structured_output import StructuredOutputBackend
-from deepinfer.engine.swa_replay import SWA_REPLAY_MODES
-from deepinfer.engine.swa_slots import SwaSlotManager, attach_swa_slots
-from deepinfer.engine.tokenizer import Tokenizer
-from deepinfer.engine.weights import load_checkpoint, resolve_dtype
+from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig
+from deepinfer.engine.models.deepseek_v4.config import ModelConfig
+from deepinfer.engine.core.model_runner import ModelRunner
+from deepinfer.engine.sched.scheduler import SchedulerConfig
+from deepinfer.engine.kv.offload import KVOffload, KVOffloadConfig
+from deepinfer.engine.sample.structured_output import StructuredOutputBackend
+from deepinfer.engine.kv.swa_replay import SWA_REPLAY_MODES
+from deepinfer.engine.kv.swa_slots import SwaSlotManager, attach_swa_slots
+from deepinfer.engine.text.tokenizer import Tokenizer
+from deepinfer.engine.loader.weights import load_checkpoint, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class EngineOptions:
     # between torch ops; a short interval lets the loop thread in promptly. None: leave it.
     switch_interval_s: float | None = 0.0005
     check_integrity_every_step: bool = False  # debug: EngineCore.check_integrity() after each step
-    # SWA slots (engine/swa_slots.py, SPEC section 3). A prefix hit whose sliding-window state
+    # SWA slots (engine/kv/swa_slots.py, SPEC section 3). A prefix hit whose sliding-window state
     # is not in a slot is rebuilt by replay: "exact" replays sliding_window x layers tokens (the
     # state equals a full prefill's), "bounded" only the last swa_replay_tokens (constant cost,
     # approximate; such sequences never enter the prefix cache or the slot store)
@@ -91,7 +91,7 @@ class EngineOptions:
     swa_directory: str | None = None
     swa_node_name: str | None = None  # this engine in the directory (default: host-pid)
     swa_peer_host: str = "127.0.0.1"  # interface other engines reach this one's slot sockets on
-    # KV tiers (engine/kv_offload.py): prefix blocks kept in host memory / a store directory past
+    # KV tiers (engine/kv/offload.py): prefix blocks kept in host memory / a store directory past
     # the device pool. None: DEEPINFER_KV_HOST_TIER_BYTES (0 = none) / DEEPINFER_KV_LOAD_DEADLINE_S
     kv_host_tier_bytes: int | None = None
     kv_store_dir: str | None = None  # a filesystem KV store shared by the engines of this host

@@ -1,7 +1,7 @@
 """One replica's forward: the model, its block cache and SWA arena, ``execute(ForwardBatch)``.
 
 The runner owns device memory only; which blocks and slots a sequence uses is the scheduler's
-business (engine/batch.py draws the addressing). ``execute`` returns float32 logits
+business (engine/core/batch.py draws the addressing). ``execute`` returns float32 logits
 ``[batch.num_logits, vocab]`` in step order (the last ``num_logits`` positions of each step;
 ``[0, vocab]`` when no step wants logits).
 
@@ -36,9 +36,9 @@ import torch
 
 from deepinfer.cache.block_cache import BlockCache
 from deepinfer.cache.swa_state import SwaArena
-from deepinfer.engine.batch import ForwardBatch
-from deepinfer.engine.kv_layout import KvLayout, KvTensor
-from deepinfer.engine.model_config import ModelConfig
+from deepinfer.engine.core.batch import ForwardBatch
+from deepinfer.engine.kv.layout import KvLayout, KvTensor
+from deepinfer.engine.models.deepseek_v4.config import ModelConfig
 from deepinfer.engine.models import build_model
 from deepinfer.engine.models.deepseek_v4.context import build_context, validate
 

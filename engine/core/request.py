@@ -18,10 +18,10 @@ from enum import IntEnum
 from typing import TYPE_CHECKING, Literal
 
 from deepinfer.cache.block_hash import BlockHash, MultiModalSpan, extend_block_hashes
-from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.engine.api.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from deepinfer.engine.sampling_metadata import RowSpec
+    from deepinfer.engine.sample.metadata import RowSpec
 
 
 class RequestStatus(IntEnum):

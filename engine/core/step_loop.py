@@ -20,9 +20,9 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import Executor
 
-from deepinfer.engine.device_chain import DeviceChain, StepSlot
-from deepinfer.engine.engine_core import EngineCore
-from deepinfer.engine.outputs import RequestOutput
+from deepinfer.engine.core.device_chain import DeviceChain, StepSlot
+from deepinfer.engine.core.engine_core import EngineCore
+from deepinfer.engine.api.outputs import RequestOutput
 
 
 class _StepDriver:

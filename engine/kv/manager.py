@@ -9,7 +9,7 @@ slot in ``slot``; this manager is the only code that moves them in or out of the
 The scheduler only appends to a ``block_ids`` list it handed to a SeqStep; trimming and
 releasing replace the list, so a step in flight keeps a valid table.
 
-With KV tiers attached (``attach_offload``, engine/kv_offload.py) the prefix lookup walks device
+With KV tiers attached (``attach_offload``, engine/kv/offload.py) the prefix lookup walks device
 pool -> host tier -> store: ``is_kv_ready`` keeps a request waiting (without holding the queue)
 while its blocks are read from the store, ``lookup_prefix`` turns host/store blocks into
 ordinary device hits, and every newly registered block is queued for write-behind.
@@ -25,10 +25,10 @@ from deepinfer.cache.block_hash import BlockHash
 from deepinfer.cache.block_pool import BlockPool
 from deepinfer.cache.kv_tiers import TIER_DEVICE, TIER_HOST, TIER_STORE
 from deepinfer.cache.slot_pool import SlotPool
-from deepinfer.engine.request import Request
+from deepinfer.engine.core.request import Request
 
 if TYPE_CHECKING:
-    from deepinfer.engine.kv_offload import KVOffload
+    from deepinfer.engine.kv.offload import KVOffload
 
 # Splits not picked up by the engine (a request aborted before its first output) are dropped
 # oldest first past this many.
@@ -40,7 +40,7 @@ class KVManager:
         self.pool = block_pool
         self.slots = slot_pool
         self.block_size = block_pool.block_size
-        # [swa-slots hooks] engine/swa_slots.py: blocks computed over an approximate (bounded-
+        # [swa-slots hooks] engine/kv/swa_slots.py: blocks computed over an approximate (bounded-
         # replay) SWA state stay out of the prefix cache; a sequence's SWA slot snapshot is saved
         # when it releases its blocks (finish or preempt), while its block hashes are still known
         self.may_cache_blocks: Callable[[Request], bool] | None = None

@@ -29,9 +29,9 @@ import torch
 from deepinfer.cache.block_hash import BlockHash, extend_block_hashes, root_hash
 from deepinfer.cache.swa_fetch import FetchResult, SwaSlotFetcher
 from deepinfer.cache.swa_store import SlotLayout, SwaSlotStore
-from deepinfer.engine.batch import ForwardBatch
-from deepinfer.engine.request import Request
-from deepinfer.engine.swa_replay import (
+from deepinfer.engine.core.batch import ForwardBatch
+from deepinfer.engine.core.request import Request
+from deepinfer.engine.kv.swa_replay import (
     DEFAULT_REPLAY_TOKENS,
     SwaReplayMode,
     exact_replay_tokens,
@@ -181,7 +181,7 @@ class SwaSlotManager:
                          cache_salt: str = "") -> tuple[list[BlockHash], int, int]:
         """(lookup hashes, blocks a prefix lookup will hit for sure, blocks it may hit at most)
         as the scheduler's ``KVManager`` ``kv`` sees the prompt now: the device pool and the host
-        tier are known; blocks past them may still come from the KV store (engine/kv_offload.py)."""
+        tier are known; blocks past them may still come from the KV store (engine/kv/offload.py)."""
         n = (len(prompt_token_ids) - 1) // self.block_size  # as KVManager: one token is always computed
         if n <= 0:
             return [], 0, 0

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from deepinfer.engine.config_fields import FieldReader
+from deepinfer.engine.loader.config_fields import FieldReader
 
 QUANT_METHODS = ("fp8",)
 SCALE_FORMATS = ("ue8m0", "float")

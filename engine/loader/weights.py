@@ -26,16 +26,16 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from deepinfer.engine.checkpoint_names import (
+from deepinfer.engine.models.deepseek_v4.checkpoint_names import (
     ExpertSlice,
     canonical_shapes,
     is_fp32_param,
     is_mtp,
     to_canonical,
 )
-from deepinfer.engine.dequant import QuantFormatError, dequantize
-from deepinfer.engine.model_config import ModelConfig, ModelConfigError
-from deepinfer.engine.quant_config import DEFAULT_BLOCK
+from deepinfer.engine.loader.dequant import QuantFormatError, dequantize
+from deepinfer.engine.models.deepseek_v4.config import ModelConfig, ModelConfigError
+from deepinfer.engine.loader.quant_config import DEFAULT_BLOCK
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from deepinfer.engine.model_config import ModelConfig
+from deepinfer.engine.models.deepseek_v4.config import ModelConfig
 
 
 def build_model(config: ModelConfig, **kwargs):

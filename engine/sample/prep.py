@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deepinfer.engine.request import Request
-from deepinfer.engine.sampler import LogprobsTensors, Sampler, SamplerOutput, gather_logprobs
-from deepinfer.engine.sampling_metadata import RowSpec, SampleRow, SamplingMetadata, has_penalties, host_tensor
-from deepinfer.engine.sched_types import SchedulerOutput
-from deepinfer.engine.structured_output import GrammarState, StructuredOutputBackend
+from deepinfer.engine.core.request import Request
+from deepinfer.engine.sample.sampler import LogprobsTensors, Sampler, SamplerOutput, gather_logprobs
+from deepinfer.engine.sample.metadata import RowSpec, SampleRow, SamplingMetadata, has_penalties, host_tensor
+from deepinfer.engine.sched.types import SchedulerOutput
+from deepinfer.engine.sample.structured_output import GrammarState, StructuredOutputBackend
 
 
 @dataclass(slots=True)

@@ -13,13 +13,13 @@ import bisect
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
-from deepinfer.engine.request import Request, RequestStatus
-from deepinfer.engine.sched_budget import StepBudget
-from deepinfer.engine.sched_emit import emit_chunk
-from deepinfer.engine.sched_types import SchedulerOutput
+from deepinfer.engine.core.request import Request, RequestStatus
+from deepinfer.engine.sched.budget import StepBudget
+from deepinfer.engine.sched.emit import emit_chunk
+from deepinfer.engine.sched.types import SchedulerOutput
 
 if TYPE_CHECKING:
-    from deepinfer.engine.scheduler import Scheduler
+    from deepinfer.engine.sched.scheduler import Scheduler
 
 _by_priority = attrgetter("sort_key")  # (priority, arrival): lower runs first
 
@@ -56,7 +56,7 @@ def admit_waiting(sched: Scheduler, out: SchedulerOutput, budget: StepBudget) ->
             held_back.append(waiting.pop())
             continue
         if not sched.kv.is_kv_ready(req):
-            # KV tiers (engine/kv_offload.py): its prefix blocks are still being read from
+            # KV tiers (engine/kv/offload.py): its prefix blocks are still being read from
             # the store; it waits without holding the queue (a wait for KV, not a stall).
             held_back.append(waiting.pop())
             continue

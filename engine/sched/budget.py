@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from deepinfer.engine.cost_model import CostModel, StepFeatures
-from deepinfer.engine.sched_types import SchedulerConfig
+from deepinfer.engine.sched.cost_model import CostModel, StepFeatures
+from deepinfer.engine.sched.types import SchedulerConfig
 
 
 @dataclass(slots=True)

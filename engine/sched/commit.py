@@ -2,7 +2,7 @@
 
 A step's accepted tokens are 1 + the number of accepted drafts per request with sample rows. Fewer
 than scheduled roll ``num_computed_tokens`` back (every cache row is position-addressed, so the
-rejected positions are simply overwritten later, see engine/batch.py) and free blocks past the need.
+rejected positions are simply overwritten later, see engine/core/batch.py) and free blocks past the need.
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from deepinfer.cache.block_hash import extend_block_hashes
-from deepinfer.engine.request import Request, RequestStatus, check_token_stop
-from deepinfer.engine.sched_types import RequestUpdate, ScheduledSeq, SchedulerOutput
+from deepinfer.engine.core.request import Request, RequestStatus, check_token_stop
+from deepinfer.engine.sched.types import RequestUpdate, ScheduledSeq, SchedulerOutput
 
 if TYPE_CHECKING:
-    from deepinfer.engine.scheduler import Scheduler
+    from deepinfer.engine.sched.scheduler import Scheduler
 
 
 def commit_step(

@@ -15,9 +15,9 @@ import random
 from collections.abc import Sequence
 from dataclasses import replace
 
-from deepinfer.engine.cost_model import CostModel
-from deepinfer.engine.engine_core import EngineCore
-from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.engine.sched.cost_model import CostModel
+from deepinfer.engine.core.engine_core import EngineCore
+from deepinfer.engine.api.sampling_params import SamplingParams
 
 PROFILE_SALT = "__deepinfer_cost_profile__"
 

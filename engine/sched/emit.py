@@ -13,10 +13,10 @@ the next ``schedule()`` can run before this step's tokens are known (async sched
 
 from __future__ import annotations
 
-from deepinfer.engine.batch import SeqStep
-from deepinfer.engine.request import Request
-from deepinfer.engine.sched_budget import StepBudget
-from deepinfer.engine.sched_types import PLACEHOLDER_TOKEN_ID, ScheduledSeq, SchedulerOutput
+from deepinfer.engine.core.batch import SeqStep
+from deepinfer.engine.core.request import Request
+from deepinfer.engine.sched.budget import StepBudget
+from deepinfer.engine.sched.types import PLACEHOLDER_TOKEN_ID, ScheduledSeq, SchedulerOutput
 
 
 def emit_decode(req: Request, out: SchedulerOutput, budget: StepBudget) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterator
 
-from deepinfer.engine.request import Request
+from deepinfer.engine.core.request import Request
 
 
 class WaitingQueue:

@@ -11,14 +11,14 @@ from __future__ import annotations
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
-from deepinfer.engine.batch import SeqStep
-from deepinfer.engine.request import Request, RequestStatus
-from deepinfer.engine.sched_budget import StepBudget
-from deepinfer.engine.sched_emit import emit_chunk, emit_decode
-from deepinfer.engine.sched_types import PLACEHOLDER_TOKEN_ID, ScheduledSeq, SchedulerOutput
+from deepinfer.engine.core.batch import SeqStep
+from deepinfer.engine.core.request import Request, RequestStatus
+from deepinfer.engine.sched.budget import StepBudget
+from deepinfer.engine.sched.emit import emit_chunk, emit_decode
+from deepinfer.engine.sched.types import PLACEHOLDER_TOKEN_ID, ScheduledSeq, SchedulerOutput
 
 if TYPE_CHECKING:
-    from deepinfer.engine.scheduler import Scheduler
+    from deepinfer.engine.sched.scheduler import Scheduler
 
 _by_priority = attrgetter("sort_key")  # (priority, arrival): max() is the worst
 

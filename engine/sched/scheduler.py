@@ -37,16 +37,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from deepinfer.cache.block_hash import MultiModalSpan, extend_block_hashes, root_hash
 from deepinfer.cache.block_pool import BlockPool
 from deepinfer.cache.slot_pool import SlotPool
-from deepinfer.engine.cost_model import CostModel
-from deepinfer.engine.kv_manager import KVManager
-from deepinfer.engine.request import Request, RequestStatus
-from deepinfer.engine.sampling_params import SamplingParams
-from deepinfer.engine.sched_admission import admit_waiting, preempt_for_priority
-from deepinfer.engine.sched_budget import StepBudget
-from deepinfer.engine.sched_commit import commit_step
-from deepinfer.engine.sched_queue import WaitingQueue
-from deepinfer.engine.sched_running import schedule_running
-from deepinfer.engine.sched_types import (
+from deepinfer.engine.sched.cost_model import CostModel
+from deepinfer.engine.kv.manager import KVManager
+from deepinfer.engine.core.request import Request, RequestStatus
+from deepinfer.engine.api.sampling_params import SamplingParams
+from deepinfer.engine.sched.admission import admit_waiting, preempt_for_priority
+from deepinfer.engine.sched.budget import StepBudget
+from deepinfer.engine.sched.commit import commit_step
+from deepinfer.engine.sched.queue import WaitingQueue
+from deepinfer.engine.sched.running import schedule_running
+from deepinfer.engine.sched.types import (
     PLACEHOLDER_TOKEN_ID,
     RequestUpdate,
     ScheduledSeq,
@@ -87,7 +87,7 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._num_arrivals = 0
         self._next_seq_id = 0
-        # [swa-slots hook] engine/swa_slots.py SwaSlotManager: restore a stored SWA slot at the
+        # [swa-slots hook] engine/kv/swa_slots.py SwaSlotManager: restore a stored SWA slot at the
         # prefix-hit boundary instead of replaying (None: always replay)
         self.swa_slots = None
         self.num_preemptions = 0

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from deepinfer.engine.batch import ForwardBatch, SeqStep
-from deepinfer.engine.cost_model import StepFeatures
-from deepinfer.engine.request import Request, RequestStatus
+from deepinfer.engine.core.batch import ForwardBatch, SeqStep
+from deepinfer.engine.sched.cost_model import StepFeatures
+from deepinfer.engine.core.request import Request, RequestStatus
 
 # Token id of a position whose token is being sampled by the step in flight (async scheduling);
 # the engine writes the real id into SeqStep.token_ids before the step runs.

@@ -19,9 +19,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from deepinfer.engine.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
-from deepinfer.engine.sampler import LogprobsTensors
-from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.engine.api.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from deepinfer.engine.sample.sampler import LogprobsTensors
+from deepinfer.engine.api.sampling_params import SamplingParams
 
 
 class Detokenizer(Protocol):

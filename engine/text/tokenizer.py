@@ -24,14 +24,14 @@ from typing import Any
 import tokenizers
 from tokenizers import decoders
 
-from deepinfer.engine.chat_template import (
+from deepinfer.engine.text.chat_template import (
     ChatTemplateError,
     GuardedChat,
     render_chat,
     render_chat_guarded,
     select_template,
 )
-from deepinfer.engine.detokenizer import ByteLevelDetokenizer, OffsetDetokenizer, token_bytes_table
+from deepinfer.engine.text.detokenizer import ByteLevelDetokenizer, OffsetDetokenizer, token_bytes_table
 
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")

@@ -6,7 +6,7 @@ Prefill (SPEC section 6). Computing ``n`` new tokens on top of ``p`` cached ones
 
 (per-request overhead; projections + MoE, linear in new tokens; the new queries attending to the
 cached prefix; the new queries attending to each other). It is the same form the engine fits to
-measured steps (``deepinfer.engine.cost_model``: coefficients ``c_seq, c_tok, c_ctx, c_sq``), so a
+measured steps (``deepinfer.engine.sched.cost_model``: coefficients ``c_seq, c_tok, c_ctx, c_sq``), so a
 gateway can build one from the coefficients engines report. The defaults are an estimate for one
 H200 rank serving DeepSeek-V4.1-Flash: about 25 GFLOP per new token at 400 TFLOP/s effective FP8
 (c_tok = 6e-5 s, ~16K tokens/s) and about 1e5 FLOP per (query, key) pair for the lightning

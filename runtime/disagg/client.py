@@ -30,9 +30,9 @@ import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from deepinfer.engine.handoff import decode_output, encode_params
-from deepinfer.engine.outputs import RequestOutput
-from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.engine.kv.handoff import decode_output, encode_params
+from deepinfer.engine.api.outputs import RequestOutput
+from deepinfer.engine.api.sampling_params import SamplingParams
 from deepinfer.runtime.balance import RequestInfo, TieredPrefillRouter, TwoDimDecodeBalancer
 from deepinfer.runtime.balance.prefix_index import PrefixIndex
 from deepinfer.runtime.cluster_config import ClusterConfig, NodeRole

@@ -2,7 +2,7 @@
 
 Handoffs arrive in two parts: the bulk transfer (KV buffers, ``PdKvPush`` as its meta) on the
 data address, then ``PdKvReady`` on the engine RPC. On ``PdKvReady`` the engine imports the KV
-between two steps (engine/handoff.py ``admit_prefilled``: own blocks + slot, straight into
+between two steps (engine/kv/handoff.py ``admit_prefilled``: own blocks + slot, straight into
 RUNNING) and answers ``PdHandoffAck``; from then on every delta of the request goes to the
 gateway's stream (``PdOutput``), the first one being the token the prefill sampled. The step
 loop is pipelined (engine_loop.py): an import stops it at the next step boundary, so the
@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-from deepinfer.engine.handoff import (
+from deepinfer.engine.kv.handoff import (
     KvPayload,
     NoRoom,
     PrefilledRequest,

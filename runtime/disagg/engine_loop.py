@@ -15,7 +15,7 @@ right after the step that sampled its token commits and before the next step can
 commit -> export must stay adjacent, so the prefill loop stays serial (its overlap comes from
 its peers).
 
-Pipelined (decode): ``AsyncStepPipeline`` (engine/step_pipeline.py), as in the co-located
+Pipelined (decode): ``AsyncStepPipeline`` (engine/core/step_loop.py), as in the co-located
 engine: step N+1 is scheduled and handed to the device thread while N's forward runs, and N
 commits during N+1's forward, so the device never waits for the bookkeeping. A step is
 (almost) always in flight, so jobs need a point where none is:
@@ -52,9 +52,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from deepinfer.engine.engine_core import EngineCore, StepPlan
-from deepinfer.engine.outputs import RequestOutput
-from deepinfer.engine.step_pipeline import AsyncStepPipeline
+from deepinfer.engine.core.engine_core import EngineCore, StepPlan
+from deepinfer.engine.api.outputs import RequestOutput
+from deepinfer.engine.core.step_loop import AsyncStepPipeline
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import logging
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from deepinfer.engine.engine_factory import EngineParts
+from deepinfer.engine.core.factory import EngineParts
 from deepinfer.runtime.disagg.engine_loop import EngineLoop
 from deepinfer.runtime.disagg.handoff_metrics import HandoffMetrics
 from deepinfer.transport.channels import Incoming, RequestClient, RequestServer

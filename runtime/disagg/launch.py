@@ -43,8 +43,8 @@ _NODE_FLAGS = ("max_num_seqs", "num_blocks", "max_model_len", "block_size", "dty
 
 
 def _model_info(model_dir: Path, options: Mapping[str, Any], name: str) -> tuple[ModelInfo, Any]:
-    from deepinfer.engine.model_config import ModelConfig
-    from deepinfer.engine.tokenizer import Tokenizer
+    from deepinfer.engine.models.deepseek_v4.config import ModelConfig
+    from deepinfer.engine.text.tokenizer import Tokenizer
 
     cfg = ModelConfig.from_dir(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir)

@@ -4,7 +4,7 @@ Per ``PdDispatch`` (gateway -> here, one engine request ``<id>@<attempt>``):
 
 1. run the prompt (plus any resumed outputs) with ``max_tokens`` forced to one new token;
 2. right after the step that sampled it commits, copy the request's blocks + SWA slot to host
-   memory (engine/handoff.py) — the copy is the "prefill-held KV" and holds a lease;
+   memory (engine/kv/handoff.py) — the copy is the "prefill-held KV" and holds a lease;
 3. if that token already ends the request, reply ``FINISHED`` with the final delta;
 4. else push the KV to the chosen decode instance on the data plane (``PdKvPush`` as the
    transfer's meta), then ``PdKvReady``; the decode engine imports and answers ``PdHandoffAck``;
@@ -33,7 +33,7 @@ from typing import Any
 
 import msgspec
 
-from deepinfer.engine.handoff import (
+from deepinfer.engine.kv.handoff import (
     KvCapture,
     add_resumed,
     decode_params,
@@ -43,9 +43,9 @@ from deepinfer.engine.handoff import (
     export_kv,
     prefill_params,
 )
-from deepinfer.engine.output_processor import merge_output
-from deepinfer.engine.swa_peer import SwaPeer
-from deepinfer.engine.swa_slots import SwaSlotRunner
+from deepinfer.engine.text.output_processor import merge_output
+from deepinfer.cache.swa_peer import SwaPeer
+from deepinfer.engine.kv.swa_slots import SwaSlotRunner
 from deepinfer.runtime.disagg.engine_service import DisaggEngineService
 from deepinfer.runtime.disagg.handoff_metrics import FailureKind
 from deepinfer.runtime.disagg.leases import LeaseTable

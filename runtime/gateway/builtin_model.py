@@ -36,14 +36,16 @@ WriteModel = Callable[[Path], object]
 
 
 def _default_writer(out: Path) -> object:
-    from deepinfer.engine.tiny_model import write_tiny_model
+    from deepinfer.engine.models.deepseek_v4.tiny_model import write_tiny_model
 
     return write_tiny_model(out)
 
 
 def fingerprint() -> str:
     """12 hex digits naming the current tiny-model writer (version + the writing code's source)."""
-    from deepinfer.engine import checkpoint_writer, tiny_model, tiny_tokenizer
+    from deepinfer.engine.loader import checkpoint_writer
+    from deepinfer.engine.models.deepseek_v4 import tiny_model
+    from deepinfer.engine.text import tiny_tokenizer
 
     h = hashlib.sha256(deepinfer.__version__.encode())
     for module in (tiny_model, tiny_tokenizer, checkpoint_writer):

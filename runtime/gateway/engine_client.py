@@ -8,7 +8,7 @@ engine only ever sees token-id prompts with ``params.n == 1``.
 
 Contract of ``generate`` (an async generator, so nothing runs until the first ``__anext__``):
 
-- it yields ``RequestOutput`` *deltas* (engine/outputs.py): each carries only the new token ids,
+- it yields ``RequestOutput`` *deltas* (engine/api/outputs.py): each carries only the new token ids,
   new text and new logprob positions of ``outputs[0]``; the last one has ``finished=True`` and a
   ``finish_reason`` ("stop" | "length" | "abort") and then the generator ends;
 - bad input surfaces as an exception from the first ``__anext__``, before any output:
@@ -25,8 +25,8 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, TypedDict, runtime_checkable
 
-from deepinfer.engine.outputs import RequestOutput
-from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.engine.api.outputs import RequestOutput
+from deepinfer.engine.api.sampling_params import SamplingParams
 
 
 class EngineOverloadedError(RuntimeError):
@@ -66,7 +66,7 @@ class EngineStats:
 
 @runtime_checkable
 class GatewayTokenizer(Protocol):
-    """The tokenizer calls the gateway makes (engine/tokenizer.py ``Tokenizer`` has them)."""
+    """The tokenizer calls the gateway makes (engine/text/tokenizer.py ``Tokenizer`` has them)."""
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 

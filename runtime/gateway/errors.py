@@ -18,7 +18,7 @@ import msgspec
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
 
-from deepinfer.engine.sampling_params import SamplingParamsError
+from deepinfer.engine.api.sampling_params import SamplingParamsError
 from deepinfer.runtime.gateway.engine_client import EngineOverloadedError
 
 _TYPE_BY_STATUS = {
@@ -178,7 +178,7 @@ def from_decode_error(exc: Exception) -> GatewayError:
 def from_engine_error(exc: Exception, structured_param: str | None) -> GatewayError | None:
     """Map a typed engine error raised for a request's input; None if it is not an input error."""
     # imported here: the structured-output module pulls in xgrammar and torch
-    from deepinfer.engine.structured_output import StructuredOutputError
+    from deepinfer.engine.sample.structured_output import StructuredOutputError
 
     if isinstance(exc, EngineOverloadedError):
         retry = max(1, round(exc.retry_after_s))

@@ -17,8 +17,8 @@ from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from deepinfer.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.engine.api.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from deepinfer.engine.api.sampling_params import SamplingParams
 from deepinfer.runtime.gateway.engine_client import EngineClient, TokensPrompt
 from deepinfer.runtime.gateway.errors import GatewayError, from_engine_error
 from deepinfer.runtime.gateway.metrics import GatewayMetrics

@@ -30,14 +30,14 @@ class LaunchSpec:
     host: str
     port: int
     gateway: GatewayConfig
-    engine_options: dict[str, Any]  # EngineOptions fields (engine/engine_factory.py)
+    engine_options: dict[str, Any]  # EngineOptions fields (engine/core/factory.py)
     # host the SWA slot directory in this process at this address (tcp://HOST:PORT); the engine
     # here uses it, other engines join with --swa-directory (cache/swa_directory.py)
     swa_directory_bind: str | None = None
 
 
 # standalone engines have no heartbeats: an engine whose periodic full slot set (every 2 s,
-# engine/swa_peer.py) has not arrived for this long is taken for dead and its slots dropped
+# cache/swa_peer.py) has not arrived for this long is taken for dead and its slots dropped
 SWA_DIRECTORY_NODE_TTL_S = 10.0
 
 
@@ -73,7 +73,7 @@ async def launch(spec: LaunchSpec, *, print_fn: Callable[[str], None] = print,
 
 async def _launch(spec: LaunchSpec, options: dict[str, Any], print_fn: Callable[[str], None],
                   stop: asyncio.Event) -> int:
-    from deepinfer.engine.async_engine import AsyncEngine
+    from deepinfer.engine.api.async_engine import AsyncEngine
 
     with stop_on_signals(stop):
         t0 = time.monotonic()

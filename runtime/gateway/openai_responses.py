@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 import msgspec
 from msgspec import UNSET, Struct, UnsetType
 
-from deepinfer.engine.outputs import PositionLogprobs
+from deepinfer.engine.api.outputs import PositionLogprobs
 
 # JSON has no -inf; a token the grammar masked out gets vLLM's floor instead.
 LOGPROB_FLOOR = -9999.0

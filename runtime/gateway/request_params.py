@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from deepinfer.engine.sampling_params import SamplingParams, SamplingParamsError
+from deepinfer.engine.api.sampling_params import SamplingParams, SamplingParamsError
 from deepinfer.runtime.gateway.errors import GatewayError, bad_request
 from deepinfer.runtime.gateway.openai_protocol import (
     ChatCompletionRequest,

@@ -18,7 +18,7 @@ tenants, so the same runs also report CPU time of the forward's thread between f
 stays exposed), ``hidden_cpu = 1 - device_gap_cpu / overhead_cpu``.
 
 Part 2 (tiny real model, the ~18M-parameter V4 config): the engine's cost model is profiled at
-start-up through its own runner (engine/cost_profile.py), then predicts each held-out real step
+start-up through its own runner (engine/sched/cost_profile.py), then predicts each held-out real step
 of a mixed workload before it runs (``cost_model_median_rel_err``). Steps are timed by
 ``--step-clock``: by default the forward's thread CPU time (torch runs 1 intra-op thread here), as
 wall time on a shared machine mostly measures the other tenants; the same predictions against
@@ -40,13 +40,13 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from deepinfer.engine.batch import ForwardBatch
-from deepinfer.engine.cost_model import CostModel, StepFeatures
-from deepinfer.engine.cost_profile import profile_cost_model
-from deepinfer.engine.engine_core import EngineCore, EngineCoreConfig, tune_interpreter_for_serving
-from deepinfer.engine.sampling_params import SamplingParams
-from deepinfer.engine.scheduler import SchedulerConfig
-from deepinfer.engine.step_pipeline import StepPipeline
+from deepinfer.engine.core.batch import ForwardBatch
+from deepinfer.engine.sched.cost_model import CostModel, StepFeatures
+from deepinfer.engine.sched.cost_profile import profile_cost_model
+from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig, tune_interpreter_for_serving
+from deepinfer.engine.api.sampling_params import SamplingParams
+from deepinfer.engine.sched.scheduler import SchedulerConfig
+from deepinfer.engine.core.step_loop import StepPipeline
 from deepinfer_bench import engine_tiny
 from deepinfer_bench.report import Report, base_parser
 

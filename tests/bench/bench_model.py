@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from deepinfer.engine.model_runner import ModelRunner
+from deepinfer.engine.core.model_runner import ModelRunner
 from deepinfer.engine.models.deepseek_v4.testing import CSA, HCA, SLIDING, SeqDriver, hf_reference
 from deepinfer_bench.report import Report, base_parser
 

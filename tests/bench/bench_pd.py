@@ -27,7 +27,7 @@ from pathlib import Path
 
 from deepinfer_bench.report import Report, base_parser
 
-from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.engine.api.sampling_params import SamplingParams
 from deepinfer.runtime.disagg.handoff_metrics import percentile
 
 
@@ -64,7 +64,7 @@ async def _drive(client, prompts, max_tokens: int, concurrency: int, tag: str) -
 
 
 async def _colocated(model_dir: Path, options: dict, prompts, args) -> dict[str, list[float]]:
-    from deepinfer.engine.async_engine import AsyncEngine
+    from deepinfer.engine.api.async_engine import AsyncEngine
 
     engine = await AsyncEngine.start(model=str(model_dir), **options)
     try:
@@ -100,7 +100,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="di-bench-pd-") as tmp:
         model_dir = Path(args.model) if args.model else Path(tmp) / "model"
         if not args.model:
-            from deepinfer.engine.tiny_model import write_tiny_model
+            from deepinfer.engine.models.deepseek_v4.tiny_model import write_tiny_model
 
             write_tiny_model(model_dir, seed=0)
         options = dict(dtype="float32", block_size=128, max_model_len=2048, num_blocks=16 * args.concurrency,

@@ -4,7 +4,7 @@ Cost: for hit lengths 1K..32K, one replay forward on the built-in tiny model (8 
 128, block cache of the whole hit in place) replays the last ``window * layers`` = 1024 tokens
 (exact) or the last ``--replay-tokens`` (bounded, default 128) with windows truncated to the
 replayed segment and the block cache read only. Reported per request: replayed tokens, the
-FLOP estimate (engine/swa_replay.py FlopModel) and the median wall time of ``--reps`` runs.
+FLOP estimate (engine/kv/swa_replay.py FlopModel) and the median wall time of ``--reps`` runs.
 Exact grows with the hit until it reaches ``window * layers`` tokens (then only its compressed-
 attention term grows); bounded stays flat.
 
@@ -27,10 +27,10 @@ from dataclasses import replace
 
 import torch
 
-from deepinfer.engine.batch import ForwardBatch, SeqStep
-from deepinfer.engine.model_runner import ModelRunner
-from deepinfer.engine.swa_replay import DEFAULT_REPLAY_TOKENS, exact_replay_tokens, flop_model
-from deepinfer.engine.tiny_model import init_weights, tiny_config
+from deepinfer.engine.core.batch import ForwardBatch, SeqStep
+from deepinfer.engine.core.model_runner import ModelRunner
+from deepinfer.engine.kv.swa_replay import DEFAULT_REPLAY_TOKENS, exact_replay_tokens, flop_model
+from deepinfer.engine.models.deepseek_v4.tiny_model import init_weights, tiny_config
 from deepinfer_bench.report import Report, base_parser
 
 BLOCK = 128
@@ -124,8 +124,8 @@ def bench_quality(hit: int, num_prompts: int, num_generated: int, replay_tokens:
 async def _continuation_ttft(model_dir: str, hit: int, reps: int, **options) -> tuple[float, int]:
     """(median second-turn TTFT in s, slots restored) of ``reps`` conversations whose second turn
     hits ``hit`` tokens."""
-    from deepinfer.engine.async_engine import AsyncEngine
-    from deepinfer.engine.sampling_params import SamplingParams
+    from deepinfer.engine.api.async_engine import AsyncEngine
+    from deepinfer.engine.api.sampling_params import SamplingParams
 
     engine = await AsyncEngine.start(model=model_dir, dtype="float32", device="cpu", max_model_len=hit + 512,
                                      max_num_seqs=2, block_size=BLOCK, **options)
@@ -155,7 +155,7 @@ def bench_continuation(report: Report, hit: int, reps: int) -> None:
     import asyncio
     import tempfile
 
-    from deepinfer.engine.tiny_model import write_tiny_model
+    from deepinfer.engine.models.deepseek_v4.tiny_model import write_tiny_model
 
     with tempfile.TemporaryDirectory(prefix="bench-swa-") as model_dir:
         write_tiny_model(model_dir, seed=0)

@@ -1,7 +1,7 @@
 """The tiny-real-model half of ``bench_engine``: the engine on the ~18M-parameter V4 config.
 
 - ``measure_cost_model``: profile the engine's cost model at start-up through its own runner
-  (engine/cost_profile.py), then run a held-out mixed workload (prefills of several lengths
+  (engine/sched/cost_profile.py), then run a held-out mixed workload (prefills of several lengths
   joining running decodes) and compare each step's prediction, made before the step runs, with
   its measured forward time.
 - ``measure_vs_hf``: transformers' ``generate`` (greedy) next to our engine (EngineCore through
@@ -21,13 +21,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from deepinfer.engine.cost_model import CostModel
-from deepinfer.engine.cost_profile import profile_cost_model
-from deepinfer.engine.engine_core import EngineCore, EngineCoreConfig
-from deepinfer.engine.model_runner import ModelRunner
-from deepinfer.engine.sampling_params import SamplingParams
-from deepinfer.engine.scheduler import SchedulerConfig
-from deepinfer.engine.step_pipeline import StepPipeline
+from deepinfer.engine.sched.cost_model import CostModel
+from deepinfer.engine.sched.cost_profile import profile_cost_model
+from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig
+from deepinfer.engine.core.model_runner import ModelRunner
+from deepinfer.engine.api.sampling_params import SamplingParams
+from deepinfer.engine.sched.scheduler import SchedulerConfig
+from deepinfer.engine.core.step_loop import StepPipeline
 from deepinfer_bench.bench_model import BENCH_SHAPE, hf_generate, our_generate
 
 BLOCK_SIZE = 128

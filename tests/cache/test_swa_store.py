@@ -42,7 +42,7 @@ def test_v41_flash_slot_size_matches_spec():
 
 def test_tiny_model_slot_size_by_formula():
     from deepinfer.engine.models import build_model
-    from deepinfer.engine.tiny_model import tiny_config
+    from deepinfer.engine.models.deepseek_v4.tiny_model import tiny_config
 
     cfg = tiny_config()
     model = build_model(cfg, device=torch.device("cpu"), dtype=torch.float32)

@@ -17,14 +17,14 @@ import random
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from deepinfer.engine.engine_core import EngineCore, EngineCoreConfig
-from deepinfer.engine.kv_offload import KVOffload, KVOffloadConfig
-from deepinfer.engine.model_runner import ModelRunner
-from deepinfer.engine.output_processor import merge_output
-from deepinfer.engine.sampling_params import SamplingParams
-from deepinfer.engine.scheduler import SchedulerConfig
-from deepinfer.engine.step_pipeline import StepPipeline
-from deepinfer.engine.tiny_model import init_weights, tiny_config
+from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig
+from deepinfer.engine.kv.offload import KVOffload, KVOffloadConfig
+from deepinfer.engine.core.model_runner import ModelRunner
+from deepinfer.engine.text.output_processor import merge_output
+from deepinfer.engine.api.sampling_params import SamplingParams
+from deepinfer.engine.sched.scheduler import SchedulerConfig
+from deepinfer.engine.core.step_loop import StepPipeline
+from deepinfer.engine.models.deepseek_v4.tiny_model import init_weights, tiny_config
 
 LAYERS = "WCH"  # one layer of each kind: window-only, CSA (compressed + indexer keys), HCA
 BLOCK_SIZE = 128  # a multiple of the HCA ratio (128)

@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from deepinfer.engine.batch import ForwardBatch
-from deepinfer.engine.engine_core import EngineCore, EngineCoreConfig
-from deepinfer.engine.sampling_params import SamplingParams
-from deepinfer.engine.scheduler import PLACEHOLDER_TOKEN_ID, SchedulerConfig
+from deepinfer.engine.core.batch import ForwardBatch
+from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig
+from deepinfer.engine.api.sampling_params import SamplingParams
+from deepinfer.engine.sched.scheduler import PLACEHOLDER_TOKEN_ID, SchedulerConfig
 
 NUM_WORKLOADS = 160
 VOCAB = 48
@@ -241,7 +241,7 @@ def _run_serial(core: EngineCore, feeder: _Feeder, trace: dict) -> None:
 def _run_pipelined(core: EngineCore, feeder: _Feeder, trace: dict) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from deepinfer.engine.step_pipeline import StepPipeline
+    from deepinfer.engine.core.step_loop import StepPipeline
 
     with ThreadPoolExecutor(1) as ex:
         pipe = StepPipeline(core, ex)
@@ -256,7 +256,7 @@ def _run_pipelined(core: EngineCore, feeder: _Feeder, trace: dict) -> None:
 async def _run_async(core: EngineCore, feeder: _Feeder, trace: dict) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from deepinfer.engine.step_pipeline import AsyncStepPipeline
+    from deepinfer.engine.core.step_loop import AsyncStepPipeline
 
     with ThreadPoolExecutor(1) as ex:
         pipe = AsyncStepPipeline(core, ex)

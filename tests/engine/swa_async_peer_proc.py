@@ -14,8 +14,8 @@ import asyncio
 import json
 import sys
 
-from deepinfer.engine.async_engine import AsyncEngine
-from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.engine.api.async_engine import AsyncEngine
+from deepinfer.engine.api.sampling_params import SamplingParams
 
 
 async def main(model_dir: str, options: dict) -> None:

@@ -13,13 +13,13 @@ import random
 import sys
 
 from deepinfer.cache.swa_fetch import SwaSlotOwner
-from deepinfer.engine.engine_core import EngineCore, EngineCoreConfig
-from deepinfer.engine.model_runner import ModelRunner
+from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig
+from deepinfer.engine.core.model_runner import ModelRunner
 from deepinfer.engine.models.deepseek_v4 import testing
-from deepinfer.engine.output_processor import merge_output
-from deepinfer.engine.sampling_params import SamplingParams
-from deepinfer.engine.scheduler import SchedulerConfig
-from deepinfer.engine.swa_slots import attach_swa_slots
+from deepinfer.engine.text.output_processor import merge_output
+from deepinfer.engine.api.sampling_params import SamplingParams
+from deepinfer.engine.sched.scheduler import SchedulerConfig
+from deepinfer.engine.kv.swa_slots import attach_swa_slots
 from deepinfer.transport.channels import EventPublisher
 
 BS = 16

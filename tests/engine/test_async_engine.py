@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from deepinfer import AsyncEngine, SamplingParams
-from deepinfer.engine.async_engine import EngineDeadError, EngineStepError, InvalidPromptError
-from deepinfer.engine.output_processor import merge_output
-from deepinfer.engine.sampling_params import SamplingParamsError
-from deepinfer.engine.structured_output import StructuredOutputError
-from deepinfer.engine.tiny_model import write_tiny_model
+from deepinfer.engine.api.async_engine import EngineDeadError, EngineStepError, InvalidPromptError
+from deepinfer.engine.text.output_processor import merge_output
+from deepinfer.engine.api.sampling_params import SamplingParamsError
+from deepinfer.engine.sample.structured_output import StructuredOutputError
+from deepinfer.engine.models.deepseek_v4.tiny_model import write_tiny_model
 from deepinfer.runtime.gateway.engine_client import EngineClient, EngineOverloadedError
 
 PROMPT = [5, 6, 7, 8, 9, 40, 41, 300, 301, 302, 17]

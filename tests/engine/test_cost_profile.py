@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 
-from deepinfer.engine.cost_model import CostModel, StepFeatures
-from deepinfer.engine.cost_profile import profile_cost_model
-from deepinfer.engine.engine_core import EngineCore, EngineCoreConfig
-from deepinfer.engine.scheduler import SchedulerConfig
+from deepinfer.engine.sched.cost_model import CostModel, StepFeatures
+from deepinfer.engine.sched.cost_profile import profile_cost_model
+from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig
+from deepinfer.engine.sched.scheduler import SchedulerConfig
 
 HIDDEN = np.array([2e-3, 3e-5, 5e-6, 4e-10, 1e-9])
 
@@ -54,7 +54,7 @@ def test_profile_recovers_the_step_cost():
 def test_profiled_model_then_sizes_chunks():
     core = make(budget=8192, cost_model=CostModel(), target=0.02)
     model = profile_cost_model(core, prompt_lens=(64, 700, 3000), decode_batches=(1, 8))
-    from deepinfer.engine.sampling_params import SamplingParams
+    from deepinfer.engine.api.sampling_params import SamplingParams
 
     core.add_request("long", [i % 32 for i in range(15000)], SamplingParams(max_tokens=1))
     plan = core.schedule_step()

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from deepinfer import AsyncEngine, SamplingParams
-from deepinfer.engine.checkpoint_writer import save_checkpoint
-from deepinfer.engine.output_processor import merge_output
+from deepinfer.engine.loader.checkpoint_writer import save_checkpoint
+from deepinfer.engine.text.output_processor import merge_output
 
 testing = pytest.importorskip("deepinfer.engine.models.deepseek_v4.testing")
 

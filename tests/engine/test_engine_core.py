@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import torch
 
-from deepinfer.engine.batch import ForwardBatch
-from deepinfer.engine.engine_core import EngineCore, EngineCoreConfig
-from deepinfer.engine.output_processor import merge_output
-from deepinfer.engine.sampling_params import SamplingParams
-from deepinfer.engine.scheduler import PLACEHOLDER_TOKEN_ID, SchedulerConfig
-from deepinfer.engine.step_pipeline import StepPipeline
+from deepinfer.engine.core.batch import ForwardBatch
+from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig
+from deepinfer.engine.text.output_processor import merge_output
+from deepinfer.engine.api.sampling_params import SamplingParams
+from deepinfer.engine.sched.scheduler import PLACEHOLDER_TOKEN_ID, SchedulerConfig
+from deepinfer.engine.core.step_loop import StepPipeline
 
 VOCAB = 64
 EOS = 1

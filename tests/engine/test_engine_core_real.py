@@ -8,14 +8,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-runner_mod = pytest.importorskip("deepinfer.engine.model_runner")
+runner_mod = pytest.importorskip("deepinfer.engine.core.model_runner")
 testing = pytest.importorskip("deepinfer.engine.models.deepseek_v4.testing")
 
-from deepinfer.engine.engine_core import EngineCore, EngineCoreConfig  # noqa: E402
-from deepinfer.engine.output_processor import merge_output  # noqa: E402
-from deepinfer.engine.sampling_params import SamplingParams  # noqa: E402
-from deepinfer.engine.scheduler import SchedulerConfig  # noqa: E402
-from deepinfer.engine.step_pipeline import StepPipeline  # noqa: E402
+from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig  # noqa: E402
+from deepinfer.engine.text.output_processor import merge_output  # noqa: E402
+from deepinfer.engine.api.sampling_params import SamplingParams  # noqa: E402
+from deepinfer.engine.sched.scheduler import SchedulerConfig  # noqa: E402
+from deepinfer.engine.core.step_loop import StepPipeline  # noqa: E402
 
 BS = 16
 

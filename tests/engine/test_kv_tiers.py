@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from deepinfer.cache.kv_block_codec import BlockCodec, BlockCodecError
 from deepinfer.cache.kv_tiers import TIER_DEVICE, TIER_HOST, TIER_STORE
 from deepinfer.cache.store.fs_backend import FsStore
-from deepinfer.engine.kv_offload import KVOffload, KVOffloadConfig
+from deepinfer.engine.kv.offload import KVOffload, KVOffloadConfig
 from deepinfer.engine.kv_tier_metrics import KVTierCollector
 from tests.conftest import load_test_helper
 

@@ -12,9 +12,9 @@ import pytest
 
 from deepinfer.cache.kv_tiers import TIER_DEVICE, TIER_HOST, TIER_STORE
 from deepinfer.cache.store.fs_backend import FsStore
-from deepinfer.engine.async_engine import AsyncEngine
-from deepinfer.engine.engine_factory import EngineOptions, EngineParts
-from deepinfer.engine.kv_offload import KVOffload, KVOffloadConfig
+from deepinfer.engine.api.async_engine import AsyncEngine
+from deepinfer.engine.core.factory import EngineOptions, EngineParts
+from deepinfer.engine.kv.offload import KVOffload, KVOffloadConfig
 from tests.conftest import load_test_helper
 
 pytestmark = pytest.mark.timeout(300)

@@ -16,7 +16,7 @@ from deepinfer.cache.kv_tiers import TIER_DEVICE, TIER_HOST, TIER_STORE
 from deepinfer.cache.store.client import ClusterStore, ClusterStoreConfig
 from deepinfer.cache.store.ec import ECConfig
 from deepinfer.cache.store.local_cluster import LocalCluster
-from deepinfer.engine.kv_offload import KVOffload, KVOffloadConfig
+from deepinfer.engine.kv.offload import KVOffload, KVOffloadConfig
 from deepinfer.transport.protocol import DebugSet
 from tests.conftest import load_test_helper
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from deepinfer.engine.model_config import (
+from deepinfer.engine.models.deepseek_v4.config import (
     CSA,
     HASH_MOE,
     HCA,

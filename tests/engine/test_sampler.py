@@ -3,10 +3,10 @@ from __future__ import annotations
 import torch
 import xgrammar as xgr
 
-from deepinfer.engine.counter_rng import GumbelNoise, mix32, mix32_tensor, row_key
-from deepinfer.engine.sampler import Sampler, apply_token_bitmask
-from deepinfer.engine.sampling_metadata import SampleRow, SamplingMetadata
-from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.kernels.counter_rng import GumbelNoise, mix32, mix32_tensor, row_key
+from deepinfer.engine.sample.sampler import Sampler, apply_token_bitmask
+from deepinfer.engine.sample.metadata import SampleRow, SamplingMetadata
+from deepinfer.engine.api.sampling_params import SamplingParams
 
 V = 50
 
@@ -99,7 +99,7 @@ def test_penalties():
                   prompt_token_ids=[0], output_token_ids=[2])
     m = SamplingMetadata.build([r], 4)
     work = logits.clone()
-    from deepinfer.engine.sampler import apply_penalties
+    from deepinfer.engine.sample.sampler import apply_penalties
     apply_penalties(work, m.penalties)
     assert work.tolist() == [[1.0, 1.0, -2.0, 0.5]]
     r = SampleRow(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25, **base), seed=0, position=0,
@@ -174,7 +174,7 @@ def test_consecutive_positions_are_independent():
 
 
 def test_top_k_candidate_path_equals_full_vocabulary_path():
-    from deepinfer.engine.sampler import apply_top_k_top_p
+    from deepinfer.engine.sample.sampler import apply_top_k_top_p
 
     gen = torch.Generator().manual_seed(4)
     logits = torch.randn(64, V, generator=gen) * 3
@@ -190,9 +190,9 @@ def test_top_k_candidate_path_equals_full_vocabulary_path():
 def test_fast_paths_match_the_reference_forms():
     """numpy argmax, vectorised keys, uint32 hashing and RowSpec metadata: same bits as the
     torch/per-row forms they replace."""
-    from deepinfer.engine.counter_rng import M32, row_keys, seed_key
-    from deepinfer.engine.sampler import argmax_rows
-    from deepinfer.engine.sampling_metadata import RowSpec
+    from deepinfer.kernels.counter_rng import M32, row_keys, seed_key
+    from deepinfer.engine.sample.sampler import argmax_rows
+    from deepinfer.engine.sample.metadata import RowSpec
 
     x = torch.randn(7, V, generator=torch.Generator().manual_seed(3))
     x[1, 5] = x[1, 9] = x[1].max() + 1  # tie: the first index wins, as in torch
@@ -226,7 +226,7 @@ def test_fast_paths_match_the_reference_forms():
 def test_blocked_noise_and_fused_draw_match_the_one_shot_torch_forms():
     """The L2-blocked CPU forms (gumbel over the whole vocabulary, noisy_argmax) give the same
     bits as the one-shot torch expressions, across block edges and odd vocabulary sizes."""
-    from deepinfer.engine.sampler import noisy_argmax
+    from deepinfer.engine.sample.sampler import noisy_argmax
 
     gen = torch.Generator().manual_seed(8)
     for num_rows, vocab in ((1, 3), (37, 1001), (70, 4096), (5, 70001)):

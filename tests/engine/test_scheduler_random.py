@@ -8,8 +8,8 @@ import pytest
 
 from deepinfer.cache.block_pool import BlockPool
 from deepinfer.cache.slot_pool import SlotPool
-from deepinfer.engine.sampling_params import SamplingParams
-from deepinfer.engine.scheduler import PLACEHOLDER_TOKEN_ID, Scheduler, SchedulerConfig
+from deepinfer.engine.api.sampling_params import SamplingParams
+from deepinfer.engine.sched.scheduler import PLACEHOLDER_TOKEN_ID, Scheduler, SchedulerConfig
 
 
 def accepted_for(out, rng, vocab=16):

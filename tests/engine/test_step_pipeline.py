@@ -13,12 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from deepinfer.engine.batch import ForwardBatch
-from deepinfer.engine.engine_core import EngineCore, EngineCoreConfig
-from deepinfer.engine.output_processor import merge_output
-from deepinfer.engine.sampling_params import SamplingParams
-from deepinfer.engine.scheduler import PLACEHOLDER_TOKEN_ID, SchedulerConfig
-from deepinfer.engine.step_pipeline import AsyncStepPipeline, StepPipeline
+from deepinfer.engine.core.batch import ForwardBatch
+from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig
+from deepinfer.engine.text.output_processor import merge_output
+from deepinfer.engine.api.sampling_params import SamplingParams
+from deepinfer.engine.sched.scheduler import PLACEHOLDER_TOKEN_ID, SchedulerConfig
+from deepinfer.engine.core.step_loop import AsyncStepPipeline, StepPipeline
 
 VOCAB = 48
 
@@ -231,7 +231,7 @@ def test_chain_lingers_for_a_slightly_late_hand_over():
 
 @pytest.mark.timeout(60)
 def test_a_bug_in_the_chain_fails_the_step_instead_of_hanging(monkeypatch):
-    from deepinfer.engine.device_chain import DeviceChain
+    from deepinfer.engine.core.device_chain import DeviceChain
 
     core = make(HashRunner(delay=0.001))
     for r in requests([SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)] * 2):

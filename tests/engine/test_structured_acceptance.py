@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import torch
 
-from deepinfer.engine.batch import ForwardBatch
-from deepinfer.engine.engine_core import EngineCore, EngineCoreConfig
-from deepinfer.engine.output_processor import merge_output
-from deepinfer.engine.sampling_params import SamplingParams
-from deepinfer.engine.scheduler import SchedulerConfig
-from deepinfer.engine.structured_output import StructuredOutputBackend
+from deepinfer.engine.core.batch import ForwardBatch
+from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig
+from deepinfer.engine.text.output_processor import merge_output
+from deepinfer.engine.api.sampling_params import SamplingParams
+from deepinfer.engine.sched.scheduler import SchedulerConfig
+from deepinfer.engine.sample.structured_output import StructuredOutputBackend
 
 # A byte-level-style vocabulary: every printable character plus multi-character merges that
 # straddle grammar boundaries (so the mask must reason about partial matches).

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from deepinfer.engine.structured_output import (
+from deepinfer.engine.sample.structured_output import (
     MAX_JSON_WHITESPACE,
     GrammarSpec,
     StructuredOutputBackend,

@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 
 from deepinfer.cache.swa_directory import SwaDirectoryService
-from deepinfer.engine.async_engine import AsyncEngine
-from deepinfer.engine.engine_factory import EngineOptionsError
-from deepinfer.engine.sampling_params import SamplingParams
-from deepinfer.engine.tiny_model import write_tiny_model
+from deepinfer.engine.api.async_engine import AsyncEngine
+from deepinfer.engine.core.factory import EngineOptionsError
+from deepinfer.engine.api.sampling_params import SamplingParams
+from deepinfer.engine.models.deepseek_v4.tiny_model import write_tiny_model
 from deepinfer.transport.protocol import DownReason, PeerDown, Role
 
 HERE = Path(__file__).resolve().parent

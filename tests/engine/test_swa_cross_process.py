@@ -26,7 +26,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import swa_owner_proc as owner_proc  # noqa: E402
 
-from deepinfer.engine.swa_slots import attach_swa_slots  # noqa: E402
+from deepinfer.engine.kv.swa_slots import attach_swa_slots  # noqa: E402
 
 
 def tokens(seed, n, vocab):

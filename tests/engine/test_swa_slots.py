@@ -7,15 +7,15 @@ import random
 
 import pytest
 
-runner_mod = pytest.importorskip("deepinfer.engine.model_runner")
+runner_mod = pytest.importorskip("deepinfer.engine.core.model_runner")
 testing = pytest.importorskip("deepinfer.engine.models.deepseek_v4.testing")
 
-from deepinfer.engine.engine_core import EngineCore, EngineCoreConfig  # noqa: E402
-from deepinfer.engine.output_processor import merge_output  # noqa: E402
-from deepinfer.engine.sampling_params import SamplingParams  # noqa: E402
-from deepinfer.engine.scheduler import SchedulerConfig  # noqa: E402
-from deepinfer.engine.swa_replay import plan_rebuild, snapshot_boundary, snapshot_chunk_end  # noqa: E402
-from deepinfer.engine.swa_slots import attach_swa_slots  # noqa: E402
+from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig  # noqa: E402
+from deepinfer.engine.text.output_processor import merge_output  # noqa: E402
+from deepinfer.engine.api.sampling_params import SamplingParams  # noqa: E402
+from deepinfer.engine.sched.scheduler import SchedulerConfig  # noqa: E402
+from deepinfer.engine.kv.swa_replay import plan_rebuild, snapshot_boundary, snapshot_chunk_end  # noqa: E402
+from deepinfer.engine.kv.swa_slots import attach_swa_slots  # noqa: E402
 
 BS = 16  # the reference model: 4 layers, window 16 -> exact replay = 64 tokens
 

@@ -7,10 +7,10 @@ import pytest
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from deepinfer.engine.chat_template import ChatTemplateError
-from deepinfer.engine.detokenizer import OffsetDetokenizer
-from deepinfer.engine.tiny_tokenizer import ASSISTANT, BOS, END_THINK, EOS, USER, build_tokenizer, write_tokenizer_files
-from deepinfer.engine.tokenizer import Tokenizer, TokenizerError
+from deepinfer.engine.text.chat_template import ChatTemplateError
+from deepinfer.engine.text.detokenizer import OffsetDetokenizer
+from deepinfer.engine.text.tiny_tokenizer import ASSISTANT, BOS, END_THINK, EOS, USER, build_tokenizer, write_tokenizer_files
+from deepinfer.engine.text.tokenizer import Tokenizer, TokenizerError
 
 TEXTS = [
     "Hello world, this is a plain ASCII sentence.",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.engine.model_runner import ModelRunner
+from deepinfer.engine.core.model_runner import ModelRunner
 from deepinfer.engine.models.deepseek_v4.testing import CSA, HCA, SLIDING, SeqDriver, hf_reference
 
 BLOCK_SIZE = 16

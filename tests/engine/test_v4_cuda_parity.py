@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.engine.model_runner import ModelRunner
+from deepinfer.engine.core.model_runner import ModelRunner
 from deepinfer.engine.models.deepseek_v4.testing import SeqDriver, hf_prompt_logprobs, hf_reference
 from tests.conftest import load_test_helper
 

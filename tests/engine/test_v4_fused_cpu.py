@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.engine.model_runner import ModelRunner
+from deepinfer.engine.core.model_runner import ModelRunner
 from deepinfer.engine.models.deepseek_v4.testing import PARITY_CONFIGS, SeqDriver, hf_reference
 from deepinfer.kernels import cpu_gemm, cpu_native
 

@@ -7,8 +7,8 @@ import torch
 
 from deepinfer.cache.block_cache import BlockCacheError
 from deepinfer.cache.swa_state import SwaStateError
-from deepinfer.engine.batch import ForwardBatch, SeqStep
-from deepinfer.engine.model_runner import ModelRunner
+from deepinfer.engine.core.batch import ForwardBatch, SeqStep
+from deepinfer.engine.core.model_runner import ModelRunner
 from deepinfer.engine.models.deepseek_v4.testing import CSA, HCA, SLIDING, hf_reference
 
 BS = 16  # CSA ratio 4, HCA ratio 16, window 16

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.engine.llm import LLMError
-from deepinfer.engine.tiny_model import write_tiny_model
+from deepinfer.engine.api.llm import LLMError
+from deepinfer.engine.models.deepseek_v4.tiny_model import write_tiny_model
 
 PROMPT_IDS = [5, 6, 7, 8, 9, 40, 41, 300, 301, 302, 17]
 

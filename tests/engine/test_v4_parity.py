@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.engine.model_runner import ModelRunner
+from deepinfer.engine.core.model_runner import ModelRunner
 from deepinfer.engine.models.deepseek_v4.testing import (
     CSA,
     PARITY_CONFIGS,

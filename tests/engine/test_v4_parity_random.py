@@ -17,7 +17,7 @@ import torch
 
 from deepinfer import LLM, SamplingParams, envs
 from deepinfer.engine.models.deepseek_v4.testing import hf_greedy, hf_prompt_logprobs, hf_reference, random_overrides
-from deepinfer.engine.tiny_tokenizer import build_tokenizer, write_tokenizer_files
+from deepinfer.engine.text.tiny_tokenizer import build_tokenizer, write_tokenizer_files
 
 SEED = 1017
 NUM_NEW = 6

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.engine.batch import ForwardBatch, SeqStep
-from deepinfer.engine.model_runner import ModelRunner
+from deepinfer.engine.core.batch import ForwardBatch, SeqStep
+from deepinfer.engine.core.model_runner import ModelRunner
 from deepinfer.engine.models.deepseek_v4.context import BatchError
 from deepinfer.engine.models.deepseek_v4.testing import CSA, HCA, SLIDING, hf_reference
 

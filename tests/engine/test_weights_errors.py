@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from deepinfer.engine.checkpoint_writer import Layout, save_checkpoint
-from deepinfer.engine.tiny_model import init_weights, tiny_config
-from deepinfer.engine.weights import CheckpointError, load_checkpoint
+from deepinfer.engine.loader.checkpoint_writer import Layout, save_checkpoint
+from deepinfer.engine.models.deepseek_v4.tiny_model import init_weights, tiny_config
+from deepinfer.engine.loader.weights import CheckpointError, load_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_unexpected_tensor_is_named(cfg, weights, tmp_path):
 
 def test_expected_shapes_that_disagree_name_the_tensor(cfg, weights, tmp_path):
     write(tmp_path, cfg, weights)
-    from deepinfer.engine.checkpoint_names import canonical_shapes
+    from deepinfer.engine.models.deepseek_v4.checkpoint_names import canonical_shapes
 
     expected = dict(canonical_shapes(cfg))
     expected["norm.weight"] = (512,)

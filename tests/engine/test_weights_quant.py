@@ -7,11 +7,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from deepinfer.engine.checkpoint_names import is_expert_tensor, is_fp8_linear
-from deepinfer.engine.checkpoint_writer import Layout, save_checkpoint
-from deepinfer.engine.dequant import dequant_fp4, quantize_fp4, quantize_fp8
-from deepinfer.engine.tiny_model import init_weights, tiny_config
-from deepinfer.engine.weights import load_checkpoint
+from deepinfer.engine.models.deepseek_v4.checkpoint_names import is_expert_tensor, is_fp8_linear
+from deepinfer.engine.loader.checkpoint_writer import Layout, save_checkpoint
+from deepinfer.engine.loader.dequant import dequant_fp4, quantize_fp4, quantize_fp8
+from deepinfer.engine.models.deepseek_v4.tiny_model import init_weights, tiny_config
+from deepinfer.engine.loader.weights import load_checkpoint
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
@@ -124,7 +124,7 @@ def test_dequant_helpers_round_trip_partial_blocks():
     w = torch.randn(300, 200) * 0.02
     q, scale = quantize_fp8(w)
     assert scale.shape == (3, 2) and scale.dtype == torch.float8_e8m0fnu
-    from deepinfer.engine.dequant import dequant_fp8
+    from deepinfer.engine.loader.dequant import dequant_fp8
 
     assert relative_error(dequant_fp8(q, scale, (128, 128), torch.float32), w) < 2 ** -4
     # raw E8M0 bytes (uint8) mean the same scales

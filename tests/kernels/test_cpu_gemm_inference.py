@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.engine.batch import ForwardBatch, SeqStep
-from deepinfer.engine.model_runner import ModelRunner
-from deepinfer.engine.tiny_model import init_weights, tiny_config
+from deepinfer.engine.core.batch import ForwardBatch, SeqStep
+from deepinfer.engine.core.model_runner import ModelRunner
+from deepinfer.engine.models.deepseek_v4.tiny_model import init_weights, tiny_config
 
 
 def _logits() -> list[torch.Tensor]:

@@ -93,7 +93,7 @@ def test_fused_mhc_weights_take_the_same_numbers_on_the_portable_path():
 @pytest.mark.parametrize("num_tokens,num_rows", [(6, 8), (40, 40)])
 def test_one_call_moe_block_is_bitwise_the_staged_native_path(layer, num_tokens, num_rows, monkeypatch):
     from deepinfer.engine.models.deepseek_v4.model import DeepseekV4ForCausalLM
-    from deepinfer.engine.model_runner import load_weights
+    from deepinfer.engine.core.model_runner import load_weights
     from deepinfer.engine.models.deepseek_v4.testing import hf_reference
 
     ref = hf_reference(seed=3)

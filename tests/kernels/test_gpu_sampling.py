@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.engine.counter_rng import GumbelNoise
-from deepinfer.engine.sampler import Sampler
-from deepinfer.engine.sampling_metadata import SampleRow, SamplingMetadata
-from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.kernels.counter_rng import GumbelNoise
+from deepinfer.engine.sample.sampler import Sampler
+from deepinfer.engine.sample.metadata import SampleRow, SamplingMetadata
+from deepinfer.engine.api.sampling_params import SamplingParams
 from deepinfer.kernels import gpu_sampling
 
 pytestmark = [

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from deepinfer.engine.models.deepseek_v4.moe import DENSE_ROWS_PER_CALL, MoE, RoutePlan
-from deepinfer.engine.tiny_model import tiny_config
+from deepinfer.engine.models.deepseek_v4.tiny_model import tiny_config
 from deepinfer.kernels import cpu_native, torch_ref
 from tests.conftest import load_test_helper
 

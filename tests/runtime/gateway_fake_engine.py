@@ -18,10 +18,10 @@ import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from deepinfer.engine.sampling_params import SamplingParams
-from deepinfer.engine.structured_output import StructuredOutputBackend
-from deepinfer.engine.tokenizer import Tokenizer
+from deepinfer.engine.api.outputs import CompletionOutput, Logprob, RequestOutput
+from deepinfer.engine.api.sampling_params import SamplingParams
+from deepinfer.engine.sample.structured_output import StructuredOutputBackend
+from deepinfer.engine.text.tokenizer import Tokenizer
 from deepinfer.runtime.gateway.engine_client import EngineOverloadedError, EngineStats, ModelInfo, TokensPrompt
 
 BLOCK_SIZE = 16

@@ -17,8 +17,8 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
-from deepinfer.engine.tiny_tokenizer import build_tokenizer, write_tokenizer_files
-from deepinfer.engine.tokenizer import Tokenizer
+from deepinfer.engine.text.tiny_tokenizer import build_tokenizer, write_tokenizer_files
+from deepinfer.engine.text.tokenizer import Tokenizer
 from deepinfer.runtime.gateway import EngineClient, GatewayConfig, RunningGateway, start_gateway
 
 HERE = Path(__file__).parent
@@ -71,7 +71,7 @@ def tiny_model_dir() -> Path:
 @contextlib.asynccontextmanager
 async def tiny_engine_context(**options) -> AsyncIterator[EngineClient]:
     """The real AsyncEngine on the tiny model (CPU), shut down on exit."""
-    from deepinfer.engine.async_engine import AsyncEngine
+    from deepinfer.engine.api.async_engine import AsyncEngine
 
     engine = await AsyncEngine.start(model=str(tiny_model_dir()), served_model_name="deepinfer-tiny",
                                      **{**TINY_ENGINE_OPTIONS, **options})

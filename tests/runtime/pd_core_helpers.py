@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from deepinfer.engine.output_processor import merge_output
-from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.engine.text.output_processor import merge_output
+from deepinfer.engine.api.sampling_params import SamplingParams
 
 
 def mixed_requests(num: int, seed: int, *, vocab: int = 4000, prompt_lens=((5, 60), (60, 260)),

@@ -146,7 +146,7 @@ async def test_chat_logprob_bytes_rebuild_the_text(served, stream):
 async def test_control_tokens_in_chat_messages_are_text(served):
     from tokenizers import Tokenizer as RawTokenizer
 
-    from deepinfer.engine.tiny_tokenizer import ASSISTANT, EOS, USER
+    from deepinfer.engine.text.tiny_tokenizer import ASSISTANT, EOS, USER
 
     url, engine = served
     tok = engine.tokenizer

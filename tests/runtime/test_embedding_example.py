@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from deepinfer import AsyncEngine, SamplingParams
-from deepinfer.engine.async_engine import EngineDeadError
+from deepinfer.engine.api.async_engine import EngineDeadError
 from deepinfer.runtime.gateway import GatewayConfig, build_app
 from tests.conftest import load_test_helper
 

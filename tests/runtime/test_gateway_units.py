@@ -9,7 +9,7 @@ import aiohttp
 import msgspec
 import pytest
 
-from deepinfer.engine.outputs import Logprob
+from deepinfer.engine.api.outputs import Logprob
 from deepinfer.runtime.gateway import GatewayConfig, curl_example, serve
 from deepinfer.runtime.gateway.errors import GatewayError, from_decode_error, from_engine_error
 from deepinfer.runtime.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, decode_request
@@ -109,8 +109,8 @@ def test_decode_errors_name_the_field():
 
 
 def test_engine_errors_map_to_statuses():
-    from deepinfer.engine.sampling_params import SamplingParamsError
-    from deepinfer.engine.structured_output import StructuredOutputError
+    from deepinfer.engine.api.sampling_params import SamplingParamsError
+    from deepinfer.engine.sample.structured_output import StructuredOutputError
     from deepinfer.runtime.gateway import EngineOverloadedError
 
     e = from_engine_error(StructuredOutputError("invalid regex: unbalanced"), "structured_outputs.regex")
@@ -196,14 +196,14 @@ class _Scripted:
 
 
 def _delta(text, finish=None):
-    from deepinfer.engine.outputs import CompletionOutput, RequestOutput
+    from deepinfer.engine.api.outputs import CompletionOutput, RequestOutput
 
     return RequestOutput("r", None, [1], [CompletionOutput(0, text, [5] if text else [], finish_reason=finish)],
                          finished=finish is not None)
 
 
 def _generation(engine, n):
-    from deepinfer.engine.sampling_params import SamplingParams
+    from deepinfer.engine.api.sampling_params import SamplingParams
     from deepinfer.runtime.gateway.generation import EngineRequest, Generation
     from deepinfer.runtime.gateway.metrics import GatewayMetrics
 
@@ -246,7 +246,7 @@ async def test_generation_merges_choices_and_signals_ready_deltas():
 
 
 async def test_generation_start_error_aborts_the_siblings():
-    from deepinfer.engine.structured_output import StructuredOutputError
+    from deepinfer.engine.sample.structured_output import StructuredOutputError
 
     engine = _Scripted({0: [_delta("a")], 1: [StructuredOutputError("invalid regex: x")]})
     gen = _generation(engine, 2)

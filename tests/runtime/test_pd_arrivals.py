@@ -14,8 +14,8 @@ import tempfile
 import numpy as np
 import pytest
 
-from deepinfer.engine.engine_factory import EngineOptions, build_engine
-from deepinfer.engine.tiny_model import write_tiny_model
+from deepinfer.engine.core.factory import EngineOptions, build_engine
+from deepinfer.engine.models.deepseek_v4.tiny_model import write_tiny_model
 from deepinfer.runtime.disagg.decode import DecodeService
 from deepinfer.runtime.disagg.engine_service import EngineServiceConfig
 from deepinfer.transport.codec import Codec

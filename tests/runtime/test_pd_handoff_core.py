@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer.engine.engine_factory import EngineOptions, build_engine
-from deepinfer.engine.handoff import (
+from deepinfer.engine.core.factory import EngineOptions, build_engine
+from deepinfer.engine.kv.handoff import (
     HandoffError,
     KvCapture,
     KvPayload,
@@ -19,9 +19,9 @@ from deepinfer.engine.handoff import (
     export_kv,
     prefill_params,
 )
-from deepinfer.engine.output_processor import merge_output
-from deepinfer.engine.sampling_params import SamplingParams
-from deepinfer.engine.tiny_model import write_tiny_model
+from deepinfer.engine.text.output_processor import merge_output
+from deepinfer.engine.api.sampling_params import SamplingParams
+from deepinfer.engine.models.deepseek_v4.tiny_model import write_tiny_model
 from tests.conftest import load_test_helper
 
 helpers = load_test_helper("runtime/pd_core_helpers")

@@ -20,8 +20,8 @@ import time
 
 import pytest
 
-from deepinfer.engine.sampling_params import SamplingParams
-from deepinfer.engine.tiny_model import write_tiny_model
+from deepinfer.engine.api.sampling_params import SamplingParams
+from deepinfer.engine.models.deepseek_v4.tiny_model import write_tiny_model
 from deepinfer.runtime.disagg.launch import LocalPdCluster
 from deepinfer.runtime.failure_detector import DetectorSettings
 from deepinfer.transport.channels import EventSubscriber

@@ -9,7 +9,7 @@ import signal
 
 import pytest
 
-from deepinfer.engine.tiny_model import write_tiny_model
+from deepinfer.engine.models.deepseek_v4.tiny_model import write_tiny_model
 from deepinfer.transport.ports import free_tcp_port
 from tests.conftest import load_test_helper
 

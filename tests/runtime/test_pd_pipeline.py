@@ -19,8 +19,8 @@ import time
 
 import pytest
 
-from deepinfer.engine.engine_factory import EngineOptions, build_engine
-from deepinfer.engine.handoff import (
+from deepinfer.engine.core.factory import EngineOptions, build_engine
+from deepinfer.engine.kv.handoff import (
     KvCapture,
     KvPayload,
     NoRoom,
@@ -32,8 +32,8 @@ from deepinfer.engine.handoff import (
     has_room,
     prefill_params,
 )
-from deepinfer.engine.output_processor import merge_output
-from deepinfer.engine.tiny_model import write_tiny_model
+from deepinfer.engine.text.output_processor import merge_output
+from deepinfer.engine.models.deepseek_v4.tiny_model import write_tiny_model
 from deepinfer.runtime.disagg.engine_loop import EngineLoop
 from tests.conftest import load_test_helper
 

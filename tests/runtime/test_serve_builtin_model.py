@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from deepinfer.engine.model_config import ModelConfig
-from deepinfer.engine.tiny_model import write_tiny_model
+from deepinfer.engine.models.deepseek_v4.config import ModelConfig
+from deepinfer.engine.models.deepseek_v4.tiny_model import write_tiny_model
 from deepinfer.runtime.gateway.builtin_model import (
     REQUIRED_FILES,
     STALE_TMP_AGE_S,

@@ -18,7 +18,7 @@ from torch import nn
 
 from deepinfer.cache.block_cache import BlockCache
 from deepinfer.cache.swa_state import SwaArena
-from deepinfer.engine.model_config import ModelConfig
+from deepinfer.engine.models.deepseek_v4.config import ModelConfig
 from deepinfer.engine.models.deepseek_v4.compressor import Compressor, Indexer
 from deepinfer.engine.models.deepseek_v4.context import ForwardContext, RingWrite
 from deepinfer.engine.models.deepseek_v4.layers import Norm, fuse_linears, linear_holder
@@ -146,9 +146,11 @@ class Attention(nn.Module):
         proj = ops.linear(h, self.w_in, bi).split(self.in_sizes, dim=-1)
         q_all = ops.linear(ops.rms_norm(proj[0], self.q_a_norm.weight, self.eps), self.w_qb, bi)
         q = q_all[:, : nh * hd].reshape(rows, nh, hd)
-        q = ops.rms_norm(q, None, self.eps) if self.q_head_norm else q.contiguous()
-        q = ops.apply_rope_(q, rope.cos, rope.sin)
-        kv = ops.apply_rope_(ops.rms_norm(proj[1], self.kv_norm.weight, self.eps), rope.cos, rope.sin)
+        if self.q_head_norm:  # norm + rotation: one launch where a backend fuses them (GPU)
+            q = ops.rms_norm_rope(q, None, self.eps, rope.cos, rope.sin)
+        else:
+            q = ops.apply_rope_(q.contiguous(), rope.cos, rope.sin)
+        kv = ops.rms_norm_rope(proj[1], self.kv_norm.weight, self.eps, rope.cos, rope.sin)
         if index_tables:
             heads, dim, cos, sin = index_tables
             ops.apply_rope_(q_all[:, nh * hd :].view(rows, heads, dim), cos, sin)

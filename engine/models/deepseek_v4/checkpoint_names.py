@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from deepinfer.engine.model_config import CSA, HCA, SLIDING, ModelConfig
+from deepinfer.engine.models.deepseek_v4.config import CSA, HCA, SLIDING, ModelConfig
 
 # Native name after "layers.L." -> canonical name after "layers.L.".
 _NATIVE_LAYER_NAMES = {

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deepinfer.engine.config_fields import FieldReader
-from deepinfer.engine.layer_kinds import (
+from deepinfer.engine.loader.config_fields import FieldReader
+from deepinfer.engine.models.deepseek_v4.layer_kinds import (
     CSA,
     HASH_MOE,
     HCA,
@@ -37,8 +37,8 @@ from deepinfer.engine.layer_kinds import (
     parse_layer_kinds,
     parse_mlp_kinds,
 )
-from deepinfer.engine.quant_config import parse_quantization
-from deepinfer.engine.rope_config import RopeConfig, parse_rope
+from deepinfer.engine.loader.quant_config import parse_quantization
+from deepinfer.engine.models.deepseek_v4.rope_config import RopeConfig, parse_rope
 
 __all__ = [
     "CSA", "HASH_MOE", "HCA", "LAYER_TYPES", "MLP_LAYER_TYPES", "MOE", "SLIDING",

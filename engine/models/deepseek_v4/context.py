@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from deepinfer.engine.batch import ForwardBatch
+from deepinfer.engine.core.batch import ForwardBatch
 from deepinfer.kernels.torch_ref import gemm_rows
 
 NEG_INF = float("-inf")

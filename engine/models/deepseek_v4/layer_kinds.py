@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from deepinfer.engine.config_fields import FieldReader
+from deepinfer.engine.loader.config_fields import FieldReader
 
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"

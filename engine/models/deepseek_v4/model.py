@@ -14,7 +14,7 @@ from torch import nn
 
 from deepinfer.cache.block_cache import BlockCache, PagedSpec
 from deepinfer.cache.swa_state import RingSpec, SwaArena
-from deepinfer.engine.model_config import ModelConfig
+from deepinfer.engine.models.deepseek_v4.config import ModelConfig
 from deepinfer.engine.models.deepseek_v4.attention import Attention
 from deepinfer.engine.models.deepseek_v4.context import ForwardContext, Geometry
 from deepinfer.engine.models.deepseek_v4.layers import Norm, linear_holder
@@ -128,6 +128,8 @@ class DeepseekV4ForCausalLM(nn.Module):
             layer.mlp.finalize()
             layer.attn_hc.finalize()
             layer.ffn_hc.finalize()
+        if self.embed_tokens.weight.is_cuda:
+            ops.use_gpu()  # the Triton kernels take this model's CUDA tensors (kernels/gpu_routing.py)
 
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, ctx: ForwardContext, blocks: BlockCache, swa: SwaArena) -> torch.Tensor:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from deepinfer.engine.model_config import ModelConfig
+from deepinfer.engine.models.deepseek_v4.config import ModelConfig
 from deepinfer.engine.models.deepseek_v4.layers import fuse_linears, linear_holder
 from deepinfer.kernels import cpu_gemm, cpu_native, ops
 from deepinfer.kernels.torch_ref import gemm_rows
@@ -148,6 +148,11 @@ class MoE(nn.Module):
         if out is not None:
             return out
         plan = self.gate.forward(x, token_ids, num_tokens, batch_invariant)
+        if not x.is_cpu and ops.backend_of("moe_experts_") != "torch_ref":
+            # fused GPU experts: grouped GEMMs over the routed rows read only the routed experts
+            out = shared.forward(x, batch_invariant)
+            return ops.moe_experts_(out, x, plan.expert_ids, plan.weights, ex.gate_up_proj, ex.down_proj, ex.limit,
+                                    batch_invariant)  # fmt: skip
         if cpu_gemm.usable(x, ex.gate_up_proj, ex.down_proj) and plan.expert_ids.is_cpu:
             # fixed-order native GEMMs: invariant without padded segments, one call per layer
             native = cpu_native.moe_dispatch(plan.expert_ids, ex.num_experts, False, NEVER_DENSE)

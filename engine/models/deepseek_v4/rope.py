@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from deepinfer.engine.model_config import RopeConfig
+from deepinfer.engine.models.deepseek_v4.config import RopeConfig
 
 
 def inv_freq(rope: RopeConfig, rope_dim: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from deepinfer.engine.config_fields import FieldReader
+from deepinfer.engine.loader.config_fields import FieldReader
 
 ROPE_TYPES = ("default", "yarn")
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deepinfer.engine.batch import ForwardBatch, SeqStep
-from deepinfer.engine.model_config import ModelConfig
+from deepinfer.engine.core.batch import ForwardBatch, SeqStep
+from deepinfer.engine.models.deepseek_v4.config import ModelConfig
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 

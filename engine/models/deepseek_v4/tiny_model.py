@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from deepinfer.engine.checkpoint_names import canonical_shapes, is_fp32_param
-from deepinfer.engine.checkpoint_writer import Layout, save_checkpoint
-from deepinfer.engine.model_config import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelConfig
-from deepinfer.engine.rope_config import RopeConfig
-from deepinfer.engine.tiny_tokenizer import build_tokenizer, write_tokenizer_files
+from deepinfer.engine.models.deepseek_v4.checkpoint_names import canonical_shapes, is_fp32_param
+from deepinfer.engine.loader.checkpoint_writer import Layout, save_checkpoint
+from deepinfer.engine.models.deepseek_v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelConfig
+from deepinfer.engine.models.deepseek_v4.rope_config import RopeConfig
+from deepinfer.engine.text.tiny_tokenizer import build_tokenizer, write_tokenizer_files
 
 DEFAULT_LAYERS = "WWCHCHCH"
 DEFAULT_HASH_LAYERS = 2

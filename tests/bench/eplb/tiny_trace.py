@@ -1,4 +1,4 @@
-"""Routing traces recorded from the project's tiny DeepSeek-V4 model (engine/tiny_model.py).
+"""Routing traces recorded from the project's tiny DeepSeek-V4 model (engine/models/deepseek_v4/tiny_model.py).
 
 The model runs through ``LLM`` (scheduler, chunked prefill, continuous batching) on prompts cut
 from this repository's own sources and docs. Each MoE layer's ``forward`` is wrapped to recompute
@@ -66,9 +66,9 @@ def record(prefill_steps: int, decode_steps: int, *, chunk_tokens: int = 512, nu
            seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(prefill trace, decode trace): float arrays [steps, layers, experts], each cut to the
     requested number of steps (fewer if the text runs out)."""
-    from deepinfer.engine.llm import LLM
-    from deepinfer.engine.sampling_params import SamplingParams
-    from deepinfer.engine.tiny_model import write_tiny_model
+    from deepinfer.engine.api.llm import LLM
+    from deepinfer.engine.api.sampling_params import SamplingParams
+    from deepinfer.engine.models.deepseek_v4.tiny_model import write_tiny_model
 
     rng = np.random.default_rng(seed)
     text = corpus()

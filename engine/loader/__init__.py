@@ -1,0 +1,1 @@
+"""Checkpoints: config field reading, safetensors loading, dequantisation, checkpoint writing."""

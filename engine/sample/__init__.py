@@ -1,0 +1,1 @@
+"""Sampling: per-row inputs (metadata, prep), the sampler, structured-output grammars."""

@@ -1,0 +1,1 @@
+"""The continuous-batching scheduler and its parts (admission, budget, running, emit, commit, queue), cost model."""

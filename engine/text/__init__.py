@@ -1,0 +1,1 @@
+"""Tokens <-> text: tokenizer, detokenizer, chat template, output deltas (stop strings, logprobs)."""
