@@ -6,8 +6,10 @@ config and adds its stats to the node's Prometheus registry.
 
 Fragments live in ``<DEEPINFER_CACHE_DIR>/storage/<node name>`` with 10 GiB capacity and the
 default TTLs, unless the config's ``[storage]`` section carries ``dir`` (a per-node subdirectory
-is used), ``capacity_bytes`` and ``ttl`` ("agent=3d,chat=7d"): read when present, so adding
-those keys to runtime/cluster_config.py's StorageSection is all it takes.
+is used), ``capacity_bytes``, ``ttl`` ("agent=3d,chat=7d"), ``admin_from`` (networks allowed to
+send admin messages) and ``membership_file`` (the storage membership record: the node repairs,
+cache/store/repair.py): read when present, so adding those keys to runtime/cluster_config.py's
+StorageSection is all it takes.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ def make_role(*, role, config, node_name: str) -> StorageRole:
     # admin messages from loopback or [storage] admin_from networks; the data ROUTER stays plain
     # even under security.curve, so engines' store clients reach it without keys
     admin = AdminPolicy(networks=parse_networks(getattr(section, "admin_from", "") or ""))
+    membership_file = getattr(section, "membership_file", "") or ""
     return StorageRole(
         StorageNodeConfig(
             dir=Path(base) / node_name,
@@ -61,5 +64,6 @@ def make_role(*, role, config, node_name: str) -> StorageRole:
             ttl=parse_ttl_spec(ttl_spec) if ttl_spec else TtlPolicy(),
             name=node_name,
             admin=admin,
+            membership_file=Path(membership_file) if membership_file else None,
         )
     )
