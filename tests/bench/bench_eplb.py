@@ -71,15 +71,18 @@ class Setting:
 def build_parser():
     p = base_parser("eplb", "Our EPLB planner vs DeepSeek's on recorded and synthetic routing traces.")
     p.add_argument("--traces", default="synthetic,tiny", help="which traces: synthetic, tiny (default: %(default)s)")
-    p.add_argument("--layers", type=int, default=4, help="synthetic: MoE layers (default %(default)s)")
-    p.add_argument("--experts", type=int, default=256, help="synthetic: logical experts (default %(default)s)")
-    p.add_argument("--top-k", type=int, default=6, help="synthetic: experts per token (default %(default)s)")
-    p.add_argument("--prefill-periods", type=int, default=3, help="synthetic: prefill periods measured (default %(default)s)")
-    p.add_argument("--decode-periods", type=int, default=2, help="synthetic: decode periods measured (default %(default)s)")
-    p.add_argument("--decode-gpus", type=int, default=64, help="synthetic: decode EP size (default %(default)s)")
-    p.add_argument("--tiny-prefill-steps", type=int, default=150, help="tiny: prefill steps recorded (default %(default)s)")
-    p.add_argument("--tiny-decode-steps", type=int, default=300, help="tiny: decode steps recorded (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="trace seed (default %(default)s)")
+    for flag, default, text in (
+        ("--layers", 4, "synthetic: MoE layers"),
+        ("--experts", 256, "synthetic: logical experts"),
+        ("--top-k", 6, "synthetic: experts per token"),
+        ("--prefill-periods", 3, "synthetic: prefill periods measured"),
+        ("--decode-periods", 2, "synthetic: decode periods measured"),
+        ("--decode-gpus", 64, "synthetic: decode EP size"),
+        ("--tiny-prefill-steps", 150, "tiny: prefill steps recorded"),
+        ("--tiny-decode-steps", 300, "tiny: decode steps recorded"),
+        ("--seed", 0, "trace seed"),
+    ):
+        p.add_argument(flag, type=int, default=default, help=f"{text} (default %(default)s)")
     p.add_argument("--trace", metavar="PATH.npy", default=None, help="replay this [steps, layers, experts] array")
     p.add_argument("--gpus", type=int, default=None, help="--trace: EP size")
     p.add_argument("--redundant-per-gpu", type=int, default=None, help="--trace: spare expert slots per GPU")
@@ -182,7 +185,8 @@ def _tiny_runs(args):
     prefill, decode = record(args.tiny_prefill_steps, args.tiny_decode_steps, seed=args.seed)
     layers, experts = prefill.shape[1:]
     for gpus in (2, 4):
-        yield Setting("tiny", f"prefill-ep{gpus}", EplbConfig(num_gpus=gpus, **TINY_PREFILL)), [prefill], layers, experts
+        setting = Setting("tiny", f"prefill-ep{gpus}", EplbConfig(num_gpus=gpus, **TINY_PREFILL))
+        yield setting, [prefill], layers, experts
     yield Setting("tiny", f"decode-ep{experts}", EplbConfig(num_gpus=experts, **TINY_DECODE)), [decode], layers, experts
 
 
@@ -196,7 +200,8 @@ def _file_run(args):
     except (OSError, ValueError) as exc:
         raise BenchError(f"cannot read {args.trace} as a .npy array: {exc}") from None
     if trace.ndim != 3 or not np.issubdtype(trace.dtype, np.number):
-        raise BenchError(f"{args.trace}: want a numeric array [steps, layers, experts], got {trace.dtype} {trace.shape}")
+        raise BenchError(f"{args.trace}: want a numeric array [steps, layers, experts], "
+                         f"got {trace.dtype} {trace.shape}")
     steps, layers, experts = trace.shape
     cfg = EplbConfig(num_gpus=args.gpus, redundant_per_gpu=args.redundant_per_gpu, window=args.window,
                      period=args.period, num_nodes=args.nodes)
@@ -205,11 +210,18 @@ def _file_run(args):
     except ValueError as exc:
         raise BenchError(f"{args.trace}: {exc}") from None
     if steps <= args.window:
-        raise BenchError(f"{args.trace}: {steps} steps are not more than the window ({args.window}); nothing to measure")
-    if np.any(np.asarray(trace[: min(steps, 4096)]) < 0) or not np.isfinite(np.asarray(trace[: min(steps, 4096)])).all():
-        raise BenchError(f"{args.trace}: token counts must be finite and non-negative")
-    chunks = (np.asarray(trace[i : i + 1000]) for i in range(0, steps, 1000))
-    return Setting("file", f"ep{args.gpus}", cfg), chunks, layers, experts
+        raise BenchError(f"{args.trace}: {steps} steps are not more than the window ({args.window}); "
+                         "nothing to measure")
+    return Setting("file", f"ep{args.gpus}", cfg), _checked_chunks(args.trace, trace), layers, experts
+
+
+def _checked_chunks(path: str, trace: np.ndarray, chunk_steps: int = 1000):
+    """The memory-mapped trace in chunks of steps, each checked before it is replayed."""
+    for first in range(0, trace.shape[0], chunk_steps):
+        chunk = np.asarray(trace[first : first + chunk_steps], dtype=np.float64)
+        if not (np.isfinite(chunk).all() and (chunk >= 0).all()):
+            raise BenchError(f"{path}: token counts must be finite and non-negative (steps {first} onwards)")
+        yield chunk
 
 
 def _check_split(experts: int, gpus: int) -> None:

@@ -33,7 +33,8 @@ def test_bench_synthetic_ours_against_deepseek(tmp_path, capsys):
         assert data[f"synthetic_{setting}_ours"] < data[f"synthetic_{setting}_baseline"] - 0.005
     # decode's thousands of sequences leave sampling noise and drift: both within half a point
     assert abs(data["synthetic_decode_ep16_ours"] - data["synthetic_decode_ep16_baseline"]) < 0.005
-    assert data["realised_imbalance"] == max(data[f"synthetic_{s}_ours"] for s in ("prefill_ep2", "prefill_ep4", "decode_ep16"))
+    settings = ("prefill_ep2", "prefill_ep4", "decode_ep16")
+    assert data["realised_imbalance"] == max(data[f"synthetic_{s}_ours"] for s in settings)
     assert data["plan_ms_ours"] > 0 and data["plan_ms_baseline"] > 0
 
 
@@ -66,6 +67,8 @@ def test_bench_replays_a_trace_file(tmp_path):
      "want a numeric array [steps, layers, experts]"),
     ("negative", ["--trace", "{path}", "--gpus", "2", "--redundant-per-gpu", "1", "--window", "5", "--period", "9"],
      "finite and non-negative"),
+    ("late-nan", ["--trace", "{path}", "--gpus", "2", "--redundant-per-gpu", "1", "--window", "5", "--period", "9"],
+     "steps 1000 onwards"),
     ("ok", ["--trace", "{path}", "--gpus", "3", "--redundant-per-gpu", "1", "--window", "5", "--period", "9"],
      "do not split evenly over 3 GPUs"),
     ("ok", ["--trace", "{path}", "--gpus", "2", "--redundant-per-gpu", "1", "--window", "500", "--period", "9"],
@@ -78,6 +81,10 @@ def test_bench_rejects_bad_traces_and_settings(tmp_path, capsys, make, argv, mes
         np.save(path, np.ones((10, 16)))
     elif make == "negative":
         np.save(path, -np.ones((10, 1, 16)))
+    elif make == "late-nan":  # found while replaying, past the first chunk
+        trace = np.ones((1500, 1, 16))
+        trace[1200, 0, 3] = np.nan
+        np.save(path, trace)
     elif make == "ok":
         np.save(path, np.ones((50, 1, 16)))
     argv = [a.format(dir=tmp_path, path=path) for a in argv]

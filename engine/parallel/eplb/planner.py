@@ -74,7 +74,8 @@ def plan(
 
     if current is not None:
         current = np.asarray(current, dtype=np.int64)
-        assert current.shape == (num_layers, num_physical_experts), f"current must be {(num_layers, num_physical_experts)}"
+        assert current.shape == (num_layers, num_physical_experts), (
+            f"current must be [{num_layers}, {num_physical_experts}], got {current.shape}")
     phy2log = np.empty((num_layers, num_physical_experts), dtype=np.int64)
     for layer in range(num_layers):
         w = load[layer]
