@@ -1,4 +1,4 @@
-"""Routing traces recorded from the project's tiny DeepSeek-V4 model (engine/models/deepseek_v4/tiny_model.py).
+"""Routing traces recorded from the project's tiny DeepSeek-V4 model (``write_tiny_model``).
 
 The model runs through ``LLM`` (scheduler, chunked prefill, continuous batching) on prompts cut
 from this repository's own sources and docs. Each MoE layer's ``forward`` is wrapped to recompute
@@ -13,6 +13,9 @@ trace of a few hundred steps records in seconds on two cores.
     decode trace: ``num_seqs`` sequences sampling at temperature 1 (greedy on random weights
     repeats itself), from the first step without prompt tokens on (finished sequences are
     replaced, so later steps may carry a new prompt's chunk as continuous batching does)
+
+The engine admits requests asynchronously, so which prompts share the first steps, and from
+there the whole recording, varies a little from run to run; the planners replay one recording.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ LAYERS = "WWCH"
 
 def corpus() -> str:
     """This repository's Python and Markdown files, in a fixed order."""
-    files = [REPO / "README.md"] + sorted(p for d in TEXT_DIRS for p in (REPO / d).rglob("*") if p.suffix in (".py", ".md"))
+    files = sorted(p for d in TEXT_DIRS for p in (REPO / d).rglob("*") if p.suffix in (".py", ".md"))
+    files.insert(0, REPO / "README.md")
     return "\n".join(p.read_text(errors="replace") for p in files if p.is_file())
 
 
