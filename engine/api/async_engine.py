@@ -51,23 +51,18 @@ from deepinfer.engine.core.step_loop import AsyncStepPipeline
 from deepinfer.cache.swa_peer import SwaPeer
 from deepinfer.engine.kv.swa_slots import SwaSlotManager, SwaSlotRunner
 from deepinfer.engine.text.tokenizer import Tokenizer
-from deepinfer.runtime.gateway.engine_client import EngineOverloadedError, EngineStats, ModelInfo
+from deepinfer.engine.api.protocol import (
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineStats,
+    EngineStepError,
+    InvalidPromptError,
+    ModelInfo,
+)
 
 log = logging.getLogger(__name__)
 
 PromptType = str | Mapping[str, Any]
-
-
-class InvalidPromptError(ValueError):
-    """A prompt the engine cannot take (wrong shape, empty, too long, ids outside the vocabulary)."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine is shut down or failed too often to serve."""
-
-
-class EngineStepError(RuntimeError):
-    """A model step failed while this request was running; the request is finished."""
 
 
 class _Stream:
@@ -131,7 +126,7 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """Implements the gateway's ``EngineClient`` protocol (runtime/gateway/engine_client.py)."""
+    """Implements the gateway's ``EngineClient`` protocol (engine/api/protocol.py)."""
 
     def __init__(self, parts: EngineParts, options: EngineOptions, *, max_consecutive_failures: int = 3) -> None:
         """Use ``await AsyncEngine.start(...)``; this wires already-built parts to the running loop."""

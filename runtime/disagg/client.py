@@ -1,4 +1,4 @@
-"""The gateway's ``EngineClient`` for a disaggregated cluster (runtime/gateway/engine_client.py).
+"""The gateway's ``EngineClient`` for a disaggregated cluster (engine/api/protocol.py).
 
 ``generate`` picks a prefill engine (``TieredPrefillRouter``) and a decode engine
 (``TwoDimDecodeBalancer``) up front from the engines' load reports, sends ``PdDispatch`` to the
@@ -37,7 +37,7 @@ from deepinfer.runtime.balance import RequestInfo, TieredPrefillRouter, TwoDimDe
 from deepinfer.runtime.balance.prefix_index import PrefixIndex
 from deepinfer.runtime.cluster_config import ClusterConfig, NodeRole
 from deepinfer.runtime.disagg.engine_directory import EngineDirectory, EngineEntry
-from deepinfer.runtime.gateway.engine_client import EngineStats, GatewayTokenizer, ModelInfo, TokensPrompt
+from deepinfer.engine.api.protocol import EngineStats, GatewayTokenizer, ModelInfo, TokensPrompt
 from deepinfer.transport.channels import StreamReceiver
 from deepinfer.transport.errors import RemoteError, TransportError
 from deepinfer.transport.protocol import (

@@ -29,7 +29,7 @@ from deepinfer.runtime.disagg.cli_args import add_disagg_arguments, serve_detect
 from deepinfer.runtime.disagg.client import PdEngineClient
 from deepinfer.runtime.disagg.local_cluster import write_local_cluster
 from deepinfer.runtime.failure_detector import DetectorSettings
-from deepinfer.runtime.gateway.engine_client import ModelInfo
+from deepinfer.engine.api.protocol import ModelInfo
 from deepinfer.runtime.supervisor import ChildSpec, Supervisor
 from deepinfer.transport.protocol import FailurePolicy
 

@@ -10,7 +10,7 @@ from deepinfer.runtime.gateway.app import build_app
 from deepinfer.runtime.gateway.config import GatewayConfig
 from deepinfer.runtime.gateway.connections import GatewayRunner
 from deepinfer.runtime.gateway.embedded import RunningGateway, curl_example, serve, start_gateway
-from deepinfer.runtime.gateway.engine_client import (
+from deepinfer.engine.api.protocol import (
     EngineClient,
     EngineOverloadedError,
     EngineStats,

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from deepinfer.runtime.gateway.engine_client import EngineClient
+from deepinfer.engine.api.protocol import EngineClient
 from deepinfer.runtime.gateway.metrics import GatewayMetrics
 
 

@@ -23,7 +23,7 @@ from aiohttp import web
 from deepinfer.runtime.gateway.app import build_app
 from deepinfer.runtime.gateway.config import STATE_KEY, GatewayConfig
 from deepinfer.runtime.gateway.connections import GatewayRunner
-from deepinfer.runtime.gateway.engine_client import EngineClient
+from deepinfer.engine.api.protocol import EngineClient
 
 log = logging.getLogger(__name__)
 

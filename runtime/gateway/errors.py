@@ -19,7 +19,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
 
 from deepinfer.engine.api.sampling_params import SamplingParamsError
-from deepinfer.runtime.gateway.engine_client import EngineOverloadedError
+from deepinfer.engine.api.protocol import EngineOverloadedError
 
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",

@@ -13,7 +13,7 @@ import logging
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from deepinfer.runtime.gateway.engine_client import EngineClient
+from deepinfer.engine.api.protocol import EngineClient
 from deepinfer.runtime.metrics import MetricsRegistry
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from deepinfer.runtime.gateway.engine_client import GatewayTokenizer
+from deepinfer.engine.api.protocol import GatewayTokenizer
 from deepinfer.runtime.gateway.errors import GatewayError, bad_request
 from deepinfer.runtime.gateway.openai_protocol import ChatMessage, TextPart
 

@@ -14,7 +14,7 @@ from deepinfer.engine.text.output_processor import merge_output
 from deepinfer.engine.api.sampling_params import SamplingParamsError
 from deepinfer.engine.sample.structured_output import StructuredOutputError
 from deepinfer.engine.models.deepseek_v4.tiny_model import write_tiny_model
-from deepinfer.runtime.gateway.engine_client import EngineClient, EngineOverloadedError
+from deepinfer.engine.api.protocol import EngineClient, EngineOverloadedError
 
 PROMPT = [5, 6, 7, 8, 9, 40, 41, 300, 301, 302, 17]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -22,7 +22,7 @@ from deepinfer.engine.api.outputs import CompletionOutput, Logprob, RequestOutpu
 from deepinfer.engine.api.sampling_params import SamplingParams
 from deepinfer.engine.sample.structured_output import StructuredOutputBackend
 from deepinfer.engine.text.tokenizer import Tokenizer
-from deepinfer.runtime.gateway.engine_client import EngineOverloadedError, EngineStats, ModelInfo, TokensPrompt
+from deepinfer.engine.api.protocol import EngineOverloadedError, EngineStats, ModelInfo, TokensPrompt
 
 BLOCK_SIZE = 16
 EOS_PROBABILITY = 1 / 48

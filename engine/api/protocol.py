@@ -1,4 +1,5 @@
-"""What the HTTP gateway needs from an engine: the narrow ``EngineClient`` protocol.
+"""What a caller (the HTTP gateway first) needs from an engine: the narrow ``EngineClient``
+protocol, the values it returns (``ModelInfo``, ``EngineStats``) and the typed errors it raises.
 
 The gateway never reaches into an engine. Anything with these members can be mounted: the
 in-process ``AsyncEngine`` (embedded ``deepinfer serve``), a client of a disaggregated cluster,
@@ -27,6 +28,18 @@ from typing import Any, Protocol, TypedDict, runtime_checkable
 
 from deepinfer.engine.api.outputs import RequestOutput
 from deepinfer.engine.api.sampling_params import SamplingParams
+
+
+class InvalidPromptError(ValueError):
+    """A prompt the engine cannot take (wrong shape, empty, too long, ids outside the vocabulary)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine is shut down or failed too often to serve."""
+
+
+class EngineStepError(RuntimeError):
+    """A model step failed while this request was running; the request is finished."""
 
 
 class EngineOverloadedError(RuntimeError):
