@@ -11,4 +11,8 @@ def build_model(config: ModelConfig, **kwargs):
         from deepinfer.engine.models.deepseek_v4.model import DeepseekV4ForCausalLM
 
         return DeepseekV4ForCausalLM(config, **kwargs)
-    raise ValueError(f"model_type {config.model_type!r} is not supported; supported: deepseek_v4")
+    if config.model_type == "deepseek_v41":
+        from deepinfer.engine.models.deepseek_v41.model import DeepseekV41ForCausalLM
+
+        return DeepseekV41ForCausalLM(config, **kwargs)
+    raise ValueError(f"model_type {config.model_type!r} is not supported; supported: deepseek_v4, deepseek_v41")

@@ -1,0 +1,154 @@
+"""Per-forward index metadata of a V4.1 model: V4's plans plus Engram history and decoder replay.
+
+Window key sets, compressed candidates and closing entries are V4's (deepseek_v4/context.py,
+index_plans.py) with non-overlapping windows: ratio 2 pools pairs, ratio 1 closes one entry per
+token. V4.1 adds
+
+- ``EngramPlan``: for every token its n-gram history ``(p, p-1, ..., p-n+1)`` as indices into
+  ``pool = [ring ids of each step's n-1 positions before its first | fresh ids | blocked]``;
+  positions below 0 or below the step's ``window_start`` are blocked (the pad id). The ring
+  ``engram_ids`` of the SWA slot keeps the last ids of each sequence.
+- ``decoder``: bounded replay of the decoder layers. A step that replays over prefix-cache
+  blocks (``write_from > start_pos``) runs its replayed tokens through the encoder layers with
+  windows truncated at ``window_start``; with ``decoder_replay_tokens`` set, the decoder layers
+  (the CED source and above) see only the tokens from ``write_from - decoder_replay_tokens``
+  on, windows truncated there. ``decoder`` then holds a second V4 context over that sub-batch
+  and the rows of the full batch it takes (None when every decoder layer sees every token).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from deepinfer.engine.core.batch import ForwardBatch, SeqStep
+from deepinfer.engine.models.deepseek_v4 import context as v4
+from deepinfer.engine.models.deepseek_v4.context import BatchError, ForwardContext, Geometry
+
+__all__ = ["BatchError", "DecoderBatch", "EngramPlan", "V41ForwardContext", "V41Geometry", "build_context", "validate"]
+
+
+@dataclass(frozen=True, slots=True)
+class V41Geometry:
+    base: Geometry
+    engram_ngram: int = 0  # max n-gram size; 0 = no Engram
+    engram_capacity: int = 0  # rows of the engram_ids ring
+    image_token_id: int = -1  # prompts with it need the vision tower (not served yet)
+    decoder_replay_tokens: int | None = None  # bounded decoder replay (module docstring); None: off
+
+    def __getattr__(self, name):  # the V4 plan builders read the base geometry's fields
+        return getattr(self.base, name)
+
+
+@dataclass(slots=True)
+class EngramPlan:
+    ring_rows: torch.Tensor  # [S * (n - 1)] engram_ids ring rows in front of the pool
+    history: torch.Tensor  # [T, n] pool index of (p, p-1, ..., p-n+1); the last pool row = blocked
+    ring_write: v4.RingWrite
+
+
+@dataclass(slots=True)
+class DecoderBatch:
+    rows: torch.Tensor  # [T'] rows of the full batch the decoder layers compute
+    ctx: ForwardContext  # V4 context of the sub-batch (its logit_index: rows of the sub-batch)
+
+
+@dataclass(slots=True)
+class V41ForwardContext(ForwardContext):
+    engram: EngramPlan | None = None
+    decoder: DecoderBatch | None = None
+
+
+def validate(batch: ForwardBatch, geo: V41Geometry, num_slots: int) -> None:
+    v4.validate(batch, geo.base, num_slots)
+    if geo.image_token_id >= 0:
+        for i, s in enumerate(batch.steps):
+            if geo.image_token_id in s.token_ids:
+                raise BatchError(f"step {i} (seq {s.seq_id}): image token {geo.image_token_id} in the input; the "
+                                 "V4.1 vision tower is not served yet, send text only")
+
+
+def build_context(batch: ForwardBatch, geo: V41Geometry, *, device: torch.device,
+                  batch_invariant: bool) -> V41ForwardContext:
+    base = v4.build_context(batch, geo.base, device=torch.device("cpu"), batch_invariant=batch_invariant)
+    ctx = V41ForwardContext(**{f.name: getattr(base, f.name) for f in dataclasses.fields(ForwardContext)})
+    if geo.engram_ngram:
+        ctx.engram = _engram_plan(batch, geo)
+    if geo.decoder_replay_tokens is not None:
+        ctx.decoder = _decoder_batch(batch, geo, batch_invariant)
+    return _to_device(ctx, device) if torch.device(device).type != "cpu" else ctx
+
+
+def _engram_plan(batch: ForwardBatch, geo: V41Geometry) -> EngramPlan:
+    n, cap = geo.engram_ngram, geo.engram_capacity
+    steps = batch.steps
+    back = n - 1
+    ring_rows, history, offset = [], [], 0
+    num_tokens = batch.num_tokens
+    num_ring = len(steps) * back
+    blocked = num_ring + num_tokens
+    for k, s in enumerate(steps):
+        ring_rows.append(s.slot * cap + np.arange(s.start_pos - back, s.start_pos) % cap)
+        pos = s.start_pos + np.arange(s.num_tokens)[:, None] - np.arange(n)[None, :]  # [t, n]
+        fresh = num_ring + offset + (pos - s.start_pos)
+        ring = k * back + (pos - (s.start_pos - back))
+        idx = np.where(pos >= s.start_pos, fresh, ring)
+        history.append(np.where(pos >= max(0, s.window_start), idx, blocked))
+        offset += s.num_tokens
+    return EngramPlan(
+        ring_rows=torch.from_numpy(np.concatenate(ring_rows).astype(np.int64)),
+        history=torch.from_numpy(np.concatenate(history).astype(np.int64)),
+        ring_write=_ring_write(steps, cap),
+    )
+
+
+def _ring_write(steps: list[SeqStep], capacity: int) -> v4.RingWrite:
+    """Each step writes its last min(n, capacity) fresh ids to ring row position % capacity."""
+    rows, src, offset = [], [], 0
+    for s in steps:
+        first = max(s.start_pos, s.end_pos - capacity)
+        pos = np.arange(first, s.end_pos)
+        rows.append(s.slot * capacity + pos % capacity)
+        src.append(offset + pos - s.start_pos)
+        offset += s.num_tokens
+    return v4.RingWrite(rows=torch.from_numpy(np.concatenate(rows).astype(np.int64)),
+                        src=torch.from_numpy(np.concatenate(src).astype(np.int64)))
+
+
+def _decoder_batch(batch: ForwardBatch, geo: V41Geometry, batch_invariant: bool) -> DecoderBatch | None:
+    """The sub-batch of a bounded decoder replay, or None when no step replays past the bound."""
+    keep, rows, first = [], [], 0
+    trimmed = False
+    for s in batch.steps:
+        floor = s.start_pos
+        if s.write_from > s.start_pos:
+            floor = max(s.start_pos, s.write_from - geo.decoder_replay_tokens)
+        cut = min(floor - s.start_pos, s.num_tokens - max(1, s.num_logits))  # logit rows stay in
+        if cut > 0:
+            trimmed = True
+            start = s.start_pos + cut
+            keep.append(dataclasses.replace(s, start_pos=start, token_ids=list(s.token_ids)[cut:],
+                                            window_start=max(s.window_start, start)))
+        else:
+            cut = 0
+            keep.append(s)
+        rows.extend(range(first + cut, first + s.num_tokens))
+        first += s.num_tokens
+    if not trimmed:
+        return None
+    sub = v4.build_context(ForwardBatch(keep), geo.base, device=torch.device("cpu"), batch_invariant=batch_invariant)
+    return DecoderBatch(rows=torch.tensor(rows, dtype=torch.long), ctx=sub)
+
+
+def _to_device(ctx: V41ForwardContext, device: torch.device) -> V41ForwardContext:
+    moved = v4._to_device(ctx, device)
+    if ctx.engram is not None:
+        e = ctx.engram
+        moved.engram = EngramPlan(e.ring_rows.to(device), e.history.to(device),
+                                  v4.RingWrite(e.ring_write.rows.to(device), e.ring_write.src.to(device)))
+    if ctx.decoder is not None:
+        moved.decoder = DecoderBatch(ctx.decoder.rows.to(device), v4._to_device(ctx.decoder.ctx, device))
+    return moved
