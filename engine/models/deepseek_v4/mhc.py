@@ -31,6 +31,7 @@ class HyperConnection(nn.Module):
         self.pre_post_base = self.base[: 2 * n].clone()
         self.comb_scale = float(self.scale[2])  # a Python float: no device read per call
         self.comb_base = self.base[2 * n :].view(n, n).clone()
+        self.fn_pre = self.fn[:n].contiguous()  # the pre rows alone (weights())
 
     def pre(self, streams: torch.Tensor, batch_invariant: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``streams [T, N, D]`` -> (post [T, N], comb [T, N, N], block input [T, D])."""
@@ -47,14 +48,14 @@ class HyperConnection(nn.Module):
     def weights(self, streams: torch.Tensor, batch_invariant: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``streams [T, N, D]`` -> (pre [T, N], post [T, N], comb [T, N, N]), the numbers of ``pre``
         without the collapse: V4.1's single-pass mHC collapses a sublayer's streams with the pre
-        weights of the sublayer before it, so the weights and the collapse are separate steps."""
+        weights of the sublayer before it, so the weights and the collapse are separate steps.
+        post/comb come from ``pre`` (one native call on CPU), pre from its own rows of ``fn``."""
         t, n, d = streams.shape
+        post, comb, _ = self.pre(streams, batch_invariant)
         flat = ops.rms_norm(streams.reshape(t, n * d).float(), None, self.norm_eps)  # explicit width: t may be 0
-        mixes = ops.linear(flat, self.fn, batch_invariant)
-        pre_post = ops.sigmoid(mixes[:, : 2 * n] * self.pre_post_scale + self.pre_post_base, batch_invariant)
-        pre, post = pre_post[:, :n] + self.hc_eps, pre_post[:, n:] * 2
-        comb = torch.softmax(mixes[:, 2 * n :].view(t, n, n) * self.comb_scale + self.comb_base, dim=-1) + self.hc_eps
-        return pre, post, ops.sinkhorn(comb, self.sinkhorn_iters, self.hc_eps)
+        mixes = ops.linear(flat, self.fn_pre, batch_invariant)
+        pre = ops.sigmoid(mixes * self.pre_post_scale[:n] + self.pre_post_base[:n], batch_invariant) + self.hc_eps
+        return pre, post, comb
 
     @staticmethod
     def collapse(streams: torch.Tensor, pre: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
