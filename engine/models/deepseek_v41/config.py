@@ -14,14 +14,13 @@ and their invariants live in roles.py; bad input raises ``ModelConfigError`` nam
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deepinfer.engine.loader.config_fields import FieldReader
-from deepinfer.engine.models.deepseek_v4.config import ModelConfigError
+from deepinfer.engine.loader.config_fields import FieldReader, ModelConfigError, read_config_json
+from deepinfer.engine.models.deepseek_v41.engram import hash_primes
 from deepinfer.engine.models.deepseek_v41.roles import LayerRole, RoleError, check_roles, layer_roles
 from deepinfer.engine.loader.quant_config import parse_quantization
 from deepinfer.engine.models.deepseek_v4.rope_config import RopeConfig, parse_rope
@@ -127,14 +126,7 @@ class V41Config:
     # ---- parsing -------------------------------------------------------------------
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> V41Config:
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise ModelConfigError(f"model directory {str(model_dir)!r} has no config.json")
-        try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ModelConfigError(f"cannot read {path}: {exc}") from None
-        return cls.from_dict(raw)
+        return cls.from_dict(read_config_json(model_dir))
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> V41Config:
@@ -281,6 +273,13 @@ class V41Config:
             fail("engram_max_ngram_size", f"must be >= 2, got {self.engram_max_ngram_size}")
         if not 0 <= self.engram_pad_token_id < self.vocab_size:
             fail("engram_pad_token_id", f"({self.engram_pad_token_id}) is outside the vocabulary")
+        if self.engram_head_dim % 32:
+            fail("engram_head_dim", f"({self.engram_head_dim}) must be a multiple of 32 (one table scale per 32)")
+        primes = hash_primes(len(layers), self.engram_max_ngram_size, self.engram_n_heads, self.engram_vocab_size)
+        for lid, rows, cols in zip(layers, self.engram_num_embeddings, primes):
+            if sum(cols) != rows:
+                fail("engram_num_embeddings", f"gives layer {lid} {rows} table rows, but its {len(cols)} hash primes "
+                     f"(from engram_vocab_size {self.engram_vocab_size}) sum to {sum(cols)}")
 
     def _validate_dspark(self, fail) -> None:
         if not self.num_nextn_predict_layers:

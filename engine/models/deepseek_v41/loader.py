@@ -26,7 +26,7 @@ from safetensors import safe_open
 from deepinfer.engine.loader.dequant import QuantFormatError, dequant_fp4, dequant_fp8, scale_to_float
 from deepinfer.engine.loader.weights import CheckpointError, resolve_dtype, weight_files
 from deepinfer.engine.models.deepseek_v4.checkpoint_names import ExpertSlice
-from deepinfer.engine.models.deepseek_v4.config import ModelConfigError
+from deepinfer.engine.loader.config_fields import ModelConfigError
 from deepinfer.engine.models.deepseek_v41 import checkpoint_names as names
 from deepinfer.engine.models.deepseek_v41.config import V41Config
 from deepinfer.engine.models.deepseek_v41.engram import EngramError, token_map_from_dir
