@@ -43,7 +43,7 @@ from typing import Any
 from deepinfer import envs
 from deepinfer.engine.core.engine_core import EngineCore
 from deepinfer.engine.core.factory import EngineOptions, EngineParts, build_engine
-from deepinfer.engine.models.deepseek_v4.config import ModelConfig
+from deepinfer.engine.models.registry import FamilyConfig
 from deepinfer.engine.text.output_processor import merge_output
 from deepinfer.engine.api.outputs import RequestOutput
 from deepinfer.engine.api.sampling_params import SamplingParams
@@ -202,7 +202,7 @@ class AsyncEngine:
         return self._parts.tokenizer
 
     @property
-    def model_config(self) -> ModelConfig:
+    def model_config(self) -> FamilyConfig:
         return self._parts.model_config
 
     def stats(self) -> EngineStats:

@@ -29,7 +29,7 @@ import torch
 from deepinfer import envs
 from deepinfer.cache.block_cache import BlockCache
 from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig
-from deepinfer.engine.models.deepseek_v4.config import ModelConfig
+from deepinfer.engine.models.registry import FamilyConfig, family, read_model_config
 from deepinfer.engine.core.model_runner import ModelRunner
 from deepinfer.engine.sched.scheduler import SchedulerConfig
 from deepinfer.engine.kv.offload import KVOffload, KVOffloadConfig
@@ -37,7 +37,7 @@ from deepinfer.engine.sample.structured_output import StructuredOutputBackend
 from deepinfer.engine.kv.swa_replay import SWA_REPLAY_MODES
 from deepinfer.engine.kv.swa_slots import SwaSlotManager, attach_swa_slots
 from deepinfer.engine.text.tokenizer import Tokenizer
-from deepinfer.engine.loader.weights import load_checkpoint, resolve_dtype
+from deepinfer.engine.loader.weights import resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -206,7 +206,7 @@ def _is_seconds(v) -> bool:
 @dataclass(slots=True)
 class EngineParts:
     core: EngineCore
-    model_config: ModelConfig
+    model_config: FamilyConfig
     tokenizer: Tokenizer | None
     structured_output: StructuredOutputBackend | None
     max_model_len: int
@@ -227,10 +227,10 @@ def build_engine(model_dir: str | Path, options: EngineOptions) -> EngineParts:
     device = resolve_device(options.device)
     if options.num_threads:
         torch.set_num_threads(options.num_threads)
-    cfg = ModelConfig.from_dir(model_dir)
+    cfg = read_model_config(model_dir)
     # "auto": the checkpoint's dtype on GPUs; float32 on CPU (bf16 GEMMs are slow on most CPUs)
     compute = resolve_dtype("float32" if options.dtype == "auto" and device == "cpu" else options.dtype, cfg)
-    cfg, state = load_checkpoint(model_dir, dtype=compute, device=device, progress=False)
+    cfg, state = family(cfg.model_type).load_checkpoint(model_dir, dtype=compute, device=device, progress=False)
     max_model_len = min(options.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     bs = options.block_size
     blocks_per_seq = -(-max_model_len // bs)

@@ -38,9 +38,7 @@ from deepinfer.cache.block_cache import BlockCache
 from deepinfer.cache.swa_state import SwaArena
 from deepinfer.engine.core.batch import ForwardBatch
 from deepinfer.engine.kv.layout import KvLayout, KvTensor
-from deepinfer.engine.models.deepseek_v4.config import ModelConfig
-from deepinfer.engine.models import build_model
-from deepinfer.engine.models.deepseek_v4.context import build_context, validate
+from deepinfer.engine.models.registry import FamilyConfig, family
 
 
 class WeightsError(ValueError):
@@ -76,7 +74,7 @@ def default_batch_invariant(device: torch.device, dtype: torch.dtype) -> bool:
 class ModelRunner:
     def __init__(
         self,
-        config: ModelConfig,
+        config: FamilyConfig,
         state_dict: Mapping[str, torch.Tensor],
         *,
         num_blocks: int,
@@ -95,7 +93,9 @@ class ModelRunner:
         self.batch_invariant = (
             default_batch_invariant(self.device, dtype) if batch_invariant is None else batch_invariant
         )
-        self.model = build_model(config, device=self.device, dtype=dtype)
+        model_family = family(config.model_type)  # the runner knows models only through the registry
+        self._validate, self._build_context = model_family.forward_context()
+        self.model = model_family.build_model(config, device=self.device, dtype=dtype)
         load_weights(self.model, state_dict, tied=config.tie_word_embeddings)
         self.model.finalize()
         self.model.eval()
@@ -151,8 +151,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_hidden(self, batch: ForwardBatch) -> torch.Tensor:
         """Final hidden states ``[num_logits, hidden]`` (the seam for speculative decoding)."""
-        validate(batch, self.geometry, self.swa.num_slots)
-        ctx = build_context(batch, self.geometry, device=self.device, batch_invariant=self.batch_invariant)
+        self._validate(batch, self.geometry, self.swa.num_slots)
+        ctx = self._build_context(batch, self.geometry, device=self.device, batch_invariant=self.batch_invariant)
         return self.model(ctx, self.blocks, self.swa)
 
     @torch.inference_mode()

@@ -1,9 +1,34 @@
-"""Typed reads from a config.json object, with one-line errors that name the field."""
+"""config.json: reading the file, and typed reads of its fields with one-line errors that name the field."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
+
+
+class ModelConfigError(ValueError):
+    """config.json is missing, unreadable or inconsistent; the message names the field."""
+
+
+def read_config_json(model_dir: str | Path) -> dict[str, Any]:
+    """The parsed ``model_dir/config.json`` (a JSON object); ``ModelConfigError`` otherwise."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ModelConfigError(f"model directory {str(path)!r} does not exist or is not a directory")
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise ModelConfigError(f"model directory {str(path)!r} has no config.json")
+    try:
+        raw = json.loads(config_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ModelConfigError(f"{config_path} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ModelConfigError(f"cannot read {config_path}: {exc}") from None
+    if not isinstance(raw, Mapping):
+        raise ModelConfigError(f"config must be a JSON object, got {type(raw).__name__}")
+    return raw
 
 
 class FieldReader:

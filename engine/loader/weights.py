@@ -21,20 +21,14 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from deepinfer.engine.models.deepseek_v4.checkpoint_names import (
-    ExpertSlice,
-    canonical_shapes,
-    is_fp32_param,
-    is_mtp,
-    to_canonical,
-)
+from deepinfer.engine.loader.config_fields import ModelConfigError
 from deepinfer.engine.loader.dequant import QuantFormatError, dequantize
-from deepinfer.engine.models.deepseek_v4.config import ModelConfig, ModelConfigError
 from deepinfer.engine.loader.quant_config import DEFAULT_BLOCK
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -57,10 +51,23 @@ class _Stored:
     shape: tuple[int, ...]
 
 
+class CheckpointNames(Protocol):
+    """A family's tensor naming (e.g. engine/models/deepseek_v4/checkpoint_names.py): a stored name
+    -> its canonical name, or an ``ExpertSlice`` (one expert's part of a merged expert tensor)."""
+
+    def to_canonical(self, name: str) -> Any: ...
+
+    def canonical_shapes(self, cfg: Any) -> dict[str, tuple[int, ...]]: ...
+
+    def is_fp32_param(self, name: str) -> bool: ...
+
+    def is_mtp(self, name: str) -> bool: ...
+
+
 @dataclass(slots=True)
 class _Entry:
     stored: _Stored
-    target: str | ExpertSlice
+    target: Any  # canonical name (str) or an ExpertSlice (target, expert, part)
     scale: _Stored | None
     shape: tuple[int, ...]  # after dequantisation / unpacking
 
@@ -71,32 +78,47 @@ def load_checkpoint(
     device: str | torch.device = "cpu",
     expected: dict[str, tuple[int, ...]] | None = None,
     progress: bool = True,
-) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    names: CheckpointNames | None = None,
+) -> tuple[Any, dict[str, torch.Tensor]]:
     """Read ``model_dir`` -> (config, canonical name -> tensor on ``device``).
 
-    Floating tensors come back in ``dtype``, except the precision-critical small ones
-    (``checkpoint_names.is_fp32_param``: mHC weights, sinks, norms, position and router biases),
-    which stay float32 as in transformers; ``tid2eid`` comes back as int64. ``expected`` (the
-    model's own state_dict shapes) defaults to the shapes the config implies.
+    The config comes from the model registry (engine/models/registry.py), the tensor naming from
+    ``names`` (default: the family's ``checkpoint_names``). Floating tensors come back in
+    ``dtype``, except the precision-critical small ones (``names.is_fp32_param``: mHC weights,
+    sinks, norms, position and router biases), which stay float32 as in transformers; ``tid2eid``
+    comes back as int64. ``expected`` (the model's own state_dict shapes) defaults to the shapes
+    the config implies.
     """
+    from deepinfer.engine.models.registry import family, read_model_config
+
     model_dir = Path(model_dir)
     try:
-        cfg = ModelConfig.from_dir(model_dir)
+        cfg = read_model_config(model_dir)
+        if names is None:
+            family_names = family(cfg.model_type).checkpoint_names
+            if family_names is None:
+                raise ModelConfigError(f"model_type {cfg.model_type!r} loads its checkpoints with its own loader")
+            names = family_names()
     except ModelConfigError as exc:
         raise CheckpointError(str(exc)) from None
     compute_dtype = resolve_dtype(dtype, cfg)
-    expected = dict(canonical_shapes(cfg) if expected is None else expected)
+    expected = dict(names.canonical_shapes(cfg) if expected is None else expected)
     stored = _read_headers(weight_files(model_dir))
-    entries = _plan(stored, expected, model_dir)
+    entries = _plan(stored, expected, model_dir, names)
     _check_coverage(entries, expected, cfg, model_dir)
     block = tuple((cfg.quantization or {}).get("weight_block_size", DEFAULT_BLOCK))
-    tensors = _load(entries, expected, compute_dtype, torch.device(device), block, progress, model_dir)
+    tensors = _load(entries, expected, compute_dtype, torch.device(device), block, progress, model_dir, names)
     if "lm_head.weight" in expected and "lm_head.weight" not in tensors:
         tensors["lm_head.weight"] = tensors["embed_tokens.weight"]  # tied embeddings (checked above)
     return cfg, tensors
 
 
-def resolve_dtype(dtype: torch.dtype | str, cfg: ModelConfig) -> torch.dtype:
+def _is_slice(target) -> bool:
+    """An ExpertSlice (one expert's gate/up/down of a merged tensor), not a whole tensor's name."""
+    return not isinstance(target, str)
+
+
+def resolve_dtype(dtype: torch.dtype | str, cfg) -> torch.dtype:
     """A torch dtype from a dtype or its name; "auto" = the checkpoint's dtype (float32 if unknown)."""
     if isinstance(dtype, torch.dtype):
         return dtype
@@ -160,15 +182,16 @@ def _scale_owner(key: str, stored: dict[str, _Stored]) -> str | None:
     return None
 
 
-def _plan(stored: dict[str, _Stored], expected: dict[str, tuple[int, ...]], model_dir: Path) -> list[_Entry]:
+def _plan(stored: dict[str, _Stored], expected: dict[str, tuple[int, ...]], model_dir: Path,
+          names: CheckpointNames) -> list[_Entry]:
     scale_of = {owner: stored[k] for k in stored if (owner := _scale_owner(k, stored)) is not None}
     scale_keys = {s.key for s in scale_of.values()}
     entries: list[_Entry] = []
     seen: dict[str | tuple[str, int, str], str] = {}
     for key, item in stored.items():
-        if key in scale_keys or is_mtp(key):
+        if key in scale_keys or names.is_mtp(key):
             continue  # scales travel with their weight; MTP layers load with MTP/DSpark
-        target = to_canonical(key)
+        target = names.to_canonical(key)
         scale = scale_of.get(key)
         if scale is None and item.dtype in _NEEDS_SCALE_DTYPES:
             raise CheckpointError(f"tensor {key!r} in {model_dir} is stored as {item.dtype} but has no scale "
@@ -176,7 +199,7 @@ def _plan(stored: dict[str, _Stored], expected: dict[str, tuple[int, ...]], mode
         shape = item.shape
         if scale is not None and item.dtype in _PACKED_FP4_DTYPES:
             shape = (*shape[:-1], 2 * shape[-1])
-        seen_key = (target.target, target.expert, target.part) if isinstance(target, ExpertSlice) else target
+        seen_key = (target.target, target.expert, target.part) if _is_slice(target) else target
         if seen_key in seen:
             raise CheckpointError(f"tensors {seen[seen_key]!r} and {key!r} in {model_dir} are the same weight")
         seen[seen_key] = key
@@ -185,14 +208,14 @@ def _plan(stored: dict[str, _Stored], expected: dict[str, tuple[int, ...]], mode
     return entries
 
 
-def _check_shape(key: str, target: str | ExpertSlice, shape: tuple[int, ...],
+def _check_shape(key: str, target, shape: tuple[int, ...],
                  expected: dict[str, tuple[int, ...]], model_dir: Path) -> None:
-    name = target.target if isinstance(target, ExpertSlice) else target
+    name = target.target if _is_slice(target) else target
     if name not in expected:
         raise CheckpointError(f"unexpected tensor {key!r} in {model_dir}: the model configured by its config.json "
                               "has no such weight")
     want = expected[name]
-    if isinstance(target, ExpertSlice):
+    if _is_slice(target):
         num_experts, rows, cols = want
         if target.expert >= num_experts:
             raise CheckpointError(f"tensor {key!r} in {model_dir} is expert {target.expert}, but the config has "
@@ -203,12 +226,12 @@ def _check_shape(key: str, target: str | ExpertSlice, shape: tuple[int, ...],
                               f"{tuple(want)}")
 
 
-def _check_coverage(entries: list[_Entry], expected: dict[str, tuple[int, ...]], cfg: ModelConfig,
+def _check_coverage(entries: list[_Entry], expected: dict[str, tuple[int, ...]], cfg,
                     model_dir: Path) -> None:
     whole = {e.target for e in entries if isinstance(e.target, str)}
     parts: dict[str, set[tuple[int, str]]] = {}
     for e in entries:
-        if isinstance(e.target, ExpertSlice):
+        if _is_slice(e.target):
             parts.setdefault(e.target.target, set()).add((e.target.expert, e.target.part))
     missing = []
     for name, shape in expected.items():
@@ -232,7 +255,7 @@ def _check_coverage(entries: list[_Entry], expected: dict[str, tuple[int, ...]],
 
 
 def _load(entries: list[_Entry], expected: dict[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device,
-          block: tuple[int, int], progress: bool, model_dir: Path) -> dict[str, torch.Tensor]:
+          block: tuple[int, int], progress: bool, model_dir: Path, names: CheckpointNames) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     entries = sorted(entries, key=lambda e: (str(e.stored.file), e.stored.key))
     with contextlib.ExitStack() as stack, tqdm(
@@ -246,8 +269,8 @@ def _load(entries: list[_Entry], expected: dict[str, tuple[int, ...]], dtype: to
             return handles[item.file].get_tensor(item.key).to(device)
 
         for e in entries:
-            name = e.target.target if isinstance(e.target, ExpertSlice) else e.target
-            out_dtype = torch.float32 if is_fp32_param(name) else dtype
+            name = e.target.target if _is_slice(e.target) else e.target
+            out_dtype = torch.float32 if names.is_fp32_param(name) else dtype
             t = read(e.stored)
             if e.scale is not None:
                 try:
@@ -258,7 +281,7 @@ def _load(entries: list[_Entry], expected: dict[str, tuple[int, ...]], dtype: to
                 t = t.to(out_dtype)
             elif name.endswith(".tid2eid"):
                 t = t.to(torch.int64)
-            if isinstance(e.target, ExpertSlice):
+            if _is_slice(e.target):
                 merged = tensors.get(name)
                 if merged is None:
                     merged = tensors[name] = torch.empty(expected[name], dtype=out_dtype, device=device)

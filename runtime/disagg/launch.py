@@ -43,10 +43,10 @@ _NODE_FLAGS = ("max_num_seqs", "num_blocks", "max_model_len", "block_size", "dty
 
 
 def _model_info(model_dir: Path, options: Mapping[str, Any], name: str) -> tuple[ModelInfo, Any]:
-    from deepinfer.engine.models.deepseek_v4.config import ModelConfig
+    from deepinfer.engine.models.registry import read_model_config
     from deepinfer.engine.text.tokenizer import Tokenizer
 
-    cfg = ModelConfig.from_dir(model_dir)
+    cfg = read_model_config(model_dir)
     tokenizer = Tokenizer.from_dir(model_dir)
     max_len = min(options.get("max_model_len") or cfg.max_position_embeddings, cfg.max_position_embeddings)
     if options.get("num_blocks"):

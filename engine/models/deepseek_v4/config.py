@@ -18,13 +18,12 @@ writes DeepSeek's released spelling. Bad input raises ``ModelConfigError`` namin
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from deepinfer.engine.loader.config_fields import FieldReader
+from deepinfer.engine.loader.config_fields import FieldReader, ModelConfigError, read_config_json
 from deepinfer.engine.models.deepseek_v4.layer_kinds import (
     CSA,
     HASH_MOE,
@@ -32,7 +31,6 @@ from deepinfer.engine.models.deepseek_v4.layer_kinds import (
     LAYER_TYPES,
     MLP_LAYER_TYPES,
     MOE,
-    NATIVE_CSA_RATIO,
     SLIDING,
     parse_layer_kinds,
     parse_mlp_kinds,
@@ -64,10 +62,6 @@ NATIVE_FIELD_NAMES = {
     "n_mtp_layers": "num_nextn_predict_layers",
     "n_hash_layers": "num_hash_layers",
 }
-
-
-class ModelConfigError(ValueError):
-    """config.json is missing, unreadable or inconsistent; the message names the field."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,31 +134,18 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         """Read ``model_dir/config.json``."""
-        path = Path(model_dir)
-        if not path.is_dir():
-            raise ModelConfigError(f"model directory {str(path)!r} does not exist or is not a directory")
-        config_path = path / "config.json"
-        if not config_path.is_file():
-            raise ModelConfigError(f"model directory {str(path)!r} has no config.json")
-        try:
-            raw = json.loads(config_path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as exc:
-            raise ModelConfigError(f"{config_path} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ModelConfigError(f"cannot read {config_path}: {exc}") from None
-        return cls.from_dict(raw)
+        return cls.from_dict(read_config_json(model_dir))
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> ModelConfig:
         if not isinstance(raw, Mapping):
             raise ModelConfigError(f"config must be a JSON object, got {type(raw).__name__}")
         d = dict(raw)
-        is_native = any(name in d for name in NATIVE_FIELD_NAMES)
         for native, ours in NATIVE_FIELD_NAMES.items():
             if native in d:
                 d.setdefault(ours, d[native])
         model_type = d.get("model_type")
-        if model_type is None and (is_native or "compress_ratios" in d):
+        if model_type is None and is_untyped_v4(raw):
             model_type = "deepseek_v4"  # DeepSeek's inference configs carry no model_type
         if model_type not in SUPPORTED_MODEL_TYPES:
             shown = "no model_type" if model_type is None else f"model_type {model_type!r}"
@@ -259,104 +240,24 @@ class ModelConfig:
             if not 0 <= value < self.vocab_size:
                 fail("eos_token_id", f"({value}) is outside the vocabulary [0, {self.vocab_size})")
 
-    # ---- writing -------------------------------------------------------------------
+    # ---- writing (config_dicts.py) ----------------------------------------------------
     def to_hf_dict(self) -> dict[str, Any]:
         """config.json in transformers' spelling (loads with ``DeepseekV4Config``)."""
-        d = self._common_dict()
-        d.update(
-            layer_types=list(self.layer_types),
-            compress_rates={CSA: self.compress_rates[CSA], HCA: self.compress_rates[HCA]},
-            mlp_layer_types=list(self.mlp_layer_types),
-            partial_rotary_factor=self.partial_rotary_factor,
-            rope_parameters={
-                "main": _rope_to_dict(self.rope_main, self.partial_rotary_factor),
-                "compress": _rope_to_dict(self.rope_compress, self.partial_rotary_factor),
-            },
-        )
-        if self.quantization is not None:
-            d["quantization_config"] = dict(self.quantization)
-        return d
+        from deepinfer.engine.models.deepseek_v4.config_dicts import to_hf_dict
+
+        return to_hf_dict(self)
 
     def to_native_dict(self) -> dict[str, Any]:
         """config.json in the spelling of DeepSeek's released checkpoints (``compress_ratios``,
         ``num_hash_layers``, ``qk_rope_head_dim``, ``rope_scaling``, ``expert_dtype``)."""
-        if self.compress_rates[CSA] != NATIVE_CSA_RATIO and CSA in self.layer_types:
-            raise ModelConfigError(f"config field 'compress_rates' CSA rate {self.compress_rates[CSA]} cannot be "
-                                   f"written as native compress_ratios (CSA is ratio {NATIVE_CSA_RATIO} there)")
-        if self.compress_rates[HCA] == NATIVE_CSA_RATIO and HCA in self.layer_types:
-            raise ModelConfigError("config field 'compress_rates' HCA rate 4 would read back as CSA in native form")
-        num_hash = self.num_hash_layers
-        if tuple(self.mlp_layer_types) != (HASH_MOE,) * num_hash + (MOE,) * (self.num_hidden_layers - num_hash):
-            raise ModelConfigError("config field 'mlp_layer_types' must be hash layers first to be written as "
-                                   "native num_hash_layers")
-        if self.rope_main.rope_type != "default":
-            raise ModelConfigError("config field 'rope_parameters.main' must be plain RoPE to be written in native form")
-        rc = self.rope_compress
-        if rc.rope_type == "yarn" and (rc.attention_factor != 1.0 or not rc.truncate):
-            raise ModelConfigError("config field 'rope_parameters.compress' has YaRN settings (attention_factor, "
-                                   "truncate) that native rope_scaling cannot express")
-        d = self._common_dict()
-        d.update(
-            compress_ratios=list(self.compress_ratios),
-            num_hash_layers=num_hash,
-            qk_rope_head_dim=self.qk_rope_head_dim,
-            topk_method="noaux_tc",
-        )
-        if rc.rope_type == "yarn":
-            d["rope_scaling"] = {
-                "type": "yarn",
-                "factor": rc.factor,
-                "original_max_position_embeddings": rc.original_max_position_embeddings,
-                "beta_fast": rc.beta_fast,
-                "beta_slow": rc.beta_slow,
-            }
-        if self.quantization is not None:
-            quant = dict(self.quantization)
-            d["expert_dtype"] = quant.pop("expert_dtype", "fp8")
-            d["quantization_config"] = quant
-        return d
+        from deepinfer.engine.models.deepseek_v4.config_dicts import to_native_dict
 
-    def _common_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {
-            "architectures": [ARCHITECTURES[self.model_type]],
-            "model_type": self.model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": 1,
-            "head_dim": self.head_dim,
-            "q_lora_rank": self.q_lora_rank,
-            "o_groups": self.o_groups,
-            "o_lora_rank": self.o_lora_rank,
-            "sliding_window": self.sliding_window,
-            "index_n_heads": self.index_n_heads,
-            "index_head_dim": self.index_head_dim,
-            "index_topk": self.index_topk,
-            "hc_mult": self.hc_mult,
-            "hc_sinkhorn_iters": self.hc_sinkhorn_iters,
-            "hc_eps": self.hc_eps,
-            "n_routed_experts": self.n_routed_experts,
-            "n_shared_experts": self.n_shared_experts,
-            "num_experts_per_tok": self.num_experts_per_tok,
-            "moe_intermediate_size": self.moe_intermediate_size,
-            "scoring_func": self.scoring_func,
-            "norm_topk_prob": self.norm_topk_prob,
-            "routed_scaling_factor": self.routed_scaling_factor,
-            "swiglu_limit": self.swiglu_limit,
-            "rms_norm_eps": self.rms_norm_eps,
-            "max_position_embeddings": self.max_position_embeddings,
-            "rope_theta": self.rope_main.theta,
-            "compress_rope_theta": self.rope_compress.theta,
-            "num_nextn_predict_layers": self.num_nextn_predict_layers,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": self.eos_token_id[0] if len(self.eos_token_id) == 1 else list(self.eos_token_id),
-            "pad_token_id": self.pad_token_id,
-        }
-        if self.checkpoint_dtype is not None:
-            d["dtype"] = self.checkpoint_dtype
-        return d
+        return to_native_dict(self)
+
+
+def is_untyped_v4(raw: Mapping[str, Any]) -> bool:
+    """A config.json without model_type that is V4's: DeepSeek's inference spelling or native compress_ratios."""
+    return any(name in raw for name in NATIVE_FIELD_NAMES) or "compress_ratios" in raw
 
 
 # ---- field helpers ------------------------------------------------------------------
@@ -404,22 +305,3 @@ def _checkpoint_dtype(r: FieldReader) -> str | None:
             # DeepSeek's inference "dtype": "fp8" means FP8 weights computed in bfloat16.
             return _DTYPE_NAMES.get(value, value)
     return None
-
-
-def _rope_to_dict(rope: RopeConfig, partial_rotary_factor: float) -> dict[str, Any]:
-    d: dict[str, Any] = {
-        "rope_type": rope.rope_type,
-        "rope_theta": rope.theta,
-        "partial_rotary_factor": partial_rotary_factor,
-    }
-    if rope.rope_type == "yarn":
-        d.update(
-            factor=rope.factor,
-            original_max_position_embeddings=rope.original_max_position_embeddings,
-            beta_fast=rope.beta_fast,
-            beta_slow=rope.beta_slow,
-            attention_factor=rope.attention_factor,
-        )
-        if not rope.truncate:
-            d["truncate"] = False
-    return d
