@@ -283,6 +283,12 @@ class RequestClient:
 
     async def start(self) -> "RequestClient":
         self._sock = new_socket(self._ctx, zmq.DEALER, curve=self._curve, hard_max_bytes=self._hard_max_bytes)
+        # A silent peer (cut link, hung host) must not keep this connection: an old one resumes
+        # only at TCP's next retransmission, up to minutes after a long cut ends. ZMTP heartbeats
+        # drop it, and unanswered connects are retried, so the link's return is seen in seconds.
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
+        self._sock.setsockopt(zmq.CONNECT_TIMEOUT, 2000)
         self._sock.connect(self.address)
         self._recv_task = asyncio.create_task(self._recv_loop(), name=f"{self.name}-recv")
         return self
