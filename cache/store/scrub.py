@@ -62,10 +62,10 @@ class Scrubber:
             bad = [k for k, s in zip(chunk, statuses) if s in (FragmentStatus.CORRUPT, FragmentStatus.NOT_FOUND)]
             if bad:
                 num_errors += len(bad)
+                self.stats.num_errors += len(bad)  # counted at once: the pass may run long at its rate
                 log.warning("%s: scrub found %d damaged or missing fragments (e.g. %s); their objects are rebuilt",
                             self.name, len(bad), bad[0].hex())
             await self._bytes.take(num_bytes)
-        self.stats.num_errors += num_errors
         self.stats.num_passes += 1
         return num_errors
 
