@@ -1,21 +1,21 @@
-"""`deepinfer bench NAME ...`: run a benchmark from tests/bench/.
+"""`deepinfer bench NAME ...`: run a benchmark from tests/bench/ in a process of its own.
 
 Benchmarks live in the source checkout (``tests/bench/bench_NAME.py``, each with
-``main(argv) -> int``). They are loaded as the package ``deepinfer_bench`` so a benchmark
-can import its siblings (``from deepinfer_bench.report import Report``). Every benchmark
-prints a table on stdout and, with ``--json PATH``, writes a flat JSON object of figures.
+``main(argv) -> int``), not in the installed package: this command runs
+``python tests/bench/package_loader.py NAME ARGS...`` (which registers tests/bench as the package
+``deepinfer_bench`` so a benchmark can import its siblings) and returns its exit status. Every
+benchmark prints a table on stdout and, with ``--json PATH``, writes a flat JSON object of figures.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
 from deepinfer.bin.cli import CliError
 
-BENCH_PACKAGE = "deepinfer_bench"
+LOADER = "package_loader.py"  # tests/bench/package_loader.py: registers the package, runs main(argv)
 
 # name -> one-line description (the module is tests/bench/bench_<name>.py)
 BENCHES = {
@@ -36,28 +36,6 @@ def bench_dir() -> Path:
     return Path(__file__).resolve().parent.parent / "tests" / "bench"
 
 
-def load_bench_package():
-    """Register tests/bench as the importable package ``deepinfer_bench`` (idempotent)."""
-    if BENCH_PACKAGE in sys.modules:
-        return sys.modules[BENCH_PACKAGE]
-    root = bench_dir()
-    init = root / "__init__.py"
-    if not init.exists():
-        raise CliError(f"benchmarks ship with the source checkout; {root} is missing")
-    spec = importlib.util.spec_from_file_location(BENCH_PACKAGE, init, submodule_search_locations=[str(root)])
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[BENCH_PACKAGE] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def load_bench_module(name: str):
-    """Import ``tests/bench/bench_<name>.py`` (or any module path under tests/bench)."""
-    load_bench_package()
-    module_name = name if "." in name or name.startswith("bench_") else f"bench_{name}"
-    return importlib.import_module(f"{BENCH_PACKAGE}.{module_name}")
-
-
 def add_parser(subparsers, name):
     lines = "\n".join(f"  {k:<10} {v}" for k, v in BENCHES.items())
     p = subparsers.add_parser(
@@ -72,8 +50,10 @@ def add_parser(subparsers, name):
 
 
 def run(args) -> int:
-    path = bench_dir() / f"bench_{args.bench}.py"
+    root = bench_dir()
+    if not (root / LOADER).is_file():
+        raise CliError(f"benchmarks ship with the source checkout; {root} is missing")
+    path = root / f"bench_{args.bench}.py"
     if not path.exists():
         raise CliError(f"not built yet: benchmark {args.bench!r} ({path.name} is missing)", code=2)
-    module = load_bench_module(args.bench)
-    return int(module.main(args.bench_args) or 0)
+    return subprocess.call([sys.executable, str(root / LOADER), args.bench, *args.bench_args])

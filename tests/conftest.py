@@ -33,6 +33,16 @@ def load_test_helper(path: str) -> ModuleType:
     return sys.modules[name]
 
 
+def load_bench_package():
+    """Register tests/bench as the package ``deepinfer_bench`` (tests/bench/package_loader.py)."""
+    return load_test_helper("bench/package_loader").load_bench_package()
+
+
+def load_bench_module(name: str):
+    """Import ``tests/bench/bench_<name>.py`` in-process (what `deepinfer bench NAME` runs in a child)."""
+    return load_test_helper("bench/package_loader").load_bench_module(name)
+
+
 @pytest.fixture
 def port() -> int:
     return free_port()

@@ -1,1 +1,1 @@
-"""Benchmarks, importable as the package ``deepinfer_bench`` (see deepinfer/bin/bench.py)."""
+"""Benchmarks, importable as the package ``deepinfer_bench`` (see tests/bench/package_loader.py)."""

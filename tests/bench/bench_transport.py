@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -91,8 +92,9 @@ def receiver_main(address: str) -> None:
 
 
 def start_receiver(address: str) -> tuple[subprocess.Popen, str]:
-    code = ("from deepinfer.bin.bench import load_bench_module; "
-            f"load_bench_module('transport').receiver_main({address!r})")
+    loader = Path(__file__).resolve().with_name("package_loader.py")
+    code = (f"import runpy; loader = runpy.run_path({str(loader)!r}); "
+            f"loader['load_bench_module']('transport').receiver_main({address!r})")
     proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline().split()
     if len(line) != 2 or line[0] != "READY":

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from deepinfer.bin.bench import load_bench_module
+from tests.conftest import load_bench_module
 
 
 @pytest.mark.timeout(600)

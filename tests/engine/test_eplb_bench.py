@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from deepinfer.bin.bench import load_bench_module, load_bench_package
+from tests.conftest import load_bench_module, load_bench_package
 
 
 def run_bench(argv, tmp_path):

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from deepinfer.bin.bench import load_bench_module, load_bench_package
+from tests.conftest import load_bench_module, load_bench_package
 from deepinfer.engine.spec import (
     ConfidencePolicy,
     FixedPolicy,

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from deepinfer.bin.bench import load_bench_module
+from tests.conftest import load_bench_module
 
 
 @pytest.mark.timeout(240)

@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from deepinfer.bin.bench import load_bench_package
+from tests.conftest import load_bench_package
 from deepinfer.runtime.balance import DecodeStepCost, PrefillCost
 
 load_bench_package()

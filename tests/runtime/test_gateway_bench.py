@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from deepinfer.bin.bench import load_bench_module
+from tests.conftest import load_bench_module
 from deepinfer.runtime.gateway.config import STATE_KEY
 from tests.conftest import load_test_helper
 

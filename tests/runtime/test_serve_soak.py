@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer.bin.bench import load_bench_module
+from tests.conftest import load_bench_module
 from tests.conftest import load_test_helper
 
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from deepinfer.bin.bench import load_bench_module
+from tests.conftest import load_bench_module
 
 KEYS = ["ec_encode_GBps", "pyeclib_encode_GBps", "cluster_get_GBps", "cluster_get_GBps_2_down",
         "hedged_read_p99_ratio_one_slow", "reads_failed_2_down", "healthy_write_GBps", "degraded_write_GBps",
