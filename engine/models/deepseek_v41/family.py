@@ -1,0 +1,35 @@
+"""DeepSeek-V4.1 as a model family of the registry (engine/models/registry.py): config, loader, model, context."""
+
+from __future__ import annotations
+
+from deepinfer.engine.models.deepseek_v41.config import ARCHITECTURE, MODEL_TYPE, V41Config
+from deepinfer.engine.models.registry import ModelFamily
+
+
+def _load_checkpoint(model_dir, *, dtype, device, progress: bool = True):
+    from deepinfer.engine.models.deepseek_v41.loader import load_v41_checkpoint
+
+    loaded = load_v41_checkpoint(model_dir, dtype=dtype, device=device)
+    return loaded.config, loaded.tensors
+
+
+def _build_model(config: V41Config, **kwargs):
+    from deepinfer.engine.models.deepseek_v41.model import DeepseekV41ForCausalLM
+
+    return DeepseekV41ForCausalLM(config, **kwargs)
+
+
+def _forward_context():
+    from deepinfer.engine.models.deepseek_v41.context import build_context, validate
+
+    return validate, build_context
+
+
+FAMILY = ModelFamily(
+    model_type=MODEL_TYPE,
+    architecture=ARCHITECTURE,
+    config_class=V41Config,
+    load_checkpoint=_load_checkpoint,
+    build_model=_build_model,
+    forward_context=_forward_context,
+)
