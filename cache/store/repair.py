@@ -14,12 +14,15 @@ ranking says they belong. Runs in every daemon started with a membership file; n
                                                              the missing indices
                                                  - drops:    surplus copies are deleted
 
-An object some group node's LRU GC evicted lately (HasFragments answers -2) is left alone: it is
-leaving the cache, and writing it back would fight the GC of a full node. An audit holds every index <= m of a recoverable object, so m+1 nodes look at each object per
-pass; only the leader (the lowest index) rebuilds. Re-encoding must reproduce the CRCs of the
-fragments that exist, or nothing is written. Repair traffic (bytes read to decode + bytes written)
-goes through a token bucket and the audit through a keys/s budget, so foreground reads keep the
-node; one batch runs at a time.
+The holders of indices 0..m audit an object (a recoverable one has at least one of them), so
+m+1 nodes look at each object per pass; only the leader (the lowest index held) rebuilds.
+Re-encoding must reproduce the CRCs of the fragments that exist, or nothing is written. Hints are
+gathered for ``hint_delay_s`` and audited together; while fewer than k+m nodes can take fragments
+a degraded write has nowhere to go, so it is parked until a node comes back. An object that some
+group node's LRU GC evicted lately (HasFragments answers -2) is left alone: it is leaving the
+cache, and writing it back would fight the GC of a full node. Repair traffic (bytes read to
+decode + bytes written) goes through a token bucket and the audit through a keys/s budget, so
+foreground reads keep the node; one batch runs at a time.
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ class Repairer:
         self._pass_pos = 0
         self._next_pass_at = 0.0
         self._last_unusable: set[str] = set()
-        self._bytes = TokenBucket(config.repair_bytes_per_s, burst=max(config.repair_bytes_per_s / 4, 64e6))
+        self._bytes = TokenBucket(config.repair_bytes_per_s, burst=config.repair_bytes_per_s / 4)  # 250 ms worth
         self._keys = TokenBucket(config.audit_keys_per_s, burst=config.batch_keys)
         self._warned_not_member = False
 

@@ -216,3 +216,24 @@ async def test_repair_does_not_write_back_what_gc_evicted(tmp_path):
             # the smaller node's evictions were rebuilt too (hundreds of fragments)
             assert sum(s.num_repaired for s in stats.values()) <= store.stats.num_degraded_writes
             assert all(s.used_bytes <= s.high_watermark_bytes for s in stats.values())
+
+
+async def test_repair_keeps_to_its_rate_while_reads_go_on(tmp_path):
+    # every daemon may repair at 100 KB/s (decode reads + writes): rebuilding a replaced node's 20
+    # fragments of 100 KB objects moves ~2.2 MB through ~11 leaders, so it cannot take under ~2 s
+    args = [*FAST, "--repair-rate", "100KB"]
+    with LocalCluster(tmp_path, 12, capacity="64MiB", membership=True, extra_args=args) as cluster:
+        async with _store(cluster) as store:
+            objs = _objects(20, seed=8, size=100_000)
+            await _put(store, objs)
+            shutil.rmtree(cluster.root / "node-07")
+            cluster.kill("node-07")
+            cluster.restart("node-07")
+            t0 = time.monotonic()
+            num_bad = 0
+            while set(_key2count(cluster, objs).values()) != {12}:
+                num_bad += await _num_bad_reads(store, objs)  # foreground reads during the repair
+                assert time.monotonic() - t0 < 90, "repair did not finish"
+            elapsed = time.monotonic() - t0
+            assert num_bad == 0
+            assert elapsed > 1.5, f"20 rebuilds at 100 KB/s per node took only {elapsed:.2f} s"
