@@ -36,6 +36,7 @@ from deepinfer.engine.loader.config_fields import ModelConfigError, read_config_
 # model_type -> the module whose FAMILY describes it
 FAMILY_MODULES = {
     "deepseek_v4": "deepinfer.engine.models.deepseek_v4.family",
+    "deepseek_v41": "deepinfer.engine.models.deepseek_v41.family",
 }
 
 
