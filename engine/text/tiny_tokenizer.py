@@ -1,11 +1,20 @@
 """A small byte-level BPE tokenizer for tiny checkpoints, trained on a built-in corpus.
 
 Deterministic: the corpus comes from a seeded generator and BPE training breaks ties by
-pair order, so the same call gives the same tokenizer.json bytes in any process. Special tokens
+pair order, so the same call gives the same tokenizer.json bytes in any process. Control tokens
 follow DeepSeek's spelling and take the first ids:
 
     0 <｜begin▁of▁sentence｜>   1 <｜end▁of▁sentence｜>   2 <｜▁pad▁｜>
     3 <｜User｜>   4 <｜Assistant｜>   5 <think>   6 </think>
+    7 <｜tool▁calls▁begin｜>   8 <｜tool▁calls▁end｜>   9 <｜tool▁call▁begin｜>
+    10 <｜tool▁call▁end｜>   11 <｜tool▁sep｜>   12 <｜tool▁output▁begin｜>   13 <｜tool▁output▁end｜>
+
+As in DeepSeek's own tokenizers, the think and tool markers (5-13) are added tokens that are not
+"special": decoding keeps them in the text, which is where the reasoning and tool-call parsers
+find them. The chat template's tool sections follow DeepSeek-V3.1's: tools are described after
+the system prompt, a call is ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>JSON<｜tool▁call▁end｜>``
+inside ``<｜tool▁calls▁begin｜>...<｜tool▁calls▁end｜>``, and each tool result is wrapped in
+``<｜tool▁output▁begin｜>...<｜tool▁output▁end｜>``, after which the assistant's turn goes on.
 """
 
 from __future__ import annotations
@@ -23,20 +32,62 @@ USER = "<｜User｜>"
 ASSISTANT = "<｜Assistant｜>"
 THINK = "<think>"
 END_THINK = "</think>"
-SPECIAL_TOKENS = (BOS, EOS, PAD, USER, ASSISTANT, THINK, END_THINK)
+TOOL_CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
+TOOL_CALLS_END = "<｜tool▁calls▁end｜>"
+TOOL_CALL_BEGIN = "<｜tool▁call▁begin｜>"
+TOOL_CALL_END = "<｜tool▁call▁end｜>"
+TOOL_SEP = "<｜tool▁sep｜>"
+TOOL_OUTPUT_BEGIN = "<｜tool▁output▁begin｜>"
+TOOL_OUTPUT_END = "<｜tool▁output▁end｜>"
+MARKUP_TOKENS = (THINK, END_THINK, TOOL_CALLS_BEGIN, TOOL_CALLS_END, TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_SEP,
+                 TOOL_OUTPUT_BEGIN, TOOL_OUTPUT_END)  # added tokens that decode as text
+SPECIAL_TOKENS = (BOS, EOS, PAD, USER, ASSISTANT, *MARKUP_TOKENS)  # every added token, in id order
 
-# DeepSeek-style chat: system prompts first (no marker), then role-marked turns; an assistant
-# turn ends with EOS. Non-thinking generation opens the answer with </think>.
+# Text goes out through {{ '...' }} so that block tags (trim_blocks) never eat its newlines.
+_TOOLS_SECTION = (
+    "{%- if tools %}{{ '\\n\\n## Tools\\nYou have access to the following tools:\\n' }}"
+    "{%- for tool in tools %}{%- set f = tool['function'] if tool['function'] is defined else tool %}"
+    "{{ '\\n### ' + f['name'] + '\\nDescription: ' + (f['description'] or '' if f['description'] is defined else '')"
+    " + '\\n\\nParameters: ' + ((f['parameters'] or {}) if f['parameters'] is defined else {}) | tojson + '\\n' }}"
+    "{%- endfor %}"
+    "{{ '\\nIMPORTANT: ALWAYS adhere to this exact format for tool use:\\n"
+    + TOOL_CALLS_BEGIN + TOOL_CALL_BEGIN + "tool_call_name" + TOOL_SEP + "tool_call_arguments" + TOOL_CALL_END
+    + "{additional_tool_calls}" + TOOL_CALLS_END + "\\n\\nWhere:\\n"
+    "- `tool_call_name` must be an exact match to one of the available tools\\n"
+    "- `tool_call_arguments` must be valid JSON that strictly follows the tool\\'s Parameters Schema\\n"
+    "- For multiple tool calls, chain them directly without separators or spaces' }}"
+    "{%- endif %}"
+)
+# an assistant turn's calls; arguments arrive as a JSON string (OpenAI) or an object
+_ASSISTANT_TOOL_CALLS = (
+    "{%- if message['tool_calls'] is defined and message['tool_calls'] %}" + TOOL_CALLS_BEGIN +
+    "{%- for call in message['tool_calls'] %}{%- set f = call['function'] %}" + TOOL_CALL_BEGIN +
+    "{{ f['name'] }}" + TOOL_SEP +
+    "{{ f['arguments'] if f['arguments'] is string else f['arguments'] | tojson }}" + TOOL_CALL_END +
+    "{%- endfor %}" + TOOL_CALLS_END + "{%- endif %}"
+)
+
+# DeepSeek-style chat: system prompts (and the tools) first, no marker, then role-marked turns; an
+# assistant turn ends with EOS. Non-thinking generation opens the answer with </think>. Tool
+# results follow the call that asked for them, and the assistant's turn continues after them
+# without a new marker (DeepSeek-V3.1's layout).
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{%- for message in messages if message['role'] == 'system' %}{{ message['content'] }}{%- endfor %}"
+    + _TOOLS_SECTION +
+    "{%- set ns = namespace(after_tool=false) %}"
     "{%- for message in messages %}"
-    "{%- if message['role'] == 'user' %}" + USER + "{{ message['content'] }}"
-    "{%- elif message['role'] == 'assistant' %}" + ASSISTANT + END_THINK + "{{ message['content'] }}" + EOS +
+    "{%- if message['role'] == 'user' %}" + USER + "{{ message['content'] }}{%- set ns.after_tool = false %}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{%- if not ns.after_tool %}" + ASSISTANT + END_THINK + "{%- endif %}"
+    "{{ message['content'] if message['content'] is not none else '' }}" + _ASSISTANT_TOOL_CALLS + EOS +
+    "{%- set ns.after_tool = false %}"
+    "{%- elif message['role'] == 'tool' %}" + TOOL_OUTPUT_BEGIN + "{{ message['content'] }}" + TOOL_OUTPUT_END +
+    "{%- set ns.after_tool = true %}"
     "{%- elif message['role'] != 'system' %}{{ raise_exception('unsupported chat role: ' + message['role']) }}"
     "{%- endif %}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}" + ASSISTANT +
+    "{%- if add_generation_prompt and not ns.after_tool %}" + ASSISTANT +
     "{%- if thinking is defined and thinking %}" + THINK + "{%- else %}" + END_THINK + "{%- endif %}"
     "{%- endif %}"
 )
@@ -105,7 +156,7 @@ def corpus(num_lines: int = 12000, seed: int = 1234) -> list[str]:
 
 
 def build_tokenizer(vocab_size: int = 4096) -> Tokenizer:
-    """Train the tiny byte-level BPE (special tokens at ids 0..6)."""
+    """Train the tiny byte-level BPE (added tokens at ids 0..13; the markup ones not special)."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
@@ -122,7 +173,12 @@ def build_tokenizer(vocab_size: int = 4096) -> Tokenizer:
         processors.ByteLevel(trim_offsets=False),
         processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]),
     ])
-    return tokenizer
+    # the trainer makes every added token special; the markup ones decode as text
+    data = json.loads(tokenizer.to_str())
+    for added in data["added_tokens"]:
+        if added["content"] in MARKUP_TOKENS:
+            added["special"] = False
+    return Tokenizer.from_str(json.dumps(data, ensure_ascii=False))
 
 
 def write_tokenizer_files(out_dir: str | Path, tokenizer: Tokenizer, model_max_length: int) -> None:

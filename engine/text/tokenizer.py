@@ -227,14 +227,24 @@ class Tokenizer:
         return self._encode_chat(chat)
 
     @cached_property
+    def control_token_ids(self) -> frozenset[int]:
+        """Every added token: the special ones and the markup that decodes as text (``<think>``,
+        tool-call markers). Only a chat template's own markup may produce them."""
+        return frozenset(self._added_tokens)
+
+    @cached_property
     def _control_tokens(self) -> tuple[str, ...]:
-        return tuple(t.content for t in self._added_tokens.values() if t.special)
+        return tuple(t.content for t in self._added_tokens.values())
 
     @cached_property
     def _text_only(self) -> tokenizers.Tokenizer:
         """A copy that tokenizes control-token strings as text (a copy: the flag is tokenizer
-        state, and prompts are encoded on several threads)."""
-        tok = tokenizers.Tokenizer.from_str(self._tok.to_str())
+        state, and prompts are encoded on several threads). Added tokens are marked special in
+        it, since ``encode_special_tokens`` leaves non-special ones matched."""
+        data = json.loads(self._tok.to_str())
+        for added in data.get("added_tokens", []):
+            added["special"] = True
+        tok = tokenizers.Tokenizer.from_str(json.dumps(data))
         tok.encode_special_tokens = True
         return tok
 
@@ -246,7 +256,7 @@ class Tokenizer:
         encoding = self._tok.encode(chat.text, add_special_tokens=False)
         if chat.mark is None:
             return encoding.ids
-        special = self.all_special_ids
+        control = self.control_token_ids
         ids: list[int] = []
         stretch: list[int] = []
         start = 0
@@ -259,7 +269,7 @@ class Tokenizer:
                 ids.extend(stretch)
 
         for token_id, (begin, end) in zip(encoding.ids, encoding.offsets):
-            if token_id in special:
+            if token_id in control:
                 end_stretch(begin)
                 ids.append(token_id)
                 stretch, start = [], end

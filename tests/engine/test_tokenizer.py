@@ -9,7 +9,8 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from deepinfer.engine.text.chat_template import ChatTemplateError
 from deepinfer.engine.text.detokenizer import OffsetDetokenizer
-from deepinfer.engine.text.tiny_tokenizer import ASSISTANT, BOS, END_THINK, EOS, USER, build_tokenizer, write_tokenizer_files
+from deepinfer.engine.text.tiny_tokenizer import (ASSISTANT, BOS, END_THINK, EOS, TOOL_SEP, USER, build_tokenizer,
+                                                  write_tokenizer_files)
 from deepinfer.engine.text.tokenizer import Tokenizer, TokenizerError
 
 TEXTS = [
@@ -44,7 +45,9 @@ def test_round_trip_and_special_tokens(tok):
     assert tok.vocab_size == 4096
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (0, 1, 2)
     assert tok.eos_token_ids == (1,)
-    assert tok.all_special_ids == frozenset(range(7))
+    assert tok.all_special_ids == frozenset(range(5))  # BOS EOS PAD User Assistant
+    assert tok.control_token_ids == frozenset(range(14))  # + think and tool-call markup, decoded as text
+    assert tok.decode([tok.token_to_id(END_THINK), tok.token_to_id(TOOL_SEP)]) == END_THINK + TOOL_SEP
     for text in TEXTS:
         ids = tok.encode(text)
         assert ids[0] == tok.bos_token_id
@@ -81,8 +84,8 @@ def test_chat_template_renders_deepseek_roles(tok):
 
 
 def test_chat_template_errors_are_one_line(tok, tok_dir, tmp_path):
-    with pytest.raises(ChatTemplateError, match="unsupported chat role: tool"):
-        tok.apply_chat_template([{"role": "tool", "content": "x"}])
+    with pytest.raises(ChatTemplateError, match="unsupported chat role: function"):
+        tok.apply_chat_template([{"role": "function", "content": "x"}])
     with pytest.raises(ChatTemplateError, match="message 0"):
         tok.apply_chat_template(["not a message"])
     config = json.loads((tok_dir / "tokenizer_config.json").read_text())
