@@ -51,7 +51,7 @@ from deepinfer.transport.errors import (
 )
 from deepinfer.transport.protocol import ErrorCode, ErrorReply
 from deepinfer.transport.security import CurveClientKeys, CurveServerKeys
-from deepinfer.transport.sockets import HARD_LIMIT_FACTOR, ChannelStats, bind, new_socket
+from deepinfer.transport.sockets import HARD_LIMIT_FACTOR, ChannelStats, bind, drop_silent_peers, new_socket
 from deepinfer.transport.streams import EventPublisher, EventSubscriber, StreamReceiver, StreamSender
 
 __all__ = [
@@ -283,12 +283,7 @@ class RequestClient:
 
     async def start(self) -> "RequestClient":
         self._sock = new_socket(self._ctx, zmq.DEALER, curve=self._curve, hard_max_bytes=self._hard_max_bytes)
-        # A silent peer (cut link, hung host) must not keep this connection: an old one resumes
-        # only at TCP's next retransmission, up to minutes after a long cut ends. ZMTP heartbeats
-        # drop it, and unanswered connects are retried, so the link's return is seen in seconds.
-        self._sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
-        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3000)
-        self._sock.setsockopt(zmq.CONNECT_TIMEOUT, 2000)
+        drop_silent_peers(self._sock)  # a cut link's return is seen in seconds, not at TCP's back-off
         self._sock.connect(self.address)
         self._recv_task = asyncio.create_task(self._recv_loop(), name=f"{self.name}-recv")
         return self

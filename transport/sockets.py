@@ -31,6 +31,22 @@ def default_context() -> zmq.asyncio.Context:
     return zmq.asyncio.Context.instance()
 
 
+# A connection whose peer went silent (cut link, hung host) is dropped after the timeout and made
+# again, with connects that get no answer retried: a kept one resumes only at TCP's next
+# retransmission, up to minutes after a long cut ends. For connecting sockets whose peer always
+# reads (its libzmq answers the ZMTP PINGs): a PULL that stops reading would look silent.
+SILENT_PEER_PING_MS = 1000
+SILENT_PEER_TIMEOUT_MS = 3000
+CONNECT_TIMEOUT_MS = 2000
+
+
+def drop_silent_peers(sock: zmq.Socket) -> None:
+    """Set before ``connect``: ZMTP heartbeats and a connect timeout on ``sock``'s connections."""
+    sock.setsockopt(zmq.HEARTBEAT_IVL, SILENT_PEER_PING_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, SILENT_PEER_TIMEOUT_MS)
+    sock.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_TIMEOUT_MS)
+
+
 def new_socket(
     ctx: zmq.asyncio.Context | None,
     kind: int,

@@ -28,7 +28,7 @@ from deepinfer import envs
 from deepinfer.transport.codec import Codec
 from deepinfer.transport.errors import ChannelClosed, MalformedFrame, OversizedFrame, TransportError
 from deepinfer.transport.security import CurveClientKeys, CurveKeyPair, CurveKeys, CurveServerKeys, apply_curve
-from deepinfer.transport.sockets import HARD_LIMIT_FACTOR, ChannelStats, bind, new_socket
+from deepinfer.transport.sockets import HARD_LIMIT_FACTOR, ChannelStats, bind, drop_silent_peers, new_socket
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +166,7 @@ class EventSubscriber(_Channel):
         self.publishers: set[str] = set()
 
     def _configure(self, sock: zmq.asyncio.Socket) -> None:
+        drop_silent_peers(sock)  # heartbeats flow again within seconds of a cut link's return
         for topic in self._topics:
             sock.subscribe(topic)
 

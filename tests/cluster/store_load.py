@@ -10,6 +10,8 @@ would, and obeys one command per stdin line:
                 and again; {"cmd": "load"}
     stop        end the workers; {"cmd": "stop", "ops": [[op, id, t0, t1, status, message], ...]}
     verify      read back every object written so far; {"cmd": "verify", "ops": [...]}
+    peers       ask every node of the cluster file whom it sees up (its heartbeat view):
+                {"cmd": "peers", "node2peers": {name: [peer, ...] or null when it did not answer}}
     quit
 
 An op's status is "HIT"/"MISS"/"DEADLINE"/"UNAVAILABLE" for reads (or "WRONG" when the bytes
@@ -32,6 +34,9 @@ from deepinfer.cache.store.api import GetStatus, deadline_after
 from deepinfer.cache.store.client import ClusterStore
 from deepinfer.runtime import loop
 from deepinfer.runtime.cluster_config import load_cluster_config
+from deepinfer.transport.channels import RequestClient
+from deepinfer.transport.errors import TransportError
+from deepinfer.transport.protocol import NodeControlReply, StatusRequest
 
 READ_DEADLINE_S = 2.0
 WRITE_DEADLINE_S = 3.0
@@ -89,6 +94,19 @@ class Load:
             await asyncio.sleep(PAUSE_S)
 
 
+async def peers_seen(config) -> dict[str, list[str] | None]:
+    async def one(spec) -> list[str] | None:
+        client = await RequestClient(spec.control, NodeControlReply, name=f"status-{spec.name}").start()
+        try:
+            return sorted((await client.request(StatusRequest(), timeout_s=1.0)).peers_up)
+        except TransportError:
+            return None
+        finally:
+            await client.close()
+
+    return dict(zip([s.name for s in config.nodes], await asyncio.gather(*(one(s) for s in config.nodes))))
+
+
 def stdin_lines(loop_: asyncio.AbstractEventLoop) -> asyncio.Queue:
     queue: asyncio.Queue = asyncio.Queue()
 
@@ -106,7 +124,8 @@ def answer(**fields) -> None:
 
 
 async def main(path: str) -> None:
-    store = ClusterStore.from_cluster_config(load_cluster_config(path))
+    config = load_cluster_config(path)
+    store = ClusterStore.from_cluster_config(config)
     await store.start()
     load = Load(store)
     commands = stdin_lines(asyncio.get_running_loop())
@@ -135,6 +154,8 @@ async def main(path: str) -> None:
                 await load.read(ids[chunk:chunk + 16])
             answer(cmd="verify", ops=load.ops)
             load.ops = before
+        elif verb == "peers":
+            answer(cmd="peers", node2peers=await peers_seen(config))
         elif verb == "quit":
             break
         else:

@@ -154,6 +154,35 @@ def test_link_delay_adds_to_every_round_trip_between_buildings(tmp_path):
         assert min(cluster.call_in("a1", connect_seconds, cluster.address("b1")) for _ in range(2)) >= 0.076
 
 
+def test_a_failing_test_still_tears_everything_down(tmp_path):
+    with pytest.raises(RuntimeError, match="the test failed"):
+        with netns.NetnsCluster({"h1": "A", "h2": "B"}, log_dir=tmp_path) as cluster:
+            sleeper = cluster.popen("h1", ["sleep", "300"])
+            raise RuntimeError("the test failed")
+    assert our_namespaces(cluster) == [] and sleeper.poll() is not None
+
+
+EXITING_RUN = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[1])
+    from tests.conftest import load_test_helper
+    netns = load_test_helper("cluster/netns")
+    cluster = netns.NetnsCluster({"x1": "A", "y1": "B"}, link_delay_ms=5, log_dir=sys.argv[2]).start()
+    print(cluster.run_id, cluster.popen("x1", ["sleep", "300"]).pid, flush=True)
+    sys.exit(3)  # leaves without close(): atexit tears down
+""")
+
+
+def test_a_process_that_exits_without_close_tears_down_at_exit(tmp_path):
+    repo = netns.__file__.rsplit("/tests/", 1)[0]
+    done = subprocess.run([sys.executable, "-c", EXITING_RUN, repo, str(tmp_path)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 3, done.stderr
+    run_id, sleeper = done.stdout.split()
+    assert [n for n in runs.list_namespaces() if runs.run_id_of(n) == run_id] == []
+    assert _state(int(sleeper)) in ("Z", "X")
+
+
 CRASHING_RUN = textwrap.dedent("""
     import os, signal, sys, time
     sys.path.insert(0, sys.argv[1])

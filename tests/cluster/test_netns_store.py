@@ -9,8 +9,8 @@ in a 7th host (the gateway's, building A) that writes and reads objects over the
    read that starts during the cut fails; each read, there or around it, either hits with
    identical bytes or ends with a typed error (DEADLINE / UNAVAILABLE) within the read deadline
    plus a margin: nothing hangs, nothing returns wrong bytes.
-3. The link returns: every object written reads back within 4 s (the clients' connections do not
-   wait out TCP's retransmission back-off).
+3. The link returns: within 4 s every object written reads back and every node's heartbeat view
+   has every other node up again (connections do not wait out TCP's retransmission back-off).
 4. Two storage hosts' daemons (one per building) are SIGKILLed mid-load: 0 failed reads.
 """
 
@@ -88,8 +88,9 @@ def test_store_across_buildings_survives_a_cut_link_and_two_dead_hosts(tmp_path)
 
         cut_seen_s = min(op[3] for op in during if op[4] == "UNAVAILABLE") - t_cut
 
-        # 3. the link is back: everything written reads back
+        # 3. the link is back: everything written reads back, every node sees every other again
         recovered_after_s = read_everything_back(client, t_restore)
+        rejoined_after_s = wait_everyone_sees_everyone(client, t_restore)
 
         # 4. two storage hosts die mid-load: 0 failed reads
         client.command("load 2")
@@ -108,8 +109,9 @@ def test_store_across_buildings_survives_a_cut_link_and_two_dead_hosts(tmp_path)
         verify = client.command("verify")["ops"]
         assert [op for op in verify if op[4] != "HIT"] == []
         client.quit()
-        print(f"cut seen (first UNAVAILABLE) {cut_seen_s:.2f} s after the cut; every object read back "
-              f"{recovered_after_s:.2f} s after the link returned; {len(verify)} objects after 2 hosts died")
+        print(f"cut seen (first UNAVAILABLE) {cut_seen_s:.2f} s after the cut; after the link returned every "
+              f"object read back in {recovered_after_s:.2f} s, every node saw every other in {rejoined_after_s:.2f} s; "
+              f"{len(verify)} objects read back after 2 hosts died")
 
 
 def read_everything_back(client, t_restore: float) -> float:
@@ -122,6 +124,18 @@ def read_everything_back(client, t_restore: float) -> float:
         assert [op for op in bad if op[4] == "WRONG"] == []
         assert time.monotonic() - t_restore < RECOVERY_BOUND_S, (
             f"{len(bad)} of {len(verify)} objects still unreadable {RECOVERY_BOUND_S} s after the link returned: {bad[:3]}")
+        time.sleep(0.2)
+
+
+def wait_everyone_sees_everyone(client, t_restore: float) -> float:
+    """Poll every node's heartbeat view until each sees all others; seconds since the restore."""
+    while True:
+        node2peers = client.command("peers")["node2peers"]
+        missing = {node: sorted(set(STORAGE) - {node} - set(peers or ())) for node, peers in node2peers.items()}
+        if not any(missing.values()):
+            return time.monotonic() - t_restore
+        assert time.monotonic() - t_restore < RECOVERY_BOUND_S, (
+            f"{RECOVERY_BOUND_S} s after the link returned, nodes still miss peers: {missing}")
         time.sleep(0.2)
 
 
