@@ -60,8 +60,10 @@ class FsStore:
     # ---- ObjectStore --------------------------------------------------------------------
     async def get_blocks(self, keys: Sequence[bytes], deadline: float) -> list[GetResult]:
         loop = asyncio.get_running_loop()
-        futures = [loop.run_in_executor(self._pool, self._read, key) for key in keys]
-        results = await _gather_until(futures, deadline)
+        if seconds_left(deadline) <= 0:  # too late already: no reads (a quick one would race the timeout)
+            results = [None] * len(keys)
+        else:
+            results = await _gather_until([loop.run_in_executor(self._pool, self._read, key) for key in keys], deadline)
         out: list[GetResult] = []
         for key, res in zip(keys, results):
             if res is None:
