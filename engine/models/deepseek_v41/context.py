@@ -36,7 +36,6 @@ class V41Geometry:
     base: Geometry
     engram_ngram: int = 0  # max n-gram size; 0 = no Engram
     engram_capacity: int = 0  # rows of the engram_ids ring
-    image_token_id: int = -1  # prompts with it need the vision tower (not served yet)
     decoder_replay_tokens: int | None = None  # bounded decoder replay (module docstring); None: off
 
     def __getattr__(self, name):  # the V4 plan builders read the base geometry's fields
@@ -64,11 +63,6 @@ class V41ForwardContext(ForwardContext):
 
 def validate(batch: ForwardBatch, geo: V41Geometry, num_slots: int) -> None:
     v4.validate(batch, geo.base, num_slots)
-    if geo.image_token_id >= 0:
-        for i, s in enumerate(batch.steps):
-            if geo.image_token_id in s.token_ids:
-                raise BatchError(f"step {i} (seq {s.seq_id}): image token {geo.image_token_id} in the input; the "
-                                 "V4.1 vision tower is not served yet, send text only")
 
 
 def build_context(batch: ForwardBatch, geo: V41Geometry, *, device: torch.device,

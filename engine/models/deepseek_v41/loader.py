@@ -112,6 +112,9 @@ def _plan(stored: dict[str, _Stored], expected: dict[str, tuple[int, ...]], cfg:
         if scale is not None and item.dtype in _PACKED_FP4:
             shape = (*shape[:-1], 2 * shape[-1])
         name = target.target if isinstance(target, ExpertSlice) else target
+        if name not in expected and key.endswith(".scale"):
+            raise CheckpointError(f"tensor {key!r} in {model_dir} is a block scale without its weight "
+                                  f"{key[: -len('scale')] + 'weight'!r}")
         if name not in expected:
             raise CheckpointError(f"unexpected tensor {key!r} in {model_dir}: the model its config.json describes has "
                                   "no such weight")

@@ -97,7 +97,6 @@ class DeepseekV41ForCausalLM(nn.Module):
             base=base,
             engram_ngram=c.engram_max_ngram_size if c.engram_layer_ids else 0,
             engram_capacity=self._engram_capacity(lookahead) if c.engram_layer_ids else 0,
-            image_token_id=c.image_token_id if c.vision is not None else -1,
             decoder_replay_tokens=self.decoder_replay_tokens if self.decoder_from is not None else None,
         )
 
