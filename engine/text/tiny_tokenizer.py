@@ -25,20 +25,23 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-BOS = "<｜begin▁of▁sentence｜>"
-EOS = "<｜end▁of▁sentence｜>"
-PAD = "<｜▁pad▁｜>"
-USER = "<｜User｜>"
-ASSISTANT = "<｜Assistant｜>"
-THINK = "<think>"
-END_THINK = "</think>"
-TOOL_CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
-TOOL_CALLS_END = "<｜tool▁calls▁end｜>"
-TOOL_CALL_BEGIN = "<｜tool▁call▁begin｜>"
-TOOL_CALL_END = "<｜tool▁call▁end｜>"
-TOOL_SEP = "<｜tool▁sep｜>"
-TOOL_OUTPUT_BEGIN = "<｜tool▁output▁begin｜>"
-TOOL_OUTPUT_END = "<｜tool▁output▁end｜>"
+from deepinfer.engine.text.markup import (
+    ASSISTANT,
+    BOS,
+    END_THINK,
+    EOS,
+    PAD,
+    THINK,
+    TOOL_CALL_BEGIN,
+    TOOL_CALL_END,
+    TOOL_CALLS_BEGIN,
+    TOOL_CALLS_END,
+    TOOL_OUTPUT_BEGIN,
+    TOOL_OUTPUT_END,
+    TOOL_SEP,
+    USER,
+)
+
 MARKUP_TOKENS = (THINK, END_THINK, TOOL_CALLS_BEGIN, TOOL_CALLS_END, TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_SEP,
                  TOOL_OUTPUT_BEGIN, TOOL_OUTPUT_END)  # added tokens that decode as text
 SPECIAL_TOKENS = (BOS, EOS, PAD, USER, ASSISTANT, *MARKUP_TOKENS)  # every added token, in id order
