@@ -18,6 +18,7 @@ vocabulary is counted from it. Same seed, same bytes.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -30,6 +31,7 @@ from deepinfer.engine.models.deepseek_v41.engram import compressed_token_map, ha
 from deepinfer.engine.text.tiny_tokenizer import build_tokenizer, write_tokenizer_files
 
 PADDED_IDS = 16
+STORED_FP32 = re.compile(r"(attn_hc|ffn_hc)\.(fn|base|scale)$|\.sinks$|\.e_score_correction_bias$")
 LAYOUT = dict(
     compress_ratios=(0, 0, 2, 2, 2, 2, 1, 1, 1, 1),
     stage_compress_ratios=(0, 0),
@@ -139,8 +141,8 @@ def write_tiny_v41(out_dir: str | Path, seed: int = 0, *, quantize: bool = True,
     _, compressed = compressed_token_map(tokenizer, sizes["vocab_size"])
     cfg = tiny_v41_config(compressed, **sizes)
     tensors = init_weights(cfg, seed)
-    if quantize:  # store the bf16-representable values, as a released checkpoint would
-        tensors = {k: t if names.keeps_fp32(k) else t.to(torch.bfloat16) for k, t in tensors.items()}
+    if quantize:  # bfloat16 as released, except the mHC weights, sinks and router biases (float32)
+        tensors = {k: t if STORED_FP32.search(k) else t.to(torch.bfloat16) for k, t in tensors.items()}
     written = save_v41_checkpoint(out_dir, cfg, tensors, quantize=quantize, extra=vision_tensors(cfg, seed))
     write_tokenizer_files(out_dir, tokenizer, model_max_length=cfg.max_position_embeddings)
     return written
