@@ -37,9 +37,17 @@ def make_usage(num_prompt: int, num_completion: int, num_cached: int) -> Usage:
 # ---- /v1/completions ----------------------------------------------------------------------
 class CompletionLogprobs(Struct):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token (nothing before it)
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(Struct):
+    """vLLM's ``prompt_logprobs`` entry: one token of one prompt position."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
 
 
 class CompletionChoice(Struct):
@@ -48,6 +56,8 @@ class CompletionChoice(Struct):
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None = None
+    # vLLM's extension, keyed by token id; the first position has no logprobs (None)
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | UnsetType = UNSET
 
 
 class CompletionResponse(Struct):
@@ -77,9 +87,22 @@ class ChatLogprobs(Struct):
     content: list[ChatTokenLogprob] | None
 
 
+class FunctionCallOut(Struct):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCallOut(Struct):
+    id: str
+    function: FunctionCallOut
+    type: str = "function"
+
+
 class AssistantMessage(Struct):
     content: str | None
     role: str = "assistant"
+    reasoning_content: str | None | UnsetType = UNSET  # only from templates that think
+    tool_calls: list[ToolCallOut] | UnsetType = UNSET  # only when the model called tools
 
 
 class ChatChoice(Struct):
@@ -99,9 +122,25 @@ class ChatCompletionResponse(Struct):
     object: str = "chat.completion"
 
 
+class FunctionCallDelta(Struct, omit_defaults=True):
+    name: str | UnsetType = UNSET
+    arguments: str | UnsetType = UNSET
+
+
+class ToolCallDelta(Struct, omit_defaults=True):
+    """A call's first delta carries its id, type and name; later ones pieces of its arguments."""
+
+    index: int
+    function: FunctionCallDelta
+    id: str | UnsetType = UNSET
+    type: str | UnsetType = UNSET
+
+
 class ChatDelta(Struct, omit_defaults=True):
     role: str | UnsetType = UNSET
     content: str | UnsetType = UNSET
+    reasoning_content: str | UnsetType = UNSET
+    tool_calls: list[ToolCallDelta] | UnsetType = UNSET
 
 
 class ChatChunkChoice(Struct):

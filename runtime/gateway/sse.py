@@ -39,8 +39,11 @@ class SSEWriter:
             raise ClientGone(str(exc)) from None
         self.is_started = True
 
-    def add(self, payload: bytes) -> None:
-        """Queue one event; it goes out with the next ``flush`` / ``send`` / ``done``."""
+    def add(self, payload: bytes, event: str | None = None) -> None:
+        """Queue one event (``event``: its SSE event name, as the Responses API names them); it goes
+        out with the next ``flush`` / ``send`` / ``done``."""
+        if event is not None:
+            self._pending.append(b"event: " + event.encode() + b"\n")
         self._pending.append(b"data: " + payload + b"\n\n")
 
     async def flush(self) -> None:
@@ -54,19 +57,24 @@ class SSEWriter:
         await self.flush()
 
     async def done(self) -> None:
+        """End the stream with ``data: [DONE]`` (chat and completions streams)."""
         self._pending.append(DONE)
+        await self.end()
+
+    async def end(self) -> None:
+        """End the stream as it is (Responses streams have no ``[DONE]``)."""
         await self.flush()
         try:
             await self.response.write_eof()
         except (ConnectionError, RuntimeError) as exc:
             raise ClientGone(str(exc)) from None
 
-    async def fail(self, error_payload: bytes) -> None:
+    async def fail(self, error_payload: bytes, *, done: bool = True) -> None:
         """End the stream with an in-band OpenAI error object (the status line is long gone); events
-        already queued go out first."""
+        already queued go out first. ``done=False``: an ``error`` event and no ``[DONE]``."""
         try:
-            await self.send(error_payload)
-            await self.done()
+            self.add(error_payload, event=None if done else "error")
+            await (self.done() if done else self.end())
         except ClientGone:
             pass
 
