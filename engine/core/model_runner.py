@@ -113,6 +113,18 @@ class ModelRunner:
     def num_slots(self) -> int:
         return self.swa.num_slots
 
+    def bounded_replay(self, replay_tokens: int) -> int:
+        """Tokens a bounded SWA replay recomputes (engine/kv/swa_replay.py). A model may bound only
+        some layers itself (``model.bounded_replay``: V4.1's encoder replays exactly, its decoder
+        layers the last ``replay_tokens``) and say how many tokens the replay needs; otherwise
+        every layer replays ``replay_tokens``."""
+        hook = getattr(self.model, "bounded_replay", None)
+        if hook is None:
+            return replay_tokens
+        tokens = hook(replay_tokens)
+        self.geometry = self.model.geometry(self.blocks.block_size, self.geometry.lookahead)
+        return tokens
+
     # ---- KV state export / import -----------------------------------------------------------
     def kv_layout(self) -> KvLayout:
         """Names, shapes, dtypes and bytes of one block and one slot (module docstring)."""

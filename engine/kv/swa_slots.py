@@ -264,8 +264,11 @@ def attach_swa_slots(core, *, mode: SwaReplayMode = "bounded", replay_tokens: in
     sched = core.scheduler
     if getattr(sched, "swa_slots", None) is not None:
         raise ValueError("this engine already has SWA slots attached; attach once, with the store and fetcher")
-    sched.config = replace(sched.config, max_replay_tokens=max_replay_tokens(
-        mode, sliding_window=cfg.sliding_window, num_layers=cfg.num_hidden_layers, replay_tokens=replay_tokens))
+    max_replay = max_replay_tokens(mode, sliding_window=cfg.sliding_window, num_layers=cfg.num_hidden_layers,
+                                   replay_tokens=replay_tokens)
+    if mode == "bounded" and hasattr(runner, "bounded_replay"):  # a model that bounds some layers itself
+        max_replay = runner.bounded_replay(replay_tokens)
+    sched.config = replace(sched.config, max_replay_tokens=max_replay)
     if store is None:
         layout = SlotLayout(runner.swa.specs, carry_dtype=runner.dtype, is_window_mxfp8=is_window_mxfp8)
         store = SwaSlotStore(layout, max(num_store_slots, 1))

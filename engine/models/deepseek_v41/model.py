@@ -100,6 +100,16 @@ class DeepseekV41ForCausalLM(nn.Module):
             decoder_replay_tokens=self.decoder_replay_tokens if self.decoder_from is not None else None,
         )
 
+    def bounded_replay(self, replay_tokens: int) -> int:
+        """Bounded SWA replay (SPEC section 3): the decoder layers (the CED source and above) rebuild
+        their windows from only the last ``replay_tokens`` replayed tokens, the layers below replay
+        exactly; returns the tokens to replay (sliding_window x the layers below the CED source)."""
+        c = self.config
+        if self.decoder_from is None:
+            return replay_tokens  # no decoder: every layer replays the bounded segment
+        self.decoder_replay_tokens = replay_tokens
+        return c.sliding_window * self.decoder_from
+
     # ---- weights ----------------------------------------------------------------------------
     def finalize(self) -> None:
         """Build fused projection weights; call after loading and moving the weights."""

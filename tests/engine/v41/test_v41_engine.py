@@ -124,3 +124,27 @@ def test_pd_handoff_equals_colocated(tiny_dir):
     for rid, out in pd.run_to_end(decode).items():
         got[rid] = merge_output(got[rid], out)
     pd.assert_same_outputs(got, want, [r[0] for r in reqs])
+
+
+def test_bounded_replay_replays_the_encoder_and_bounds_the_decoder(tiny_dir):
+    """swa_replay="bounded" on V4.1: a prefix hit replays sliding_window x (layers below the CED
+    source) tokens through the encoder and only the last swa_replay_tokens through the decoder
+    layers; the state is approximate (kept out of the prefix cache) but stays near the exact one."""
+    prompt = _prompts(1, 7, 300, 300)[0]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+    outs = {}
+    for mode in ("exact", "bounded"):
+        parts = build_engine(tiny_dir, EngineOptions(**OPTIONS, num_blocks=96, swa_replay=mode, swa_replay_tokens=16))
+        core = parts.core
+        add_resumed(core, "a", prompt, params, 1, [])
+        pd.run_to_end(core)
+        add_resumed(core, "b", prompt + [7, 8], params, 1, [])
+        outs[mode] = pd.run_to_end(core)["b"]
+        assert outs[mode].num_cached_tokens == 288
+    stats = parts.swa_slots.stats
+    c = parts.model_config
+    assert stats.num_replayed_bounded == 1 and stats.num_replayed_tokens == c.sliding_window * c.ced_source
+    exact, bounded = outs["exact"].outputs[0], outs["bounded"].outputs[0]
+    assert bounded.token_ids[:4] == exact.token_ids[:4]
+    lp = [abs(e[t].logprob - b[t].logprob) for e, b, t in zip(exact.logprobs, bounded.logprobs, exact.token_ids[:4])]
+    assert max(lp) < 0.1, lp
