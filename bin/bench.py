@@ -29,6 +29,7 @@ BENCHES = {
     "balance": "cluster simulator: balancers against baselines on one trace",
     "eplb": "expert-parallel load balancer vs DeepSeek's EPLB: realised imbalance on routing traces",
     "spec": "DSpark verify lengths: off / fixed-5 / confidence schedule (--simulated drafter)",
+    "gpu": "V4 on one NVIDIA GPU vs transformers: tokens/s b1/16/64, roofline, 8K prefill, launches/token",
 }
 
 

@@ -1,0 +1,201 @@
+"""mHC on NVIDIA GPUs (Triton): the block weights with Sinkhorn, the stream update, the head.
+
+torch_ref.hc_pre is ~150 kernels on a GPU, ~120 of them the Sinkhorn loop on a ``[T, N, N]``
+tensor (20 iterations x sum/add/divide twice); a V4 layer calls it twice. Here it is two launches:
+
+    mixes     grid (token blocks, K chunks): partial ``flat @ fn.T`` and partial sums of squares
+              over one chunk of the flattened streams (K = N * D) -> [S, T, MP], [S, T]
+    finish    grid (tokens, D blocks): sum the partials, RMS scale, sigmoids, softmax, Sinkhorn on
+              an N x N tile in registers, then the collapse ``sum_n pre_n * streams_n`` of one D
+              block (block 0 also stores post and comb)
+
+RMSNorm commutes with the linear map (``linear(x * r) = r * linear(x)``), so the norm is one
+scalar per token applied to the mixes. Float32 throughout, like the reference; divisions are
+IEEE (``div_rn``) so the Sinkhorn iterations round as torch's do. hc_head reuses both kernels
+(pre weights only). hc_post is one elementwise launch over ``[T, N, D]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_CHUNK = 512  # flattened-stream channels per mixes program
+_BK = 128
+_BT = 16  # tokens per mixes program (tl.dot needs 16 rows)
+_BD = 512  # channels per finish / post program
+
+
+@triton.jit
+def _mixes_kernel(x_ptr, fn_ptr, part_ptr, ss_ptr, T, K, M, CHUNK: tl.constexpr, BK: tl.constexpr,
+                  BT: tl.constexpr, MP: tl.constexpr):
+    tb, s = tl.program_id(0), tl.program_id(1)
+    tok = tb * BT + tl.arange(0, BT)
+    m = tl.arange(0, MP)
+    acc = tl.zeros([BT, MP], dtype=tl.float32)
+    ss = tl.zeros([BT], dtype=tl.float32)
+    for k0 in range(s * CHUNK, s * CHUNK + CHUNK, BK):
+        k = k0 + tl.arange(0, BK)
+        x = tl.load(x_ptr + tok[:, None].to(tl.int64) * K + k[None, :], mask=(tok[:, None] < T) & (k[None, :] < K),
+                    other=0.0).to(tl.float32)
+        f = tl.load(fn_ptr + m[:, None] * K + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
+        acc += tl.dot(x, tl.trans(f), input_precision="ieee")
+        ss += tl.sum(x * x, 1)
+    live = tok < T
+    tl.store(part_ptr + (s * T + tok[:, None]) * MP + m[None, :], acc, mask=live[:, None])
+    tl.store(ss_ptr + s * T + tok, ss, mask=live)
+
+
+@triton.jit
+def _finish_kernel(part_ptr, ss_ptr, x_ptr, scale_ptr, base_ptr, comb_base_ptr, post_ptr, comb_ptr, out_ptr,
+                   T, S, K, D, comb_scale, norm_eps, hc_eps, N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr,
+                   HEAD: tl.constexpr, ITERS: tl.constexpr, BD: tl.constexpr):
+    t, db = tl.program_id(0), tl.program_id(1)
+    i = tl.arange(0, NP)
+    lane = i < N
+    grid2 = lane[:, None] & lane[None, :]
+    pre_mix = tl.zeros([NP], dtype=tl.float32)
+    post_mix = tl.zeros([NP], dtype=tl.float32)
+    comb_mix = tl.zeros([NP, NP], dtype=tl.float32)
+    ss = tl.load(ss_ptr + t)
+    for s in range(0, S):
+        row = part_ptr + (s * T + t) * MP
+        pre_mix += tl.load(row + i, mask=lane, other=0.0)
+        if not HEAD:
+            post_mix += tl.load(row + N + i, mask=lane, other=0.0)
+            comb_mix += tl.load(row + 2 * N + i[:, None] * N + i[None, :], mask=grid2, other=0.0)
+        if s > 0:
+            ss += tl.load(ss_ptr + s * T + t)
+    r = tl.math.rsqrt(ss / K + norm_eps)
+    if HEAD:
+        pre_scale = tl.load(scale_ptr)
+    else:
+        pre_scale = tl.load(scale_ptr + i, mask=lane, other=0.0)
+    pre = tl.sigmoid(pre_mix * r * pre_scale + tl.load(base_ptr + i, mask=lane, other=0.0)) + hc_eps
+    if not HEAD:
+        if db == 0:
+            post_scale = tl.load(scale_ptr + N + i, mask=lane, other=0.0)
+            post = tl.sigmoid(post_mix * r * post_scale + tl.load(base_ptr + N + i, mask=lane, other=0.0)) * 2
+            tl.store(post_ptr + t * N + i, post, mask=lane)
+            logits = comb_mix * r * comb_scale + tl.load(comb_base_ptr + i[:, None] * N + i[None, :], mask=grid2,
+                                                         other=0.0)
+            logits = tl.where(grid2, logits, -1e30)  # finite: padding lanes must not make NaNs
+            e = tl.exp(logits - tl.max(logits, 1)[:, None])
+            c = tl.where(grid2, tl.math.div_rn(e, tl.sum(e, 1)[:, None]) + hc_eps, 0.0)
+            # Sinkhorn-Knopp: columns first, then ITERS - 1 rounds of rows and columns
+            c = tl.math.div_rn(c, tl.sum(c, 0)[None, :] + hc_eps)
+            for _ in tl.static_range(ITERS - 1):
+                c = tl.math.div_rn(c, tl.sum(c, 1)[:, None] + hc_eps)
+                c = tl.math.div_rn(c, tl.sum(c, 0)[None, :] + hc_eps)
+            tl.store(comb_ptr + t * N * N + i[:, None] * N + i[None, :], c, mask=grid2)
+    d = db * BD + tl.arange(0, BD)
+    x = tl.load(x_ptr + t.to(tl.int64) * K + i[:, None] * D + d[None, :], mask=lane[:, None] & (d[None, :] < D),
+                other=0.0).to(tl.float32)
+    out = tl.sum(x * pre[:, None], 0)
+    tl.store(out_ptr + t.to(tl.int64) * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+@triton.jit
+def _post_kernel(out_ptr, x_ptr, post_ptr, comb_ptr, new_ptr, D, N: tl.constexpr, NP: tl.constexpr,
+                 BD: tl.constexpr):
+    t, db = tl.program_id(0), tl.program_id(1)
+    k = tl.arange(0, NP)
+    lane = k < N
+    d = db * BD + tl.arange(0, BD)
+    dl = d < D
+    dtype = new_ptr.dtype.element_ty
+    # the reference mixes in the streams' dtype: post and comb are rounded to it first
+    post = tl.load(post_ptr + t * N + k, mask=lane, other=0.0).to(dtype).to(tl.float32)
+    block = tl.load(out_ptr + t.to(tl.int64) * D + d, mask=dl, other=0.0).to(tl.float32)
+    acc = post[:, None] * block[None, :]
+    for j in tl.static_range(N):
+        c = tl.load(comb_ptr + (t * N + j) * N + k, mask=lane, other=0.0).to(dtype).to(tl.float32)
+        s = tl.load(x_ptr + (t.to(tl.int64) * N + j) * D + d, mask=dl, other=0.0).to(tl.float32)
+        acc += c[:, None] * s[None, :]
+    dst = new_ptr + (t.to(tl.int64) * N + k[:, None]) * D + d[None, :]
+    tl.store(dst, acc.to(dtype), mask=lane[:, None] & dl[None, :])
+
+
+@triton.jit
+def _sinkhorn_kernel(c_ptr, out_ptr, eps, N: tl.constexpr, NP: tl.constexpr, ITERS: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    i = tl.arange(0, NP)
+    grid2 = (i[:, None] < N) & (i[None, :] < N)
+    at = t * N * N + i[:, None] * N + i[None, :]
+    c = tl.load(c_ptr + at, mask=grid2, other=0.0).to(tl.float32)
+    c = tl.math.div_rn(c, tl.sum(c, 0)[None, :] + eps)
+    for _ in tl.static_range(ITERS - 1):
+        c = tl.math.div_rn(c, tl.sum(c, 1)[:, None] + eps)
+        c = tl.math.div_rn(c, tl.sum(c, 0)[None, :] + eps)
+    tl.store(out_ptr + at, c.to(out_ptr.dtype.element_ty), mask=grid2)
+
+
+def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """``torch_ref.sinkhorn`` on ``[T, N, N]`` (a new tensor; one program per matrix)."""
+    t, n, _ = comb.shape
+    out = torch.empty(comb.shape, dtype=comb.dtype, device=comb.device)
+    if t == 0:
+        return out
+    _sinkhorn_kernel[(t,)](comb.contiguous(), out, float(eps), N=n, NP=triton.next_power_of_2(n), ITERS=max(1, iters),
+                           num_warps=1)  # fmt: skip
+    return out
+
+
+def _mixes(x: torch.Tensor, fn: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    t, k = x.shape
+    mp = max(16, triton.next_power_of_2(m))
+    s = triton.cdiv(k, _CHUNK)
+    part = torch.empty(s, t, mp, dtype=torch.float32, device=x.device)
+    ss = torch.empty(s, t, dtype=torch.float32, device=x.device)
+    _mixes_kernel[(triton.cdiv(t, _BT), s)](x, fn, part, ss, t, k, m, CHUNK=_CHUNK, BK=_BK, BT=_BT, MP=mp, num_warps=4)
+    return part, ss, s, mp
+
+
+def hc_pre(streams, fn, pre_post_scale, pre_post_base, comb_scale, comb_base, *, norm_eps: float, hc_eps: float,
+           sinkhorn_iters: int, batch_invariant: bool = False):
+    """``torch_ref.hc_pre``: (post [T, N] f32, comb [T, N, N] f32, collapsed [T, D] streams' dtype)."""
+    t, n, d = streams.shape
+    post = torch.empty(t, n, dtype=torch.float32, device=streams.device)
+    comb = torch.empty(t, n, n, dtype=torch.float32, device=streams.device)
+    out = torch.empty(t, d, dtype=streams.dtype, device=streams.device)
+    if t == 0:
+        return post, comb, out
+    x = streams.contiguous()
+    if isinstance(comb_scale, torch.Tensor):
+        comb_scale = float(comb_scale)
+    part, ss, s, mp = _mixes(x.view(t, n * d), fn.contiguous(), (2 + n) * n)
+    _finish_kernel[(t, triton.cdiv(d, _BD))](
+        part, ss, x, pre_post_scale.float().contiguous(), pre_post_base.float().contiguous(),
+        comb_base.float().contiguous(), post, comb, out, t, s, n * d, d, comb_scale, norm_eps, hc_eps, N=n,
+        NP=triton.next_power_of_2(n), MP=mp, HEAD=False, ITERS=max(1, sinkhorn_iters), BD=_BD, num_warps=4,
+    )  # fmt: skip
+    return post, comb, out
+
+
+def hc_head(streams, fn, base, scale, *, norm_eps: float, hc_eps: float, batch_invariant: bool = False):
+    """``torch_ref.hc_head``: ``[T, N, D]`` -> ``[T, D]``."""
+    t, n, d = streams.shape
+    out = torch.empty(t, d, dtype=streams.dtype, device=streams.device)
+    if t == 0:
+        return out
+    x = streams.contiguous()
+    part, ss, s, mp = _mixes(x.view(t, n * d), fn.float().contiguous(), n)
+    _finish_kernel[(t, triton.cdiv(d, _BD))](
+        part, ss, x, scale.float().contiguous(), base.float().contiguous(), base, out, out, out, t, s, n * d, d,
+        1.0, norm_eps, hc_eps, N=n, NP=triton.next_power_of_2(n), MP=mp, HEAD=True, ITERS=1, BD=_BD, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def hc_post(block_out, streams, post, comb, batch_invariant: bool = False):
+    """``torch_ref.hc_post``: ``post_k * out + sum_j comb[j, k] * streams_j`` -> ``[T, N, D]``."""
+    t, n, d = streams.shape
+    new = torch.empty(t, n, d, dtype=streams.dtype, device=streams.device)
+    if t == 0:
+        return new
+    _post_kernel[(t, triton.cdiv(d, _BD))](
+        block_out.contiguous(), streams.contiguous(), post.float().contiguous(), comb.float().contiguous(), new, d,
+        N=n, NP=triton.next_power_of_2(n), BD=_BD, num_warps=4,
+    )  # fmt: skip
+    return new

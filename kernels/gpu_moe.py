@@ -1,0 +1,276 @@
+"""Mixture of experts on NVIDIA GPUs (Triton): routing, the routed experts, SwiGLU, combine.
+
+The torch path of a decode step routes with ~10 kernels, plans a dense layout with ~10 more and
+then multiplies *every* expert's weights (two batched GEMMs over all E experts): at batch 1 that
+reads E / k times the weight bytes the token needs. Here:
+
+    moe_route       one program per token: scores, top-k of score + bias (or the hash ids),
+                    ids ascending, normalised weights                              (1 launch)
+    moe_experts_    align: one program groups the (token, slot) pairs by expert into blocks
+                    of BM rows (rows of an expert padded to a multiple of BM, ascending pair
+                    order inside it); up: per (block, column block) x[tokens] @ W_gate/up[e]^T
+                    with the SwiGLU clamp in registers; down: act @ W_down[e]^T; combine: each
+                    token adds its k rows in slot order onto ``out``                 (4 launches)
+
+Blocks of unused experts are never launched with work: the align kernel marks them -1 and their
+programs return at once, so only routed experts' weights are read. Row order does not change a
+row's numbers (each output row is its own dot products), so the layout may depend on the batch.
+Rounding follows the reference: scores and expert GEMM outputs are rounded to the activations'
+dtype before the next step, accumulation is float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
+_SMALL_PAIRS = 1024  # up to this many (token, expert) pairs: decode tiles
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:  # the CPU interpreter's bf16 products are wrong: operands are bf16-exact in float32
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, s_row, bias_ptr, hash_ptr, ids_ptr, w_ptr, E, factor, K: tl.constexpr,
+                  KP: tl.constexpr, EP: tl.constexpr, MODE: tl.constexpr, HASH: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, EP)
+    el = e < E
+    dtype = logits_ptr.dtype.element_ty
+    x = tl.load(logits_ptr + t * s_row + e, mask=el, other=0.0).to(tl.float32)
+    if MODE == 0:  # sqrt(softplus): torch's threshold 20, log1p(exp(-|x|)) by its series when tiny
+        y = tl.exp(-tl.abs(x))
+        soft = tl.maximum(x, 0.0) + tl.where(y < 1e-4, y - 0.5 * y * y, tl.log(1.0 + y))
+        soft = tl.where(x > 20.0, x, soft).to(dtype).to(tl.float32)
+        scores = tl.sqrt_rn(soft).to(dtype).to(tl.float32)
+    elif MODE == 1:
+        scores = tl.sigmoid(x).to(dtype).to(tl.float32)
+    else:
+        z = tl.exp(tl.where(el, x, -float("inf")) - tl.max(tl.where(el, x, -float("inf")), 0))
+        scores = tl.math.div_rn(z, tl.sum(z, 0)).to(dtype).to(tl.float32)
+    slot = tl.arange(0, KP)
+    sl = slot < K
+    if HASH:
+        ids = tl.load(hash_ptr + t * K + slot, mask=sl, other=0).to(tl.int32)
+    else:
+        v = tl.where(el, scores + tl.load(bias_ptr + e, mask=el, other=0.0), -float("inf"))
+        ids = tl.zeros([KP], dtype=tl.int32)
+        for i in tl.static_range(K):
+            _, best = tl.max(v, 0, return_indices=True, return_indices_tie_break_left=True)
+            ids = tl.where(slot == i, best.to(tl.int32), ids)
+            v = tl.where(e == best, -float("inf"), v)
+    # ascending ids (ties keep slot order): the rank of each slot among the k
+    less = (ids[None, :] < ids[:, None]) | ((ids[None, :] == ids[:, None]) & (slot[None, :] < slot[:, None]))
+    rank = tl.sum(tl.where(less & sl[None, :], 1, 0), 1)
+    w = tl.sum(tl.where(ids[:, None] == e[None, :], scores[None, :], 0.0), 1)
+    w = tl.where(sl, w, 0.0)
+    w = tl.math.div_rn(w, tl.sum(w, 0) + 1e-20) * factor
+    tl.store(ids_ptr + t * K + rank, ids.to(tl.int64), mask=sl)
+    tl.store(w_ptr + t * K + rank, w, mask=sl)
+
+
+@triton.jit
+def _align_kernel(ids_ptr, P, E, k, T, tok_ptr, rop_ptr, bexp_ptr, max_blocks, BM: tl.constexpr, EP: tl.constexpr,
+                  BP: tl.constexpr, BB: tl.constexpr):
+    e = tl.arange(0, EP)
+    counts = tl.zeros([EP], dtype=tl.int32)
+    for p0 in range(0, P, BP):
+        p = p0 + tl.arange(0, BP)
+        ex = tl.load(ids_ptr + p, mask=p < P, other=-1).to(tl.int32)
+        counts += tl.sum(tl.where(ex[:, None] == e[None, :], 1, 0), 0)
+    padded = (counts + BM - 1) // BM * BM
+    first = tl.cumsum(padded, 0) - padded  # first row of each expert's segment
+    first_block, num_blocks = first // BM, padded // BM
+    real_end = first + counts
+    for b0 in range(0, max_blocks, BB):
+        b = b0 + tl.arange(0, BB)
+        hit = (b[:, None] >= first_block[None, :]) & (b[:, None] < (first_block + num_blocks)[None, :])
+        used = tl.sum(tl.where(hit, 1, 0), 1) > 0
+        expert = tl.where(used, tl.sum(tl.where(hit, e[None, :], 0), 1), -1)
+        tl.store(bexp_ptr + b, expert, mask=b < max_blocks)
+        # padding rows of used blocks read no token (sentinel T); real rows are written below
+        end = tl.sum(tl.where(hit, real_end[None, :], 0), 1)
+        r = b[:, None] * BM + tl.arange(0, BM)[None, :]
+        tl.store(tok_ptr + r, T + tl.zeros([BB, BM], dtype=tl.int32), mask=used[:, None] & (r >= end[:, None]))
+    seen = tl.zeros([EP], dtype=tl.int32)
+    for p0 in range(0, P, BP):
+        p = p0 + tl.arange(0, BP)
+        pl = p < P
+        ex = tl.load(ids_ptr + p, mask=pl, other=-1).to(tl.int32)
+        hot = tl.where(ex[:, None] == e[None, :], 1, 0)
+        before = tl.cumsum(hot, 0) - hot  # earlier pairs of the same expert in this chunk
+        row = tl.sum(tl.where(hot > 0, before + (seen + first)[None, :], 0), 1)
+        tl.store(rop_ptr + p, row.to(tl.int64), mask=pl)
+        tl.store(tok_ptr + row, (p // k).to(tl.int32), mask=pl)
+        seen += tl.sum(hot, 0)
+
+
+@triton.jit
+def _up_kernel(x_ptr, w_ptr, tok_ptr, bexp_ptr, act_ptr, T, H, I, limit, BM: tl.constexpr, BN: tl.constexpr,
+               BK: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    b, nb = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(bexp_ptr + b)
+    if expert >= 0:
+        r = b * BM + tl.arange(0, BM)
+        tok = tl.load(tok_ptr + r)
+        live = tok < T
+        n = nb * BN + tl.arange(0, BN)
+        nl = n < I
+        base = w_ptr + expert.to(tl.int64) * (2 * I) * H
+        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            kk = k0 + tl.arange(0, BK)
+            kl = kk < H
+            a = tl.load(x_ptr + tok[:, None].to(tl.int64) * H + kk[None, :], mask=live[:, None] & kl[None, :], other=0.0)
+            wg = tl.load(base + n[:, None].to(tl.int64) * H + kk[None, :], mask=nl[:, None] & kl[None, :], other=0.0)
+            wu = tl.load(base + (I + n[:, None]).to(tl.int64) * H + kk[None, :], mask=nl[:, None] & kl[None, :],
+                         other=0.0)
+            acc_g += _dot(a, tl.trans(wg), IEEE, UPCAST)
+            acc_u += _dot(a, tl.trans(wu), IEEE, UPCAST)
+        dtype = act_ptr.dtype.element_ty
+        g = tl.minimum(acc_g.to(dtype).to(tl.float32), limit)
+        u = tl.minimum(tl.maximum(acc_u.to(dtype).to(tl.float32), -limit), limit)
+        act = g / (1.0 + tl.exp(-g)) * u
+        tl.store(act_ptr + r[:, None].to(tl.int64) * I + n[None, :], act.to(dtype), mask=live[:, None] & nl[None, :])
+
+
+@triton.jit
+def _down_kernel(act_ptr, w_ptr, tok_ptr, bexp_ptr, y_ptr, T, H, I, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    b, nb = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(bexp_ptr + b)
+    if expert >= 0:
+        r = b * BM + tl.arange(0, BM)
+        live = tl.load(tok_ptr + r) < T
+        n = nb * BN + tl.arange(0, BN)
+        nl = n < H
+        base = w_ptr + expert.to(tl.int64) * H * I
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, I, BK):
+            kk = k0 + tl.arange(0, BK)
+            kl = kk < I
+            a = tl.load(act_ptr + r[:, None].to(tl.int64) * I + kk[None, :], mask=live[:, None] & kl[None, :], other=0.0)
+            w = tl.load(base + n[:, None].to(tl.int64) * I + kk[None, :], mask=nl[:, None] & kl[None, :], other=0.0)
+            acc += _dot(a, tl.trans(w), IEEE, UPCAST)
+        tl.store(y_ptr + r[:, None].to(tl.int64) * H + n[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=live[:, None] & nl[None, :])
+
+
+@triton.jit
+def _combine_kernel(out_ptr, s_out, rows_ptr, rop_ptr, w_ptr, H, K: tl.constexpr, BD: tl.constexpr):
+    t, db = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    d = db * BD + tl.arange(0, BD)
+    dl = d < H
+    dtype = rows_ptr.dtype.element_ty
+    acc = tl.zeros([BD], dtype=tl.float32)
+    for j in tl.static_range(K):
+        row = tl.load(rop_ptr + t * K + j)
+        w = tl.load(w_ptr + t * K + j).to(dtype).to(tl.float32)  # the reference weighs in the rows' dtype
+        acc += w * tl.load(rows_ptr + row * H + d, mask=dl, other=0.0).to(tl.float32)
+    dst = out_ptr + t * s_out + d
+    tl.store(dst, (tl.load(dst, mask=dl, other=0.0).to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=dl)
+
+
+@triton.jit
+def _swiglu_kernel(x_ptr, s_row, out_ptr, I, limit, BD: tl.constexpr):
+    t, db = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    d = db * BD + tl.arange(0, BD)
+    dl = d < I
+    g = tl.minimum(tl.load(x_ptr + t * s_row + d, mask=dl, other=0.0).to(tl.float32), limit)
+    u = tl.load(x_ptr + t * s_row + I + d, mask=dl, other=0.0).to(tl.float32)
+    u = tl.minimum(tl.maximum(u, -limit), limit)
+    tl.store(out_ptr + t * I + d, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=dl)
+
+
+def moe_route(logits, correction_bias, hash_ids, top_k, scoring_func, routed_scaling_factor, batch_invariant=False):
+    """``torch_ref.moe_route``: (ids [T, k] int64 ascending, weights [T, k] float32)."""
+    if scoring_func not in SCORING:
+        raise ValueError(f"scoring_func {scoring_func!r} is not supported; use one of {tuple(SCORING)}")
+    t, e = logits.shape
+    ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
+    weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
+    if t == 0:
+        return ids, weights
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    hashed = hash_ids is not None
+    bias = logits if hashed else correction_bias.float().contiguous()
+    _route_kernel[(t,)](
+        logits, logits.stride(0), bias, hash_ids.contiguous() if hashed else ids, ids, weights, e,
+        float(routed_scaling_factor), K=top_k, KP=triton.next_power_of_2(top_k), EP=triton.next_power_of_2(e),
+        MODE=SCORING[scoring_func], HASH=hashed, num_warps=1 if e <= 256 else 4,
+    )  # fmt: skip
+    return ids, weights
+
+
+def _tiles(pairs: int, batch_invariant: bool) -> tuple[int, int, int, int]:
+    """(BM, BN, BK, num_stages): skinny blocks for decode, square ones for prefill; one shape in
+    batch-invariant mode (BK fixes the order of a row's sums)."""
+    return (16, 64, 128, 3) if pairs <= _SMALL_PAIRS or batch_invariant else (64, 128, 64, 3)
+
+
+def moe_experts_(out, x, expert_ids, weights, gate_up, down, limit: float, batch_invariant: bool = False):
+    """``out[t] += sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` for the first T rows (T = len(ids));
+    expert e is ``down[e] @ swiglu_clamped(gate_up[e] @ x)``; returns ``out``."""
+    t, k = expert_ids.shape
+    if t == 0:
+        return out
+    num_experts, two_i, hidden = gate_up.shape
+    inter = two_i // 2
+    pairs = t * k
+    bm, bn, bk, stages = _tiles(pairs, batch_invariant)
+    max_blocks = triton.cdiv(pairs + min(num_experts, pairs) * (bm - 1), bm)
+    dev = x.device
+    tok = torch.empty(max_blocks * bm, dtype=torch.int32, device=dev)
+    row_of_pair = torch.empty(pairs, dtype=torch.int64, device=dev)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    _align_kernel[(1,)](expert_ids.contiguous(), pairs, num_experts, k, t, tok, row_of_pair, block_expert, max_blocks,
+                        BM=bm, EP=triton.next_power_of_2(num_experts), BP=64, BB=64, num_warps=4)  # fmt: skip
+    x = x.contiguous()
+    act = torch.empty(max_blocks * bm, inter, dtype=x.dtype, device=dev)
+    flags = dict(IEEE=x.dtype == torch.float32, UPCAST=not x.is_cuda, num_warps=4, num_stages=stages)
+    _up_kernel[(max_blocks, triton.cdiv(inter, bn))](x, gate_up.contiguous(), tok, block_expert, act, t, hidden, inter,
+                                                     float(limit), BM=bm, BN=bn, BK=bk, **flags)  # fmt: skip
+    rows = torch.empty(max_blocks * bm, hidden, dtype=x.dtype, device=dev)
+    _down_kernel[(max_blocks, triton.cdiv(hidden, bn))](act, down.contiguous(), tok, block_expert, rows, t, hidden,
+                                                        inter, BM=bm, BN=bn, BK=bk, **flags)  # fmt: skip
+    return moe_combine_(out, rows, row_of_pair, weights)
+
+
+def moe_combine_(out, rows, row_of_pair, weights):
+    """``torch_ref.moe_combine_``: ``out[t] += sum_j weights[t, j] * rows[row_of_pair[t * k + j]]``."""
+    t, k = weights.shape
+    if t == 0:
+        return out
+    h = rows.shape[-1]
+    if out.stride(-1) != 1 or rows.stride(-1) != 1 or rows.stride(0) != h:
+        raise ValueError("moe_combine_: out and rows need contiguous rows")
+    bd = min(1024, triton.next_power_of_2(h))
+    _combine_kernel[(t, triton.cdiv(h, bd))](out, out.stride(0), rows, row_of_pair.contiguous(),
+                                             weights.float().contiguous(), h, K=k, BD=bd, num_warps=4)  # fmt: skip
+    return out
+
+
+def swiglu_clamped(gate_up, limit: float, batch_invariant: bool = False):
+    """``torch_ref.swiglu_clamped`` on rows ``[..., 2I]`` -> ``[..., I]``."""
+    two_i = gate_up.shape[-1]
+    x = gate_up.reshape(-1, two_i)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    rows, inter = x.shape[0], two_i // 2
+    out = torch.empty(*gate_up.shape[:-1], inter, dtype=gate_up.dtype, device=gate_up.device)
+    if rows == 0 or inter == 0:
+        return out
+    bd = min(1024, triton.next_power_of_2(inter))
+    _swiglu_kernel[(rows, triton.cdiv(inter, bd))](x, x.stride(0), out, inter, float(limit), BD=bd, num_warps=4)
+    return out

@@ -1,0 +1,256 @@
+"""`deepinfer bench gpu`: our V4 engine next to transformers on one NVIDIA GPU (skips without one).
+
+Both run the same random weights and prompts in one process, bf16, greedy:
+
+- ceilings: a device-to-device copy (bytes read + written) and an 8192^3 bf16 matrix product
+  on random data, each the median of several timed runs;
+- the tiny bench model (tests/bench/bench_model.py's shape) at batch 1;
+- the V4-Flash-shaped slice (tests/bench/gpu_slice.py, 8.1B parameters) at batch 1/16/64 with
+  prompts of 1024/1024/512 tokens and 64/64/32 new tokens: tokens/s = batch * new tokens / time
+  of the whole generate (prefill included), as issue 26 measured; decode-only tokens/s beside;
+- the batch-1 roofline: measured copy bandwidth over the weight bytes a decode step must read
+  (embedding: one row; experts: the 6 routed + shared ones), and ours against it;
+- an 8,192-token prefill of both, with ours as a fraction of the measured bf16 matrix rate;
+- CUDA kernels launched per decoded token (torch.profiler over decode steps at batch 1 and 64;
+  ``--profile-dir`` writes the per-kernel tables of those steps);
+- ``--kernels``: each Triton kernel next to its torch form (tests/bench/gpu_micro.py).
+
+Prints the tables and, with ``--json PATH``, writes the figures (issue 26's keys among them).
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from deepinfer_bench.report import Report, base_parser
+
+TINY_SHAPE_SOURCE = "bench_model"
+
+
+def _median_ms(fn, repeats: int = 10) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    times = []
+    for _ in range(repeats):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def _copy_ms(numel: int) -> float:
+    src = torch.randn(numel, device="cuda")
+    dst = torch.empty_like(src)
+    return _median_ms(lambda: dst.copy_(src))
+
+
+def ceilings() -> tuple[float, float]:
+    """(copy GB/s counting read + write, bf16 matrix TFLOP/s), measured here on random data."""
+    copy_ms = _copy_ms(1 << 30)  # 4 GiB read, 4 GiB written per copy
+    n = 8192
+    a, b = (torch.randn(n, n, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    mm_ms = _median_ms(lambda: a @ b)
+    return 2 * 4 * (1 << 30) / (copy_ms * 1e-3) / 1e9, 2 * n**3 / (mm_ms * 1e-3) / 1e12
+
+
+def _runner(ref, num_blocks: int, num_slots: int):
+    try:
+        from deepinfer.engine.core.model_runner import ModelRunner
+    except ImportError:  # before the engine's reorganisation
+        from deepinfer.engine.model_runner import ModelRunner
+    return ModelRunner(ref.config, ref.state_dict, num_blocks=num_blocks, num_slots=num_slots, block_size=128,
+                       device="cuda", dtype=torch.bfloat16)  # fmt: skip
+
+
+def _prompts(vocab: int, batch: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(batch)]
+
+
+def _same(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of generated tokens equal up to each sequence's first difference."""
+    agree = total = 0
+    for x, y in zip(a, b):
+        n = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+        agree, total = agree + n, total + len(x)
+    return agree / max(total, 1)
+
+
+def count_launches(runner, prompts, blocks_per_seq: int, first_step: int, num_steps: int, table_path: Path | None):
+    """(kernels, memcpys/memsets) per decoded token over ``num_steps`` decode steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from deepinfer_bench.gpu_slice import decode_batch
+
+    tokens = [1] * len(prompts)
+    runner.execute(decode_batch(prompts, blocks_per_seq, first_step, tokens))  # warm
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for s in range(num_steps):
+            runner.execute(decode_batch(prompts, blocks_per_seq, first_step + 1 + s, tokens))
+        torch.cuda.synchronize()
+    kernels = copies = 0
+    for evt in prof.events():
+        if evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if evt.name.startswith(("Memcpy", "Memset")):
+            copies += 1
+        else:
+            kernels += 1
+    if table_path is not None:
+        averages = prof.key_averages()
+        for key in ("device_time_total", "cuda_time_total"):
+            try:
+                table = averages.table(sort_by=key, row_limit=30)
+                break
+            except (AttributeError, KeyError, ValueError):
+                table = ""
+        table_path.write_text(f"{num_steps} decode steps of batch {len(prompts)}\n{table}\n")
+    per_token = num_steps * len(prompts)
+    return kernels / per_token, copies / per_token
+
+
+def tiny_part(report: Report, new_tokens: int) -> None:
+    from deepinfer_bench.bench_model import BENCH_SHAPE
+    from deepinfer_bench.gpu_slice import hf_generate, our_generate, tiny_model
+
+    ref = tiny_model(seed=0, **BENCH_SHAPE)
+    prompt_len = 256
+    bps = -(-(prompt_len + new_tokens + 8) // 128)
+    runner = _runner(ref, bps, 1)
+    prompts = _prompts(ref.config.vocab_size, 1, prompt_len, 1)
+    hf_generate(ref, prompts, 2)
+    our_generate(runner, prompts, 2, bps)
+    hf_s, hf_tokens = hf_generate(ref, prompts, new_tokens)
+    ours = our_generate(runner, prompts, new_tokens, bps)
+    report.row(model="tiny", batch=1, prompt=prompt_len, new=new_tokens, hf_tok_s=new_tokens / hf_s,
+               ours_tok_s=new_tokens / ours.seconds, ours_vs_hf=hf_s / ours.seconds,
+               ours_decode_tok_s=(new_tokens - 1) / ours.decode_seconds, same=_same(ours.tokens, hf_tokens))
+    report.figure("tiny_hf_tok_s_b1", new_tokens / hf_s)
+    report.figure("tiny_ours_tok_s_b1", new_tokens / ours.seconds)
+    del runner, ref
+    torch.cuda.empty_cache()
+
+
+def slice_part(report: Report, args, copy_gbps: float, mm_tflops: float, profile_dir: Path | None) -> None:
+    from deepinfer_bench.gpu_slice import flash_slice, floors, hf_generate, hf_prefill, our_generate, our_prefill
+
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    lengths = [int(n) for n in args.prompt_lens.split(",")]
+    news = [int(n) for n in args.new_tokens.split(",")]
+    t0 = time.perf_counter()
+    ref = flash_slice(seed=args.seed)
+    bps = -(-(max(lengths) + max(news) + 16) // 128)
+    prefill_blocks = -(-(args.prefill_len + 16) // 128)
+    runner = _runner(ref, max(max(batches) * bps, prefill_blocks), max(batches))
+    fl = floors(runner.model, ref.config)
+    roofline = copy_gbps * 1e9 / fl.decode_bytes
+    report.figure("slice_params_b", fl.num_params / 1e9)
+    report.figure("decode_bytes_b1_gb", fl.decode_bytes / 1e9)
+    report.figure("roofline_tok_s_b1", roofline)
+    print(f"slice built in {time.perf_counter() - t0:.1f} s: {fl.num_params / 1e9:.2f}B params, batch-1 step reads "
+          f"{fl.decode_bytes / 1e9:.2f} GB -> roofline {roofline:.0f} tok/s at {copy_gbps:.0f} GB/s", flush=True)
+    warm = _prompts(ref.config.vocab_size, 2, 300, 99)
+    our_generate(runner, warm[:1], 3, bps)
+    our_generate(runner, warm, 3, bps)
+    if not args.skip_hf:
+        hf_generate(ref, warm[:1], 3)
+    for b, plen, new in zip(batches, lengths, news):
+        prompts = _prompts(ref.config.vocab_size, b, plen, args.seed + b)
+        if b > 2:
+            our_generate(runner, prompts[:b], 2, bps)  # this batch size's kernel variants compiled
+        ours = our_generate(runner, prompts, new, bps)
+        row = dict(model="slice", batch=b, prompt=plen, new=new, ours_tok_s=b * new / ours.seconds,
+                   ours_decode_tok_s=b * (new - 1) / ours.decode_seconds)  # fmt: skip
+        report.figure(f"ours_tok_s_b{b}", b * new / ours.seconds)
+        report.figure(f"ours_decode_tok_s_b{b}", b * (new - 1) / ours.decode_seconds)
+        if not args.skip_hf:
+            hf_s, hf_tokens = hf_generate(ref, prompts, new)
+            row.update(hf_tok_s=b * new / hf_s, ours_vs_hf=hf_s / ours.seconds, same=_same(ours.tokens, hf_tokens))
+            report.figure(f"hf_tok_s_b{b}", b * new / hf_s)
+            report.figure(f"ours_vs_hf_b{b}", hf_s / ours.seconds)
+        if b == 1:
+            row["vs_roofline"] = b * new / ours.seconds / roofline
+            report.figure("ours_vs_roofline_b1", b * new / ours.seconds / roofline)
+            report.figure("ours_decode_vs_roofline_b1", (new - 1) / ours.decode_seconds / roofline)
+        report.row(**row)
+        print(f"  batch {b}: {row}", flush=True)
+        if b in (1, 64):
+            path = None if profile_dir is None else profile_dir / f"profile_decode_b{b}.txt"
+            kernels, copies = count_launches(runner, prompts, bps, new, 3, path)
+            report.figure(f"launches_per_token_b{b}", kernels)
+            report.figure(f"copies_per_token_b{b}", copies)
+    prompt = _prompts(ref.config.vocab_size, 1, args.prefill_len, 7)[0]
+    our_prefill(runner, prompt[:1024], prefill_blocks)  # prefill variants compiled
+    ours_s = min(our_prefill(runner, prompt, prefill_blocks) for _ in range(2))
+    flops = fl.prefill_flops_per_token * len(prompt)
+    report.figure("ours_prefill_8k_s", ours_s)
+    report.figure("ours_prefill_8k_vs_matrix_rate", flops / ours_s / (mm_tflops * 1e12))
+    if not args.skip_hf:
+        hf_prefill(ref, prompt[:1024])
+        hf_s = min(hf_prefill(ref, prompt) for _ in range(2))
+        report.figure("hf_prefill_8k_s", hf_s)
+        report.figure("ours_vs_hf_prefill_8k", hf_s / ours_s)
+
+
+def kernels_part(args) -> Report:
+    from deepinfer_bench import gpu_micro
+
+    micro = Report("Triton kernels vs their torch form at V4-Flash decode shapes (median us per call)")
+    for t in gpu_micro.run():
+        micro.row(kernel=t.name, tokens=t.tokens, ours_us=t.ours_us, torch_us=t.torch_us,
+                  speedup=t.torch_us / t.ours_us, ours_gbps=t.gbps)  # fmt: skip
+    return micro
+
+
+def main(argv=None) -> int:
+    p = base_parser("gpu", __doc__.splitlines()[0])
+    p.add_argument("--batch-sizes", default="1,16,64")
+    p.add_argument("--prompt-lens", default="1024,1024,512", help="prompt length per batch size")
+    p.add_argument("--new-tokens", default="64,64,32", help="new tokens per batch size")
+    p.add_argument("--prefill-len", type=int, default=8192)
+    p.add_argument("--tiny-new-tokens", type=int, default=64)
+    p.add_argument("--skip-hf", action="store_true", help="ours only (no transformers runs)")
+    p.add_argument("--kernels", action="store_true", help="also the kernel microbenchmarks")
+    p.add_argument("--parts", default="tiny,slice", help="comma-separated: tiny, slice")
+    p.add_argument("--profile-dir", default=None, help="write per-kernel tables of profiled decode steps here")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench gpu: skipped (needs a CUDA device)")
+        return 0
+    report = Report(f"V4 on {torch.cuda.get_device_name()}: ours vs transformers, bf16 greedy (tokens/s)")
+    copy_gbps, mm_tflops = ceilings()
+    report.figure("copy_gbps", copy_gbps)
+    report.figure("bf16_matmul_tflops", mm_tflops)
+    print(f"ceilings: copy {copy_gbps:.0f} GB/s, bf16 matmul {mm_tflops:.0f} TFLOP/s", flush=True)
+    profile_dir = Path(args.profile_dir) if args.profile_dir else None
+    if profile_dir is not None:
+        profile_dir.mkdir(parents=True, exist_ok=True)
+    failed = []
+    parts = {"tiny": lambda: tiny_part(report, args.tiny_new_tokens),
+             "slice": lambda: slice_part(report, args, copy_gbps, mm_tflops, profile_dir)}  # fmt: skip
+    micro = None
+    for name in [n for n in args.parts.split(",") if n]:
+        try:
+            parts[name]()
+        except Exception:  # noqa: BLE001 - report the other parts' figures, then fail
+            traceback.print_exc()
+            failed.append(name)
+            report.figure(f"failed_{name}", 1)
+    if args.kernels:
+        try:
+            micro = kernels_part(args)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            failed.append("kernels")
+    if micro is not None:
+        print(micro.render(), flush=True)
+    report.finish(args.json)
+    return 1 if failed else 0
