@@ -49,10 +49,14 @@ class Envs:
     # How many random tiny configs tests/engine/test_v4_parity_random.py checks against
     # transformers (CI runs the default; raise it locally for a longer search).
     parity_configs: int = 20
+    # DeepSeek-V4.1's numerics: "float" (weights dequantised exactly, nothing rounded; the CPU
+    # parity path) or "official" (FP8 activation rounding and the released FP8/FP4 KV grids).
+    v41_numerics: str = "float"
 
 
 _ENV_NAMES = {
     "hf_model_dir": "DEEPINFER_HF_MODEL_DIR",
+    "v41_numerics": "DEEPINFER_V41_NUMERICS",
     "cache_dir": "DEEPINFER_CACHE_DIR",
     "accelerator": "DEEPINFER_ACCELERATOR",
     "log_level": "DEEPINFER_LOG_LEVEL",

@@ -106,6 +106,36 @@ class V41Attention(Attention):
     def q_b_linears(self) -> list[nn.Linear]:
         return [self.q_b_proj] + ([self.indexer.q_b_proj] if self.indexer is not None else [])
 
+    def project(self, h: torch.Tensor, ctx: ForwardContext, index_tables: tuple = ()):
+        """V4's projections; with the released numerics q_a/kv (FP8 weights) read the input rounded
+        to FP8 and the compressor / head-weight projections (BF16 weights) read it as it is."""
+        num = self.numerics
+        if not num.official:
+            return super().project(h, ctx, index_tables)
+        bi, rows, nh, hd = ctx.batch_invariant, ctx.num_rows, self.num_heads, self.head_dim
+        rope = ctx.rope[self.rope_name]
+        n_fp8 = self.in_sizes[0] + self.in_sizes[1]
+        parts = [ops.linear(num.act(h), self.w_in[:n_fp8], bi)]
+        if self.w_in.shape[0] > n_fp8:
+            parts.append(ops.linear(h, self.w_in[n_fp8:], bi))
+        proj = torch.cat(parts, dim=-1).split(self.in_sizes, dim=-1)
+        q_all = ops.linear(num.act(ops.rms_norm(proj[0], self.q_a_norm.weight, self.eps)), self.w_qb, bi)
+        q = ops.apply_rope_(q_all[:, : nh * hd].reshape(rows, nh, hd).contiguous(), rope.cos, rope.sin)
+        kv = ops.apply_rope_(ops.rms_norm(proj[1], self.kv_norm.weight, self.eps), rope.cos, rope.sin)
+        if index_tables:
+            heads, dim, cos, sin = index_tables
+            ops.apply_rope_(q_all[:, nh * hd :].view(rows, heads, dim), cos, sin)
+        return proj, q_all, q, kv
+
+    def output(self, out: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """V4's output projection; with the released numerics wo_b (FP8) reads its input rounded."""
+        if not self.numerics.official:
+            return super().output(out, ctx)
+        bi, rows, rope = ctx.batch_invariant, ctx.num_rows, ctx.rope[self.rope_name]
+        ops.apply_rope_(out, rope.cos, rope.neg_sin)
+        mixed = ops.grouped_linear(out.view(rows, self.o_groups, -1), self.w_o_a, bi).reshape(rows, -1)
+        return ops.linear(self.numerics.act(mixed), self.o_b_proj.weight, bi)
+
     def forward(self, h: torch.Tensor, ctx: ForwardContext, blocks: BlockCache, swa: SwaArena,
                 shared: SharedPicks) -> torch.Tensor:
         bi, rows, nh, hd = ctx.batch_invariant, ctx.num_rows, self.num_heads, self.head_dim

@@ -20,6 +20,7 @@ from deepinfer.engine.models.deepseek_v4.moe import MoE
 from deepinfer.engine.models.deepseek_v41.attention import SharedPicks, V41Attention
 from deepinfer.engine.models.deepseek_v41.engram import Engram
 from deepinfer.engine.models.deepseek_v41.numerics import Numerics
+from deepinfer.engine.models.deepseek_v41.official_moe import OfficialMoE
 from deepinfer.engine.models.deepseek_v41.roles import LayerRole
 from deepinfer.kernels import ops
 
@@ -31,15 +32,16 @@ class V41Block(nn.Module):
         c = config
         hc = dict(sinkhorn_iters=c.hc_sinkhorn_iters, hc_eps=c.hc_eps, norm_eps=c.rms_norm_eps, device=device)
         self.eps = c.rms_norm_eps
+        numerics = numerics or Numerics()
         self.self_attn = V41Attention(c, role, device, dtype, numerics)
-        self.mlp = MoE(moe_config or c, role.layer, device, dtype)
+        self.mlp = (OfficialMoE if numerics.official else MoE)(moe_config or c, role.layer, device, dtype)
         self.input_layernorm = Norm(c.hidden_size, device)
         self.post_attention_layernorm = Norm(c.hidden_size, device)
         self.attn_hc = HyperConnection(c.hc_mult, c.hidden_size, **hc)
         self.ffn_hc = HyperConnection(c.hc_mult, c.hidden_size, **hc)
         self.engram = None
         if role.has_engram:
-            self.engram = Engram(c, list(c.engram_layer_ids).index(role.layer), device, dtype)
+            self.engram = Engram(c, list(c.engram_layer_ids).index(role.layer), device, dtype, numerics)
 
     def finalize(self) -> None:
         self.self_attn.finalize()

@@ -191,9 +191,10 @@ def digits_to_ids(digits: torch.Tensor) -> torch.Tensor:
 class Engram(nn.Module):
     """One Engram layer's table, projection and gate weights."""
 
-    def __init__(self, config, index: int, device=None, dtype=None):
+    def __init__(self, config, index: int, device=None, dtype=None, numerics=None):
         super().__init__()
         c = config
+        self.act = (lambda x: x) if numerics is None else numerics.act  # wkv is FP8: its input rounds
         self.index = index  # position among the config's Engram layers
         self.hc_mult, self.hidden, self.eps = c.hc_mult, c.hidden_size, c.rms_norm_eps
         self.head_dim = c.engram_head_dim
@@ -220,7 +221,7 @@ class Engram(nn.Module):
         """``streams [R, hc, D]``; ``rows [T, columns]`` this layer's table rows for the first T
         rows of ``streams`` (padding rows pass through)."""
         t, d = num_tokens, self.hidden
-        kv = ops.linear(self.lookup(rows, streams.dtype), self.wkv.weight, batch_invariant)
+        kv = ops.linear(self.act(self.lookup(rows, streams.dtype)), self.wkv.weight, batch_invariant)
         key = kv[:, : self.hc_mult * d].float().view(t, self.hc_mult, d)
         value = kv[:, self.hc_mult * d :].float()
         x = streams[:t].float()

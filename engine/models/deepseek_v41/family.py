@@ -14,8 +14,16 @@ def _load_checkpoint(model_dir, *, dtype, device, progress: bool = True):
 
 
 def _build_model(config: V41Config, **kwargs):
+    from deepinfer import envs
+    from deepinfer.engine.loader.config_fields import ModelConfigError
     from deepinfer.engine.models.deepseek_v41.model import DeepseekV41ForCausalLM
+    from deepinfer.engine.models.deepseek_v41.numerics import Numerics
 
+    if "numerics" not in kwargs:
+        mode = envs.get().v41_numerics
+        if mode not in ("float", "official"):
+            raise ModelConfigError(f"DEEPINFER_V41_NUMERICS is {mode!r}; use 'float' or 'official'")
+        kwargs["numerics"] = Numerics(official=mode == "official")
     return DeepseekV41ForCausalLM(config, **kwargs)
 
 

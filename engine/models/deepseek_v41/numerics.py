@@ -2,12 +2,18 @@
 
 ``Numerics()`` is the float path: weights dequantised exactly, every activation and cache row kept
 in the compute dtype (float32 on CPU), nothing rounded on the way. ``Numerics(official=True)``
-rounds the KV state to the grids DeepSeek's inference code uses (so the paged and SWA rows are
-exactly representable in the released cache formats):
+rounds where DeepSeek's inference code rounds: the KV state to the grids of the released cache
+formats (so the paged and SWA rows are exactly representable in them) and the input of every
+linear whose weight is FP8 or FP4 (block-scaled GEMMs multiply FP8 activations):
 
     window K=V rows      FP8 e4m3, one UE8M0 scale per 32 values     (528 B per 512-wide row)
     compressed rows      FP4 e2m1, one E4M3 scale per 16 values      (288 B per 512-wide row)
     indexer q and keys   FP4 e2m1, one UE8M0 scale per 32 values     (68 B per 128-wide key)
+    FP8/FP4-weight input FP8 e4m3, one UE8M0 scale per 32 values     (wq_a, wkv, wq_b, wo_b,
+                         indexer wq_b, experts w1/w3 and w2 (after the routing weight), Engram wkv)
+
+Left to the compute dtype (bfloat16 on the GPU path, as released): activations between those
+points and the attention probabilities (the released kernel rounds them to bfloat16 before P.V).
 
 UE8M0 scales are powers of two, 2^ceil(log2(amax / max)); e2m1 rounds to the nearest value,
 ties to the even code; e4m3 saturates at 448.
@@ -67,6 +73,10 @@ def fp4_qdq(x: torch.Tensor, block: int, e4m3_scale: bool) -> torch.Tensor:
 @dataclass(frozen=True, slots=True)
 class Numerics:
     official: bool = False
+
+    def act(self, x: torch.Tensor) -> torch.Tensor:
+        """The input of a linear with an FP8/FP4 weight."""
+        return fp8_qdq(x, 32) if self.official else x
 
     def window_kv_(self, kv: torch.Tensor) -> torch.Tensor:
         if self.official:
