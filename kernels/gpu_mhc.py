@@ -131,13 +131,18 @@ def _sinkhorn_kernel(c_ptr, out_ptr, eps, N: tl.constexpr, NP: tl.constexpr, ITE
     tl.store(out_ptr + at, c.to(out_ptr.dtype.element_ty), mask=grid2)
 
 
+def _lanes(n: int) -> int:
+    """Stream lanes of a tile: a power of two, at least 2 (no degenerate 1-wide tiles)."""
+    return max(2, triton.next_power_of_2(n))
+
+
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """``torch_ref.sinkhorn`` on ``[T, N, N]`` (a new tensor; one program per matrix)."""
     t, n, _ = comb.shape
     out = torch.empty(comb.shape, dtype=comb.dtype, device=comb.device)
     if t == 0:
         return out
-    _sinkhorn_kernel[(t,)](comb.contiguous(), out, float(eps), N=n, NP=triton.next_power_of_2(n), ITERS=max(1, iters),
+    _sinkhorn_kernel[(t,)](comb.contiguous(), out, float(eps), N=n, NP=_lanes(n), ITERS=max(1, iters),
                            num_warps=1)  # fmt: skip
     return out
 
@@ -168,7 +173,7 @@ def hc_pre(streams, fn, pre_post_scale, pre_post_base, comb_scale, comb_base, *,
     _finish_kernel[(t, triton.cdiv(d, _BD))](
         part, ss, x, pre_post_scale.float().contiguous(), pre_post_base.float().contiguous(),
         comb_base.float().contiguous(), post, comb, out, t, s, n * d, d, comb_scale, norm_eps, hc_eps, N=n,
-        NP=triton.next_power_of_2(n), MP=mp, HEAD=False, ITERS=max(1, sinkhorn_iters), BD=_BD, num_warps=4,
+        NP=_lanes(n), MP=mp, HEAD=False, ITERS=max(1, sinkhorn_iters), BD=_BD, num_warps=4,
     )  # fmt: skip
     return post, comb, out
 
@@ -183,7 +188,7 @@ def hc_head(streams, fn, base, scale, *, norm_eps: float, hc_eps: float, batch_i
     part, ss, s, mp = _mixes(x.view(t, n * d), fn.float().contiguous(), n)
     _finish_kernel[(t, triton.cdiv(d, _BD))](
         part, ss, x, scale.float().contiguous(), base.float().contiguous(), base, out, out, out, t, s, n * d, d,
-        1.0, norm_eps, hc_eps, N=n, NP=triton.next_power_of_2(n), MP=mp, HEAD=True, ITERS=1, BD=_BD, num_warps=4,
+        1.0, norm_eps, hc_eps, N=n, NP=_lanes(n), MP=mp, HEAD=True, ITERS=1, BD=_BD, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -196,6 +201,6 @@ def hc_post(block_out, streams, post, comb, batch_invariant: bool = False):
         return new
     _post_kernel[(t, triton.cdiv(d, _BD))](
         block_out.contiguous(), streams.contiguous(), post.float().contiguous(), comb.float().contiguous(), new, d,
-        N=n, NP=triton.next_power_of_2(n), BD=_BD, num_warps=4,
+        N=n, NP=_lanes(n), BD=_BD, num_warps=4,
     )  # fmt: skip
     return new

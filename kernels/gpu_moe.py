@@ -115,8 +115,30 @@ def _align_kernel(ids_ptr, P, E, k, T, tok_ptr, rop_ptr, bexp_ptr, max_blocks, B
 
 
 @triton.jit
+def _rows_times_weights(x_ptr, tok, live, w_ptr, n, nl, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        SWAP: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+    """``x[tok] @ w[n]^T`` over K: ``[BM, BN]``, or its transpose ``[BN, BM]`` with SWAP (decode:
+    the weight rows are the product's long side, so the tensor cores take BN rows, not 16)."""
+    if SWAP:
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        kk = k0 + tl.arange(0, BK)
+        kl = kk < K
+        w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + kk[None, :], mask=nl[:, None] & kl[None, :], other=0.0)
+        if SWAP:
+            a = tl.load(x_ptr + tok[None, :].to(tl.int64) * K + kk[:, None], mask=live[None, :] & kl[:, None], other=0.0)
+            acc += _dot(w, a, IEEE, UPCAST)
+        else:
+            a = tl.load(x_ptr + tok[:, None].to(tl.int64) * K + kk[None, :], mask=live[:, None] & kl[None, :], other=0.0)
+            acc += _dot(a, tl.trans(w), IEEE, UPCAST)
+    return acc
+
+
+@triton.jit
 def _up_kernel(x_ptr, w_ptr, tok_ptr, bexp_ptr, act_ptr, T, H, I, limit, BM: tl.constexpr, BN: tl.constexpr,
-               BK: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+               BK: tl.constexpr, SWAP: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     b, nb = tl.program_id(0), tl.program_id(1)
     expert = tl.load(bexp_ptr + b)
     if expert >= 0:
@@ -126,27 +148,21 @@ def _up_kernel(x_ptr, w_ptr, tok_ptr, bexp_ptr, act_ptr, T, H, I, limit, BM: tl.
         n = nb * BN + tl.arange(0, BN)
         nl = n < I
         base = w_ptr + expert.to(tl.int64) * (2 * I) * H
-        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
-        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in range(0, H, BK):
-            kk = k0 + tl.arange(0, BK)
-            kl = kk < H
-            a = tl.load(x_ptr + tok[:, None].to(tl.int64) * H + kk[None, :], mask=live[:, None] & kl[None, :], other=0.0)
-            wg = tl.load(base + n[:, None].to(tl.int64) * H + kk[None, :], mask=nl[:, None] & kl[None, :], other=0.0)
-            wu = tl.load(base + (I + n[:, None]).to(tl.int64) * H + kk[None, :], mask=nl[:, None] & kl[None, :],
-                         other=0.0)
-            acc_g += _dot(a, tl.trans(wg), IEEE, UPCAST)
-            acc_u += _dot(a, tl.trans(wu), IEEE, UPCAST)
+        acc_g = _rows_times_weights(x_ptr, tok, live, base, n, nl, H, BM, BN, BK, SWAP, IEEE, UPCAST)
+        acc_u = _rows_times_weights(x_ptr, tok, live, base + I * H, n, nl, H, BM, BN, BK, SWAP, IEEE, UPCAST)
         dtype = act_ptr.dtype.element_ty
         g = tl.minimum(acc_g.to(dtype).to(tl.float32), limit)
         u = tl.minimum(tl.maximum(acc_u.to(dtype).to(tl.float32), -limit), limit)
-        act = g / (1.0 + tl.exp(-g)) * u
-        tl.store(act_ptr + r[:, None].to(tl.int64) * I + n[None, :], act.to(dtype), mask=live[:, None] & nl[None, :])
+        act = (g / (1.0 + tl.exp(-g)) * u).to(dtype)
+        if SWAP:
+            tl.store(act_ptr + r[None, :].to(tl.int64) * I + n[:, None], act, mask=live[None, :] & nl[:, None])
+        else:
+            tl.store(act_ptr + r[:, None].to(tl.int64) * I + n[None, :], act, mask=live[:, None] & nl[None, :])
 
 
 @triton.jit
 def _down_kernel(act_ptr, w_ptr, tok_ptr, bexp_ptr, y_ptr, T, H, I, BM: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                 BK: tl.constexpr, SWAP: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     b, nb = tl.program_id(0), tl.program_id(1)
     expert = tl.load(bexp_ptr + b)
     if expert >= 0:
@@ -155,15 +171,13 @@ def _down_kernel(act_ptr, w_ptr, tok_ptr, bexp_ptr, y_ptr, T, H, I, BM: tl.const
         n = nb * BN + tl.arange(0, BN)
         nl = n < H
         base = w_ptr + expert.to(tl.int64) * H * I
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in range(0, I, BK):
-            kk = k0 + tl.arange(0, BK)
-            kl = kk < I
-            a = tl.load(act_ptr + r[:, None].to(tl.int64) * I + kk[None, :], mask=live[:, None] & kl[None, :], other=0.0)
-            w = tl.load(base + n[:, None].to(tl.int64) * I + kk[None, :], mask=nl[:, None] & kl[None, :], other=0.0)
-            acc += _dot(a, tl.trans(w), IEEE, UPCAST)
-        tl.store(y_ptr + r[:, None].to(tl.int64) * H + n[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=live[:, None] & nl[None, :])
+        # act rows are dispatch rows themselves: "tokens" r
+        acc = _rows_times_weights(act_ptr, r, live, base, n, nl, I, BM, BN, BK, SWAP, IEEE, UPCAST)
+        y = acc.to(y_ptr.dtype.element_ty)
+        if SWAP:
+            tl.store(y_ptr + r[None, :].to(tl.int64) * H + n[:, None], y, mask=live[None, :] & nl[:, None])
+        else:
+            tl.store(y_ptr + r[:, None].to(tl.int64) * H + n[None, :], y, mask=live[:, None] & nl[None, :])
 
 
 @triton.jit
@@ -213,10 +227,13 @@ def moe_route(logits, correction_bias, hash_ids, top_k, scoring_func, routed_sca
     return ids, weights
 
 
-def _tiles(pairs: int, batch_invariant: bool) -> tuple[int, int, int, int]:
-    """(BM, BN, BK, num_stages): skinny blocks for decode, square ones for prefill; one shape in
-    batch-invariant mode (BK fixes the order of a row's sums)."""
-    return (16, 64, 128, 3) if pairs <= _SMALL_PAIRS or batch_invariant else (64, 128, 64, 3)
+def _tiles(pairs: int, batch_invariant: bool) -> tuple[int, int, int, int, int, bool]:
+    """(BM, BN, BK, num_stages, num_warps, SWAP): 16-row blocks with the weights on the tensor
+    cores' long side for decode, 128 x 64 tiles for prefill; one shape in batch-invariant mode (BK
+    fixes the order of a row's sums)."""
+    if pairs <= _SMALL_PAIRS or batch_invariant:
+        return 16, 64, 128, 4, 4, True
+    return 128, 64, 64, 3, 8, False
 
 
 def moe_experts_(out, x, expert_ids, weights, gate_up, down, limit: float, batch_invariant: bool = False):
@@ -228,17 +245,18 @@ def moe_experts_(out, x, expert_ids, weights, gate_up, down, limit: float, batch
     num_experts, two_i, hidden = gate_up.shape
     inter = two_i // 2
     pairs = t * k
-    bm, bn, bk, stages = _tiles(pairs, batch_invariant)
+    bm, bn, bk, stages, warps, swap = _tiles(pairs, batch_invariant)
     max_blocks = triton.cdiv(pairs + min(num_experts, pairs) * (bm - 1), bm)
     dev = x.device
     tok = torch.empty(max_blocks * bm, dtype=torch.int32, device=dev)
     row_of_pair = torch.empty(pairs, dtype=torch.int64, device=dev)
     block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    ep = triton.next_power_of_2(num_experts)  # one [pairs, experts] tile of BP x EP in registers
     _align_kernel[(1,)](expert_ids.contiguous(), pairs, num_experts, k, t, tok, row_of_pair, block_expert, max_blocks,
-                        BM=bm, EP=triton.next_power_of_2(num_experts), BP=64, BB=64, num_warps=4)  # fmt: skip
+                        BM=bm, EP=ep, BP=max(16, 4096 // ep), BB=64, num_warps=4)  # fmt: skip
     x = x.contiguous()
     act = torch.empty(max_blocks * bm, inter, dtype=x.dtype, device=dev)
-    flags = dict(IEEE=x.dtype == torch.float32, UPCAST=not x.is_cuda, num_warps=4, num_stages=stages)
+    flags = dict(SWAP=swap, IEEE=x.dtype == torch.float32, UPCAST=not x.is_cuda, num_warps=warps, num_stages=stages)
     _up_kernel[(max_blocks, triton.cdiv(inter, bn))](x, gate_up.contiguous(), tok, block_expert, act, t, hidden, inter,
                                                      float(limit), BM=bm, BN=bn, BK=bk, **flags)  # fmt: skip
     rows = torch.empty(max_blocks * bm, hidden, dtype=x.dtype, device=dev)

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One call on the GPU machine (run from the repo root): Triton kernel tests, `deepinfer bench gpu`,
+# then the model-level CUDA tests, each under its own time cap, logs and figures under $OUT.
+#   STAGES=kernels,bench,model  BENCH_ARGS="..."  bash tests/bench/gpu_device_run.sh
+# Carry .whl (transformers 5.23, README of the device tool) when the image's transformers is older.
+set -o pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+# the repository root is the package `deepinfer`: import it through a link named so
+mkdir -p /tmp/pkg && ln -sfn "$PWD" /tmp/pkg/deepinfer && export PYTHONPATH=/tmp/pkg${PYTHONPATH:+:$PYTHONPATH}
+{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv
+  python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+} > "$OUT/env.txt" 2>&1
+STAGES=${STAGES:-kernels,bench,model}
+status=0
+if [[ ",$STAGES," == *",kernels,"* ]]; then
+  timeout "${KERNEL_CAP:-150}" python3 -m pytest -q --maxfail=8 tests/kernels/test_gpu_norm.py \
+    tests/kernels/test_gpu_mhc.py tests/kernels/test_gpu_attention.py tests/kernels/test_gpu_moe.py \
+    tests/kernels/test_gpu_routing.py tests/kernels/test_gpu_sampling.py 2>&1 | tee "$OUT/kernel_tests.log" | tail -25 || status=1
+fi
+if [[ ",$STAGES," == *",bench,"* ]]; then
+  timeout "${BENCH_CAP:-270}" python3 tests/bench/package_loader.py gpu --kernels --json "$OUT/bench.json" \
+    --profile-dir "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -60 || status=1
+fi
+if [[ ",$STAGES," == *",model,"* ]]; then
+  timeout "${MODEL_CAP:-120}" python3 -m pytest -q --maxfail=8 -m gpu tests/kernels/test_gpu_model.py \
+    tests/engine/test_v4_device.py tests/engine/test_v4_cuda_parity.py 2>&1 | tee "$OUT/model_tests.log" | tail -25 || status=1
+fi
+exit $status
