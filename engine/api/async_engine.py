@@ -5,11 +5,12 @@
         out.outputs[0].text          # the new text of this delta
     await engine.abort("r1"); await engine.shutdown()
 
-One background task (the *step loop*) drives ``AsyncStepPipeline``: forwards run on one device
-thread while the loop schedules the next step and commits the previous one, and between those
-awaits the loop serves everything else (HTTP, new requests, aborts). All EngineCore calls
-happen on the loop's thread, so no locks are needed. Each request has a ``_Stream`` the step
-loop pushes deltas into; ``generate`` yields them (coalesced when the consumer lags).
+One background task runs the engine's ``StepLoop`` (engine/core/step_loop.py), pipelined:
+forwards run on one device thread while the loop schedules the next step and commits the
+previous one, and between those awaits the loop serves everything else (HTTP, new requests,
+aborts). All EngineCore calls happen on the loop's thread, so no locks are needed. Each request
+has a ``DeltaQueue`` (streams.py) the step loop's ``deliver`` hook pushes deltas into;
+``generate`` yields them (coalesced when the consumer lags).
 
 SWA slots: with ``swa_directory`` set, ``start`` also starts this engine's ``SwaPeer`` (it shares
 its slot store with other engines); each new request then first runs the slot prefetch for the
@@ -17,11 +18,15 @@ prefix hit it would get (device pool, host tier, KV store) as part of ``submit``
 and steps go on meanwhile, and a miss or a dead owner within ``swa_fetch_deadline_s`` just
 leaves the request to replay.
 
-Failures: bad input raises a one-line ValueError from ``generate``'s first ``__anext__``. A step
-that raises fails every request that was running (its stream raises ``EngineStepError``), the
-prefix cache is dropped (blocks of a failed step may hold garbage) and the engine serves on;
-after ``max_consecutive_failures`` failing steps in a row it is dead: ``check_health`` raises
-and new requests are refused.
+Failures: bad input raises a one-line ValueError (``InvalidPromptError``, ``SamplingParamsError``,
+``StructuredOutputError``) from ``generate``'s first ``__anext__``; the facts are checked by the
+component that owns them (EngineCore, the scheduler, SamplingParams), this class only checks
+that it accepts requests at all (alive, open); a full waiting queue is EngineCore's to refuse
+(``EngineOverloadedError``). A step that raises fails every
+request that was running (its stream raises ``EngineStepError``), the prefix cache is dropped
+(blocks of a failed step may hold garbage) and the engine serves on; after
+``max_consecutive_failures`` failing steps in a row it is dead: ``check_health`` raises and new
+requests are refused.
 """
 
 from __future__ import annotations
@@ -29,104 +34,40 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import itertools
 import logging
-import sys
 import threading
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from deepinfer import envs
-from deepinfer.engine.core.engine_core import EngineCore
-from deepinfer.engine.core.factory import EngineOptions, EngineParts, build_engine
-from deepinfer.engine.models.registry import FamilyConfig
-from deepinfer.engine.text.output_processor import merge_output
-from deepinfer.engine.api.outputs import RequestOutput
-from deepinfer.engine.api.sampling_params import SamplingParams
-from deepinfer.engine.core.step_loop import AsyncStepPipeline
 from deepinfer.cache.swa_peer import SwaPeer
-from deepinfer.engine.kv.swa_slots import SwaSlotManager, SwaSlotRunner
-from deepinfer.engine.text.tokenizer import Tokenizer
+from deepinfer.engine.api.outputs import RequestOutput
 from deepinfer.engine.api.protocol import (
     EngineDeadError,
-    EngineOverloadedError,
     EngineStats,
     EngineStepError,
     InvalidPromptError,
     ModelInfo,
 )
+from deepinfer.engine.api.sampling_params import SamplingParams
+from deepinfer.engine.api.streams import DeltaQueue, RequestStream
+from deepinfer.engine.core.engine_core import EngineCore
+from deepinfer.engine.core.factory import EngineOptions, EngineParts, build_engine
+from deepinfer.engine.core.step_loop import FailurePolicy, FailureScope, StepHooks, StepLoop, tune_interpreter
+from deepinfer.engine.kv.swa_slots import SwaSlotManager, SwaSlotRunner
+from deepinfer.engine.models.registry import FamilyConfig
+from deepinfer.engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 PromptType = str | Mapping[str, Any]
 
 
-class _Stream:
-    """One request's deltas, pushed by the step loop and pulled by ``generate``."""
-
-    __slots__ = ("items", "ready", "is_done")
-
-    def __init__(self) -> None:
-        self.items: deque[RequestOutput | BaseException] = deque()
-        self.ready = asyncio.Event()
-        self.is_done = False
-
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self.items.append(item)
-        self.ready.set()
-
-    async def get(self) -> RequestOutput:
-        while not self.items:
-            self.ready.clear()
-            await self.ready.wait()
-        item = self.items.popleft()
-        if isinstance(item, BaseException):
-            raise item
-        # coalesce deltas that piled up while the consumer was busy (an error stays queued)
-        while self.items and not item.finished and isinstance(self.items[0], RequestOutput):
-            item = merge_output(merge_output(None, item), self.items.popleft())
-        return item
-
-
-class RequestStream:
-    """The deltas of one queued request (``AsyncEngine.submit``); ``close()`` aborts it unless
-    it has finished."""
-
-    __slots__ = ("_engine", "request_id", "_stream", "_is_closed")
-
-    def __init__(self, engine: AsyncEngine, request_id: str, stream: _Stream) -> None:
-        self._engine = engine
-        self.request_id = request_id
-        self._stream = stream
-        self._is_closed = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self._is_closed:
-            raise StopAsyncIteration
-        try:
-            out = await self._stream.get()
-        except BaseException:
-            self.close()
-            raise
-        if out.finished:
-            self.close()
-        return out
-
-    def close(self) -> None:
-        if not self._is_closed:
-            self._is_closed = True
-            self._engine._release_stream(self.request_id, self._stream)
-
-
 class AsyncEngine:
-    """Implements the gateway's ``EngineClient`` protocol (engine/api/protocol.py)."""
+    """Implements the ``EngineClient`` protocol (engine/api/protocol.py)."""
 
     def __init__(self, parts: EngineParts, options: EngineOptions, *, max_consecutive_failures: int = 3) -> None:
         """Use ``await AsyncEngine.start(...)``; this wires already-built parts to the running loop."""
@@ -136,16 +77,11 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._device = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-device")
         self._compile = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-grammar")
-        self._pipe = AsyncStepPipeline(self.core, self._device)
-        self._streams: dict[str, _Stream] = {}
-        self._wake = asyncio.Event()
+        self._queues: dict[str, DeltaQueue] = {}
         self._is_closed = False  # no new requests; the step loop ends once idle
         self._shutdown_task: asyncio.Task | None = None
         self._dead_reason: str | None = None
-        self._num_failures_in_row = 0
         self._max_failures = max_consecutive_failures
-        self._ids = itertools.count()
-        self.num_failed_steps = 0
         self.swa_slots: SwaSlotManager | None = parts.swa_slots
         self.swa_peer: SwaPeer | None = None
         self._model_info = ModelInfo(
@@ -155,9 +91,12 @@ class AsyncEngine:
             eos_token_ids=self.core.config.eos_token_ids,
             created=parts.created,
         )
-        if options.switch_interval_s is not None:
-            sys.setswitchinterval(options.switch_interval_s)
-        self._task = self._loop.create_task(self._step_loop(), name="deepinfer-step-loop")
+        self._steps = StepLoop(self.core, self._device, StepHooks(deliver=self._deliver, fail=self._fail_requests),
+                               name="deepinfer-engine", is_pipelined=True,
+                               failure=FailurePolicy(FailureScope.RUNNING, evict_prefix_cache=True),
+                               check_integrity=options.check_integrity_every_step)
+        tune_interpreter(options.switch_interval_s)
+        self._task = self._loop.create_task(self._run_steps(), name="deepinfer-step-loop")
 
     @classmethod
     async def start(cls, model: str | Path | None = None, **options: Any) -> AsyncEngine:
@@ -205,6 +144,10 @@ class AsyncEngine:
     def model_config(self) -> FamilyConfig:
         return self._parts.model_config
 
+    @property
+    def num_failed_steps(self) -> int:
+        return self._steps.num_failed_steps
+
     def stats(self) -> EngineStats:
         sched = self.core.scheduler
         pool = sched.pool
@@ -241,14 +184,13 @@ class AsyncEngine:
         """``generate`` in two stages: validate and queue now (raising for bad input), stream
         later. Iterate the result to the end or ``close()`` it (that aborts the request)."""
         rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
-        stream = await self._add_request(rid, prompt, params or SamplingParams())
-        return RequestStream(self, rid, stream)
+        queue = await self._add_request(rid, prompt, params or SamplingParams())
+        return RequestStream(rid, queue, self._release)
 
     async def abort(self, request_id: str) -> None:
         """Finish ``request_id`` with "abort" and free its blocks and slot at once (the step in
         flight drops its result); an unknown or finished id is a no-op."""
-        for out in self.core.abort([request_id]):
-            self._deliver(out)
+        self._deliver(self.core.abort([request_id]))
 
     async def shutdown(self) -> None:
         """Abort everything in flight, stop the step loop and join the device thread (idempotent)."""
@@ -258,13 +200,10 @@ class AsyncEngine:
 
     async def _shutdown(self) -> None:
         self._is_closed = True
-        for out in self.core.abort(list(self._streams)):
-            self._deliver(out)
-        for stream in self._streams.values():  # streams whose request never reached the core
-            if not stream.is_done:
-                stream.is_done = True
-                stream.put(EngineDeadError("the engine is shut down"))
-        self._wake.set()
+        self._deliver(self.core.abort(list(self._queues)))
+        for queue in self._queues.values():  # streams whose request never reached the core
+            queue.fail(EngineDeadError("the engine is shut down"))
+        self._steps.close()
         try:
             await self._task
         finally:
@@ -285,41 +224,35 @@ class AsyncEngine:
             offload.close()
 
     # ---- requests -----------------------------------------------------------------------
-    async def _add_request(self, rid: str, prompt: PromptType, params: SamplingParams) -> _Stream:
-        self._check_accepting(rid)
+    async def _add_request(self, rid: str, prompt: PromptType, params: SamplingParams) -> DeltaQueue:
+        self._check_accepting()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self._prompt_ids(prompt)
-        self._check_prompt(ids, params)
+        grammar = None
         if params.structured_outputs is not None:
-            backend = self._parts.structured_output
-            if backend is None:
-                raise InvalidPromptError("structured_outputs need the tokenizer; this engine was started without one")
             # compiled (and cached) on a worker thread: a big schema never stalls the loop
-            await self._loop.run_in_executor(self._compile, backend.compile, params.structured_outputs)
-            self._check_accepting(rid)
+            grammar = await self._loop.run_in_executor(self._compile, self.core.compile_grammar,
+                                                       params.structured_outputs)
+            self._check_accepting()
         swa = self.swa_slots
         if swa is not None and swa.fetcher is not None and self.core.scheduler.config.enable_prefix_caching:
             # the slot at the hit this request will get, from the engine that holds it (bounded
             # by swa_fetch_deadline_s; never raises for a remote failure: a miss replays)
             await swa.prefetch_for(self.core.scheduler.kv, ids)
-            self._check_accepting(rid)
-        self.core.add_request(rid, ids, params, prompt=text)  # grammar: a cache hit now
-        stream = _Stream()
-        self._streams[rid] = stream
-        self._wake.set()
-        return stream
+            self._check_accepting()
+        self.core.add_request(rid, ids, params, prompt=text, grammar=grammar)
+        queue = DeltaQueue()
+        self._queues[rid] = queue
+        self._steps.wake()
+        return queue
 
-    def _check_accepting(self, rid: str) -> None:
+    def _check_accepting(self) -> None:
+        """Alive and open (checked again after every await: the engine may die meanwhile)."""
         if self._dead_reason is not None:
             raise EngineDeadError(self._dead_reason)
         if self._is_closed:
             raise EngineDeadError("the engine is shut down")
-        if rid in self._streams:
-            raise ValueError(f"request id {rid!r} is already in use")
-        cap = self.options.max_num_waiting
-        if cap is not None and len(self.core.scheduler.waiting) >= cap:
-            raise EngineOverloadedError(f"the waiting queue is full ({cap} requests); retry shortly")
 
     def _prompt_ids(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -340,110 +273,50 @@ class AsyncEngine:
                 return self._prompt_ids(prompt["prompt"])
         raise InvalidPromptError("a prompt must be a string or a dict with 'prompt_token_ids' or 'prompt'")
 
-    def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
-        info = self._model_info
-        if not ids:
-            raise InvalidPromptError("the prompt is empty")
-        bad = next((t for t in ids if not 0 <= t < info.vocab_size), None)
-        if bad is not None:
-            raise InvalidPromptError(f"prompt token id {bad} is outside the vocabulary [0, {info.vocab_size})")
-        if len(ids) >= info.max_model_len:
-            raise InvalidPromptError(f"the prompt has {len(ids)} tokens; max_model_len is {info.max_model_len} "
-                                     "(prompt + output)")
-
-    def _release_stream(self, rid: str, stream: _Stream) -> None:
-        if self._streams.get(rid) is stream:
-            del self._streams[rid]
-            if not stream.is_done:  # the caller left early (cancelled, closed, error)
+    def _release(self, rid: str, queue: DeltaQueue) -> None:
+        if self._queues.get(rid) is queue:
+            del self._queues[rid]
+            if not queue.is_done:  # the caller left early (cancelled, closed, error)
                 self.core.abort([rid])
 
-    # ---- the step loop ------------------------------------------------------------------
-    def _deliver(self, out: RequestOutput) -> None:
-        stream = self._streams.get(out.request_id)
-        if stream is not None and not stream.is_done:
-            stream.is_done = out.finished
-            stream.put(out)
+    # ---- step loop hooks ------------------------------------------------------------------
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            queue = self._queues.get(out.request_id)
+            if queue is not None and not queue.is_done:
+                queue.is_done = out.finished
+                queue.put(out)
 
-    async def _step_loop(self) -> None:
+    def _fail_requests(self, request_ids: list[str], error: Exception) -> None:
+        message = f"the model step failed ({type(error).__name__}: {_one_line(error)})"
+        for rid in {self.core.parent_id(rid) for rid in request_ids}:
+            queue = self._queues.get(rid)
+            if queue is not None:
+                queue.fail(EngineStepError(message))
+        if self._steps.num_failures_in_row >= self._max_failures:
+            self._die(f"the engine stopped after {self._steps.num_failures_in_row} failed steps in a row: {message}")
+
+    async def _run_steps(self) -> None:
         try:
-            await self._run_steps()
+            await self._steps.run()
         except BaseException as e:  # a crashed loop must fail the streams, never strand them
             self._die(f"the engine's step loop stopped ({type(e).__name__}: {_one_line(e)})")
             if not isinstance(e, Exception):
                 raise
             log.exception("engine step loop crashed")
 
-    async def _run_steps(self) -> None:
-        pipe, core = self._pipe, self.core
-        check = self.options.check_integrity_every_step
-        while True:
-            if not pipe.has_work():
-                if self._is_closed:
-                    break
-                self._wake.clear()
-                await self._wake.wait()
-                continue
-            num_steps = core.num_steps
-            try:
-                outputs = await pipe.step()
-            except Exception as e:  # noqa: BLE001 - a failed step must never hang streams
-                await self._fail_running(e)
-                continue
-            self._num_failures_in_row = 0
-            for out in outputs:
-                self._deliver(out)
-            if check:
-                core.check_integrity()
-            if core.num_steps == num_steps and not outputs:
-                # nothing could be scheduled (e.g. waiting for blocks a finished step frees):
-                # yield until something changes instead of spinning
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), 0.005)
-                except TimeoutError:
-                    pass
-            else:
-                await asyncio.sleep(0)  # let consumers and new requests in between steps
-        await pipe.drain()
-
-    async def _fail_running(self, error: Exception) -> None:
-        """Fail every running request (the failed step's and the one queued behind it), drop
-        the prefix cache and let the device thread go idle; waiting requests carry on."""
-        self.num_failed_steps += 1
-        self._num_failures_in_row += 1
-        log.error("engine step failed: %s: %s", type(error).__name__, error)
-        await self._loop.run_in_executor(self._device, lambda: None)  # the queued step has ended
-        message = f"the model step failed ({type(error).__name__}: {_one_line(error)})"
-        sched = self.core.scheduler
-        # running requests may have positions of the failed steps; a preempted one with a token
-        # in flight waits for a commit that will never come
-        touched = [r.request_id for r in sched.running]
-        touched += [r.request_id for r in sched.waiting if r.num_output_placeholders > 0]
-        parents = {self.core.parent_id(rid) for rid in touched}
-        self.core.abort(parents)
-        for rid in parents:
-            self._fail_stream(rid, EngineStepError(message))
-        sched.pool.evict_all_unreferenced()
-        if self._num_failures_in_row >= self._max_failures:
-            self._die(f"the engine stopped after {self._num_failures_in_row} failed steps in a row: {message}")
-
     def _die(self, reason: str) -> None:
         """No more requests: fail every open stream with ``reason``; check_health raises it."""
         if self._dead_reason is None:
             self._dead_reason = reason
         self._is_closed = True
+        self._steps.close()
         try:
-            self.core.abort(list(self._streams))
+            self.core.abort(list(self._queues))
         except Exception:  # noqa: BLE001 - the core may be what broke; the streams still end
             log.exception("abort after an engine failure")
-        for rid in list(self._streams):
-            self._fail_stream(rid, EngineDeadError(self._dead_reason))
-
-    def _fail_stream(self, rid: str, error: BaseException) -> None:
-        stream = self._streams.get(rid)
-        if stream is not None and not stream.is_done:
-            stream.is_done = True
-            stream.put(error)
+        for queue in list(self._queues.values()):
+            queue.fail(EngineDeadError(self._dead_reason))
 
 
 async def _run_in_new_thread(fn: Callable[[], object], *, name: str) -> None:

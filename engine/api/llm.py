@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from deepinfer.engine.api.async_engine import AsyncEngine, RequestStream
+from deepinfer.engine.api.async_engine import AsyncEngine
+from deepinfer.engine.api.streams import RequestStream
 from deepinfer.engine.core.factory import EngineOptionsError
 from deepinfer.engine.text.output_processor import merge_output
 from deepinfer.engine.api.outputs import RequestOutput

@@ -13,8 +13,11 @@ Contract of ``generate`` (an async generator, so nothing runs until the first ``
   new text and new logprob positions of ``outputs[0]``; the last one has ``finished=True`` and a
   ``finish_reason`` ("stop" | "length" | "abort") and then the generator ends;
 - bad input surfaces as an exception from the first ``__anext__``, before any output:
-  ``SamplingParamsError`` / ``StructuredOutputError`` / any ``ValueError`` with a one-line message
-  (-> HTTP 400/422), ``EngineOverloadedError`` when the waiting queue is full (-> HTTP 429);
+  ``InvalidPromptError`` for a prompt the engine refuses (ids outside the vocabulary, empty, too
+  long; -> HTTP 400 naming the prompt field), ``SamplingParamsError`` / ``StructuredOutputError``
+  / any ``ValueError`` with a one-line message (-> HTTP 400/422), ``EngineOverloadedError`` when
+  the waiting queue is full (-> HTTP 429). The engine checks these facts; the gateway does not
+  check them again, it maps the errors (runtime/gateway/errors.py);
 - ``abort(request_id)`` stops the request within one engine step and frees its state; aborting an
   unknown or already finished id is a no-op. The gateway calls it whenever a client goes away,
   possibly while a ``generate`` of that id is still being iterated (or was cancelled).

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 
@@ -89,6 +89,13 @@ class SamplingParams:
             kinds = {"json", "regex", "grammar", "json_object"}
             if not isinstance(so, dict) or len(so) != 1 or next(iter(so)) not in kinds:
                 bad("structured_outputs", f"must be a dict with exactly one of {sorted(kinds)}")
+
+
+def choice_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The ``n == 1`` params of choice ``index`` of a request with ``n`` choices: the seed is
+    ``seed + index`` (None stays None). The one fan-out rule, used by the engine (``n > 1``
+    requests) and by the gateway (which fans out itself to stream choices separately)."""
+    return replace(params, n=1, seed=None if params.seed is None else params.seed + index)
 
 
 def _is_number(v) -> bool:

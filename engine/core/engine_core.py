@@ -1,40 +1,29 @@
-"""The synchronous engine step: schedule -> runner.execute -> sample -> commit -> output deltas.
+"""One replica's engine core: requests in, steps as calls, output deltas out.
 
-``step()`` does it all in order. For overlap ("async scheduling", one step in flight) the same
-work is exposed as calls that ``StepPipeline`` / ``AsyncStepPipeline`` (step_pipeline.py) and
-``DeviceChain`` (device_chain.py) interleave so the device never waits for Python bookkeeping.
+``EngineCore`` owns the scheduler, the sampling preparer and the output processor of one
+replica and exposes a step as calls that the one step loop (step_loop.py) and the device chain
+(device_chain.py) interleave: ``schedule_step`` -> ``prepare_sampling`` -> (device thread)
+``execute`` -> ``run_sampling`` [-> ``fill_placeholders`` of the next step] -> ``commit_step``.
 ``fill_placeholders``, ``execute`` and ``run_sampling`` run in order on ONE worker thread (the
-"device thread"); everything else runs on the caller's thread:
+"device thread"); everything else runs on the loop's thread. Which call overlaps which, and why
+that order is safe, is drawn once in ARCHITECTURE.md ("The step timeline").
 
-    caller:                                  device thread:
-      plan_n = schedule_step(); prepare it     execute(plan_n) ... run_sampling(prep_n)
-      plan_n1 = schedule_step()                # overlaps plan_n's forward; a decode whose
-                                               # token plan_n samples gets a placeholder
-      rows = placeholder_rows(plan_n1, prep_n) # placeholder -> row of plan_n's tokens
-      hand plan_n1 over                        fill_placeholders(plan_n1, sampled_n, rows)
-      wait for plan_n's tokens                 execute(plan_n1)   (no caller wake-up between)
-      commit_step(plan_n, sampled_n)           ... waits for prep_n1
-      prep_n1 = prepare_sampling(plan_n1)      run_sampling(prep_n1): after the commit, so
-                                               penalties and grammar masks see plan_n's tokens
+The worker touches only the runner, the plans' batches and the prepared tensors; add_request /
+abort run on the loop's thread between these calls. Results of a request that finished or was
+aborted while a later step was in flight are dropped when that step commits; its blocks may be
+handed out again only to steps that execute after the in-flight one (execution is serial).
 
-If commit or prepare raises, the caller hands the error to the device thread instead of prep_n1
-so it never blocks. The worker touches only the runner, the plans' batches and the prepared
-tensors; add_request / abort run on the caller's thread between these calls. Results of a
-request that finished or was aborted while a later step was in flight are dropped when that
-step commits; its blocks may be handed out again only to steps that execute after the in-flight
-one (execution is serial).
-On CPython the worker needs the GIL to launch each forward: keep ``sys.setswitchinterval`` small
-(``tune_interpreter_for_serving``) so the caller's Python work cannot hold it for long.
+Request facts are checked once, by their owner: the caller's request id and the vocabulary
+here, the prompt's length and the scheduler's own table in ``Scheduler.add_request``, the
+sampling parameters in ``SamplingParams``; bad input raises ``InvalidPromptError`` (one line).
 """
 
 from __future__ import annotations
 
-import gc
 import random
-import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
@@ -42,34 +31,19 @@ import torch
 from deepinfer.cache.block_hash import MultiModalSpan
 from deepinfer.cache.block_pool import BlockEvent, BlockPool
 from deepinfer.cache.slot_pool import SlotPool
+from deepinfer.engine.api.protocol import EngineOverloadedError, InvalidPromptError
 from deepinfer.engine.core.batch import ForwardBatch
 from deepinfer.engine.sched.cost_model import CostModel
 from deepinfer.engine.text.output_processor import DetokenizerFactory, OutputProcessor, format_logprobs
 from deepinfer.engine.api.outputs import RequestOutput
 from deepinfer.engine.core.request import RequestStatus
 from deepinfer.engine.sample.prep import SampledStep, SamplingPrep, SamplingPreparer
-from deepinfer.engine.api.sampling_params import SamplingParams
-from deepinfer.engine.sched.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from deepinfer.engine.api.sampling_params import SamplingParams, choice_params
+from deepinfer.engine.sched.scheduler import Scheduler, SchedulerConfig, SchedulerError, SchedulerOutput
 from deepinfer.engine.sample.structured_output import GrammarState, StructuredOutputBackend
 
 if TYPE_CHECKING:
     from deepinfer.engine.kv.offload import KVOffload
-
-
-def tune_interpreter_for_serving(gen0_threshold: int = 50_000, switch_interval_s: float = 0.0005) -> None:
-    """Process-wide CPython settings for an engine process; call once after start-up.
-
-    - Freeze everything allocated so far (model, tokenizer, caches) out of the cyclic GC and
-      collect young objects less often: per-step bookkeeping allocates thousands of small
-      objects and with default thresholds the collector rescans long-lived state many times a
-      step (it doubled commit time at batch 256).
-    - A short GIL switch interval: the device thread must get the GIL promptly to launch the
-      next forward while the caller's thread runs bookkeeping (default 5 ms = a whole step)."""
-    gc.collect()
-    gc.freeze()
-    _, gen1, gen2 = gc.get_threshold()
-    gc.set_threshold(gen0_threshold, gen1, gen2)
-    sys.setswitchinterval(switch_interval_s)
 
 
 class ModelRunner(Protocol):
@@ -85,6 +59,7 @@ class EngineCoreConfig:
     vocab_size: int
     eos_token_ids: tuple[int, ...] = ()
     device: str = "cpu"  # where the logits live / sampling runs
+    max_num_waiting: int | None = None  # queue capacity: beyond it add_request raises EngineOverloadedError
 
 
 @dataclass(slots=True)
@@ -158,33 +133,55 @@ class EngineCore:
         arrival_time: float | None = None,
         mm_spans: Sequence[MultiModalSpan] = (),
         cache_salt: str = "",
+        grammar=None,
     ) -> None:
         """Queue a request (``n`` completions become ``n`` engine requests sharing the prompt).
-        Raises ValueError (one line) for bad input; compile grammars beforehand off-thread with
-        ``structured_output.compile`` to keep this call cheap (the cache makes it a lookup)."""
+        Raises ``InvalidPromptError`` (one line) for bad input, ``EngineOverloadedError`` when the
+        waiting queue is full, and changes nothing then.
+        ``grammar``: ``params.structured_outputs`` already compiled (``compile_grammar``, off the
+        loop's thread: a big schema never stalls it); compiled here when not given."""
         if request_id in self._children:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise InvalidPromptError(f"request id {request_id!r} is already in use")
+        cap = self.config.max_num_waiting
+        if cap is not None and len(self.scheduler.waiting) >= cap:
+            raise EngineOverloadedError(f"the waiting queue is full ({cap} requests); retry shortly")
         vocab = self.config.vocab_size
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"request {request_id!r}: prompt token id {bad} is outside the vocabulary [0, {vocab})")
-        grammar = None
-        if params.structured_outputs is not None:
-            if self.structured_output is None:
-                raise ValueError("structured_outputs needs a tokenizer vocabulary; this engine has none")
-            grammar = self.structured_output.compile(params.structured_outputs)
+            raise InvalidPromptError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        if params.structured_outputs is not None and grammar is None:
+            grammar = self.compile_grammar(params.structured_outputs)
         arrival = self._clock() if arrival_time is None else arrival_time
         child_ids = [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
-        for i, cid in enumerate(child_ids):
-            child_params = params if params.n == 1 else replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-            seed = child_params.seed if child_params.seed is not None else self._seed_rng.getrandbits(63)
-            self.outputs.add_request(cid, request_id, i, params.n, prompt, prompt_token_ids, child_params, arrival)
-            self.scheduler.add_request(cid, prompt_token_ids, child_params, seed=seed, arrival_time=arrival,
-                                       eos_token_ids=self.config.eos_token_ids, mm_spans=mm_spans, cache_salt=cache_salt)
+        children = [params] if params.n == 1 else [choice_params(params, i) for i in range(params.n)]
+        added: list[str] = []
+        try:  # the scheduler checks the prompt's length and its own table first: nothing else changes then
+            for cid, child_params in zip(child_ids, children):
+                seed = child_params.seed if child_params.seed is not None else self._seed_rng.getrandbits(63)
+                self.scheduler.add_request(cid, prompt_token_ids, child_params, seed=seed, arrival_time=arrival,
+                                           eos_token_ids=self.config.eos_token_ids, mm_spans=mm_spans,
+                                           cache_salt=cache_salt)
+                added.append(cid)
+            for i, (cid, child_params) in enumerate(zip(child_ids, children)):
+                self.outputs.add_request(cid, request_id, i, params.n, prompt, prompt_token_ids, child_params, arrival)
+        except (SchedulerError, ValueError):
+            self.scheduler.abort(added)
+            for cid in added:
+                self.outputs.forget(cid)
+            raise
+        for cid in child_ids:
             if grammar is not None:
                 self._grammars[cid] = self.structured_output.new_state(grammar)
             self._parent_of[cid] = request_id
         self._children[request_id] = child_ids
+
+    def compile_grammar(self, spec):
+        """``spec`` (``SamplingParams.structured_outputs``) compiled, for ``add_request(grammar=...)``;
+        thread-safe and cached, so callers run it on a worker thread."""
+        if self.structured_output is None:
+            raise InvalidPromptError("structured_outputs need the tokenizer's vocabulary; this engine was started "
+                                     "without a tokenizer")
+        return self.structured_output.compile(spec)
 
     def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """Abort requests (by the id given to add_request); frees their blocks and slots."""
@@ -237,14 +234,7 @@ class EngineCore:
         assert set(self._grammars) <= live, "grammar state of a finished request"
         assert all(self.outputs.has_request(r) for r in live), "a live request has no output state"
 
-    # ---- the step -----------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        plan = self.schedule_step()
-        if plan.is_empty:
-            return []
-        logits = self.execute(plan)
-        return self.commit_step(plan, self.sample_step(plan, logits))
-
+    # ---- the step, as calls (step_loop.py drives them) -------------------------------------
     def schedule_step(self) -> StepPlan:
         sched = self.scheduler.schedule()
         plan = StepPlan(sched, sched.batch)

@@ -270,7 +270,8 @@ def build_engine(model_dir: str | Path, options: EngineOptions) -> EngineParts:
         step_time_target_s=options.step_time_target_s,
     )
     core_cfg = EngineCoreConfig(sched, num_blocks=num_blocks, vocab_size=cfg.vocab_size, eos_token_ids=eos_ids,
-                                device=str(runner.device))
+                                device=str(runner.device),
+                                max_num_waiting=options.max_num_waiting)
     detok_factory = decode_token = None
     if tokenizer is not None:
         def detok_factory(prompt_ids, params):

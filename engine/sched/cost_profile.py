@@ -11,13 +11,16 @@ online steps refine the fit afterwards.
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from deepinfer.engine.sched.cost_model import CostModel
-from deepinfer.engine.core.engine_core import EngineCore
 from deepinfer.engine.api.sampling_params import SamplingParams
+from deepinfer.engine.core.engine_core import EngineCore
+from deepinfer.engine.core.step_loop import FailurePolicy, FailureScope, StepHooks, StepLoop
+from deepinfer.engine.sched.cost_model import CostModel
 
 PROFILE_SALT = "__deepinfer_cost_profile__"
 
@@ -57,14 +60,11 @@ def profile_cost_model(
             core.scheduler.config = sc
 
     def _drain() -> None:
-        while core.has_unfinished_requests():
-            plan = core.schedule_step()
-            if plan.is_empty:
-                continue
-            logits = core.execute(plan)
-            model.add_profile(plan.sched.features, plan.exec_seconds)
-            plan.exec_seconds = None  # recorded as a profile sample, not an online one
-            core.commit_step(plan, core.sample_step(plan, logits))
+        core.cost_model = _ProfileSamples(model)  # each step's time: a profile sample, not an online one
+        try:
+            asyncio.run(_run_serial(core))
+        finally:
+            core.cost_model = model
 
     run.calls = 0
     for n in prompt_lens:
@@ -78,3 +78,26 @@ def profile_cost_model(
     core.drain_kv_events()
     model.refit()
     return model
+
+
+class _ProfileSamples:
+    """Stands in for the cost model at commit: step times become profile samples."""
+
+    def __init__(self, model: CostModel) -> None:
+        self._model = model
+
+    def observe(self, features, seconds: float) -> None:
+        self._model.add_profile(features, seconds)
+
+
+def _raise(request_ids: list[str], error: Exception) -> None:
+    raise error  # a failed profiling step fails the profile
+
+
+async def _run_serial(core: EngineCore) -> None:
+    """Step ``core`` with the engine's step loop (serial) until every request has finished."""
+    with ThreadPoolExecutor(1, thread_name_prefix="deepinfer-profile") as device:
+        steps = StepLoop(core, device, StepHooks(deliver=lambda outputs: None, fail=_raise), name="cost-profile",
+                         is_pipelined=False, failure=FailurePolicy(FailureScope.SCHEDULED, evict_prefix_cache=False))
+        steps.close()  # run returns once nothing is left to step
+        await steps.run()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from deepinfer.engine.api.protocol import InvalidPromptError
 from deepinfer.engine.core.batch import ForwardBatch, SeqStep
 from deepinfer.engine.sched.cost_model import StepFeatures
 from deepinfer.engine.core.request import Request, RequestStatus
@@ -13,7 +14,7 @@ from deepinfer.engine.core.request import Request, RequestStatus
 PLACEHOLDER_TOKEN_ID = -1
 
 
-class SchedulerError(ValueError):
+class SchedulerError(InvalidPromptError):
     """A request the scheduler cannot take (empty or too long prompt, duplicate id)."""
 
 

@@ -111,6 +111,12 @@ class OutputProcessor:
         )
         self._parents.setdefault(parent_id, _Parent(num_children))
 
+    def forget(self, engine_request_id: str) -> None:
+        """Drop a request added a moment ago without any output (its add was rolled back)."""
+        st = self._states.pop(engine_request_id, None)
+        if st is not None and not any(other.request_id == st.request_id for other in self._states.values()):
+            self._parents.pop(st.request_id, None)
+
     def has_request(self, engine_request_id: str) -> bool:
         return engine_request_id in self._states
 

@@ -37,7 +37,7 @@ from deepinfer.runtime.balance import RequestInfo, TieredPrefillRouter, TwoDimDe
 from deepinfer.runtime.balance.prefix_index import PrefixIndex
 from deepinfer.runtime.cluster_config import ClusterConfig, NodeRole
 from deepinfer.runtime.disagg.engine_directory import EngineDirectory, EngineEntry
-from deepinfer.engine.api.protocol import EngineStats, GatewayTokenizer, ModelInfo, TokensPrompt
+from deepinfer.engine.api.protocol import EngineStats, GatewayTokenizer, InvalidPromptError, ModelInfo, TokensPrompt
 from deepinfer.transport.channels import StreamReceiver
 from deepinfer.transport.errors import RemoteError, TransportError
 from deepinfer.transport.protocol import (
@@ -47,14 +47,15 @@ from deepinfer.transport.protocol import (
     PdAbort,
     PdDispatch,
     PdFailed,
-    PdOutput,
     PdStream,
     PeerDown,
 )
 
 log = logging.getLogger(__name__)
 
-_INPUT_ERRORS = ("ValueError", "SamplingParamsError", "SchedulerError", "StructuredOutputError")
+# the prefill engine's typed input errors, by name (the engine checks the prompt; RemoteError carries the name)
+_PROMPT_ERRORS = ("InvalidPromptError", "SchedulerError")
+_INPUT_ERRORS = ("ValueError", "SamplingParamsError", "StructuredOutputError", *_PROMPT_ERRORS)
 
 
 class EngineLostError(RuntimeError):
@@ -252,7 +253,8 @@ class PdEngineClient:
             reply = rpc.result()
         except RemoteError as exc:
             if exc.code == ErrorCode.HANDLER_FAILED and str(exc).startswith(_INPUT_ERRORS):
-                raise ValueError(str(exc).split(": ", 1)[-1]) from None
+                kind, _, message = str(exc).partition(": ")
+                raise (InvalidPromptError if kind in _PROMPT_ERRORS else ValueError)(message) from None
             raise _AttemptLost(f"prefill {prefill.name}: {exc}", _blamed(str(exc), prefill, decode)) from None
         except TransportError as exc:
             raise _AttemptLost(f"prefill {prefill.name}: {exc}", prefill.name) from None

@@ -19,7 +19,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
 
 from deepinfer.engine.api.sampling_params import SamplingParamsError
-from deepinfer.engine.api.protocol import EngineOverloadedError
+from deepinfer.engine.api.protocol import EngineOverloadedError, InvalidPromptError
 
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
@@ -175,8 +175,11 @@ def from_decode_error(exc: Exception) -> GatewayError:
     return bad_request(f"request body is not valid JSON: {text.removeprefix('JSON is malformed: ')}", code="invalid_json")
 
 
-def from_engine_error(exc: Exception, structured_param: str | None) -> GatewayError | None:
-    """Map a typed engine error raised for a request's input; None if it is not an input error."""
+def from_engine_error(exc: Exception, structured_param: str | None,
+                      prompt_param: str | None = None) -> GatewayError | None:
+    """Map a typed engine error raised for a request's input; None if it is not an input error.
+    The engine checks each fact once (the vocabulary, the prompt's length, a full queue): here its
+    error becomes the HTTP answer, naming ``prompt_param`` for a prompt the engine refused."""
     # imported here: the structured-output module pulls in xgrammar and torch
     from deepinfer.engine.sample.structured_output import StructuredOutputError
 
@@ -186,6 +189,8 @@ def from_engine_error(exc: Exception, structured_param: str | None) -> GatewayEr
     if isinstance(exc, StructuredOutputError):
         message = f"{structured_param}: {exc}" if structured_param else str(exc)
         return GatewayError(message, status=422, param=structured_param, code="invalid_structured_output")
+    if isinstance(exc, InvalidPromptError) and prompt_param is not None:
+        return bad_request(f"{prompt_param}: {_one_line(exc)}", prompt_param)
     if isinstance(exc, SamplingParamsError):
         field = str(exc).split(" ", 1)[0]
         return bad_request(str(exc), field)

@@ -76,12 +76,14 @@ class Generation:
         *,
         arrival_time: float,
         structured_param: str | None = None,
+        prompt_param: str | None = None,
     ):
         self.engine = engine
         self.requests = requests
         self.metrics = metrics
         self.arrival_time = arrival_time
         self.structured_param = structured_param
+        self.prompt_param = prompt_param  # the request field of the prompt ("prompt", "messages")
         self.choices = [ChoiceState(r.index, r.prompt_index, len(r.prompt_token_ids)) for r in requests]
         self._inbox: deque[tuple[int, object]] = deque()  # (slot, RequestOutput | exception | _END)
         self._has_mail = asyncio.Event()
@@ -190,7 +192,7 @@ class Generation:
     def _map_error(self, exc: BaseException) -> GatewayError:
         if isinstance(exc, GatewayError):
             return exc
-        mapped = from_engine_error(exc, self.structured_param) if isinstance(exc, Exception) else None
+        mapped = from_engine_error(exc, self.structured_param, self.prompt_param) if isinstance(exc, Exception) else None
         if mapped is not None:
             return mapped
         log.error("engine error", exc_info=exc)

@@ -173,8 +173,3 @@ def sampling_params(
     except SamplingParamsError as exc:
         field = str(exc).split(" ", 1)[0]
         raise bad_request(str(exc), field) from None
-
-
-def child_seed(seed: int | None, index: int) -> int | None:
-    """Seed of the ``index``-th of ``n`` choices: ``seed + index``, as the engine's own n-fan-out."""
-    return None if seed is None else seed + index

@@ -47,8 +47,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     num_top = (req.top_logprobs or 0) if req.logprobs else None
-    info = state.engine.model_info
-    prompt = await chat_prompt(req.messages, state.engine.tokenizer, info.vocab_size,
+    prompt = await chat_prompt(req.messages, state.engine.tokenizer,
                                add_generation_prompt=req.add_generation_prompt,
                                template_kwargs=req.chat_template_kwargs)
     request_id = new_request_id("chatcmpl")
@@ -56,7 +55,7 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                                            default_max_tokens=None, prompt_param="messages")
     async with admitted(state):
         gen = Generation(state.engine, requests, state.metrics, arrival_time=arrival,
-                         structured_param=structured.param if structured else None)
+                         structured_param=structured.param if structured else None, prompt_param="messages")
         try:
             await gen.start()
             if req.stream:

@@ -6,13 +6,13 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import replace
 
 import msgspec
 from aiohttp import web
 
 from deepinfer.runtime.gateway.config import GatewayState
 from deepinfer.engine.api.protocol import GatewayTokenizer
+from deepinfer.engine.api.sampling_params import choice_params
 from deepinfer.runtime.gateway.errors import GatewayError, bad_request, echo, from_decode_error
 from deepinfer.runtime.gateway.generation import EngineRequest
 from deepinfer.runtime.gateway.openai_protocol import SamplingRequest, decode_request, unsupported_fields
@@ -20,7 +20,6 @@ from deepinfer.runtime.gateway.openai_responses import TokenBytes, TokenText, te
 from deepinfer.runtime.gateway.prompts import decide_max_tokens
 from deepinfer.runtime.gateway.request_params import (
     StructuredSpec,
-    child_seed,
     requested_max_tokens,
     sampling_params,
     stop_strings,
@@ -62,16 +61,13 @@ def check_n(state: GatewayState, n: int, num_prompts: int) -> None:
 
 @contextlib.asynccontextmanager
 async def admitted(state: GatewayState) -> AsyncIterator[None]:
-    """Count the request as in flight; 429 if the gateway or the engine's queue is full."""
+    """Count the request as in flight; 429 when the gateway serves its maximum (a full engine
+    queue is the engine's to refuse: its EngineOverloadedError maps to 429 in errors.py)."""
     cfg = state.config
     retry = {"Retry-After": str(cfg.retry_after_s)}
     if cfg.max_concurrent_requests is not None and state.num_in_flight >= cfg.max_concurrent_requests:
         raise GatewayError(f"the server is serving its maximum of {cfg.max_concurrent_requests} requests; retry "
                            "shortly", status=429, code="too_many_requests", headers=retry)
-    stats = state.engine.stats()
-    if stats.max_num_waiting is not None and stats.num_waiting >= stats.max_num_waiting:
-        raise GatewayError(f"the engine queue is full ({stats.num_waiting} waiting); retry shortly", status=429,
-                           code="queue_full", headers=retry)
     state.num_in_flight += 1
     state.metrics.in_flight.inc()
     try:
@@ -108,7 +104,7 @@ def engine_requests(
         params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, structured=structured, stop=stop)
         for i in range(req.n):
             index = p * req.n + i
-            child = params if req.n == 1 else replace(params, seed=child_seed(req.seed, i))
+            child = params if req.n == 1 else choice_params(params, i)
             out.append(EngineRequest(index, p, f"{request_id}-{index}", ids, child))
     return out, structured
 

@@ -40,16 +40,15 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     req: CompletionRequest = await decode_body(request, CompletionRequest)
     model = served_model(state, req.model)
-    info = state.engine.model_info
     check_n(state, req.n, num_prompts(req.prompt))  # before tokenizing a batch that cannot be served
-    prompts = await completion_prompts(req.prompt, state.engine.tokenizer, info.vocab_size)
+    prompts = await completion_prompts(req.prompt, state.engine.tokenizer)
     request_id = new_request_id("cmpl")
     requests, structured = engine_requests(
         state, req, request_id, prompts, logprobs=req.logprobs,
         default_max_tokens=state.config.default_completion_max_tokens, prompt_param="prompt")
     async with admitted(state):
         gen = Generation(state.engine, requests, state.metrics, arrival_time=arrival,
-                         structured_param=structured.param if structured else None)
+                         structured_param=structured.param if structured else None, prompt_param="prompt")
         try:
             await gen.start()
             if req.stream:

@@ -2,8 +2,8 @@
 
 Part 1 (fake model, fixed cost): the runner sleeps ``--step-ms`` per forward (releasing the GIL,
 like a device) and returns logits, so everything else is engine overhead: scheduling, sampling
-inputs, sampling, commit (scheduler update + output processing). Synchronous steps (``core.step``)
-pay it on top of the forward; the pipelined loop (StepPipeline, one step in flight) runs the
+inputs, sampling, commit (scheduler update + output processing). Synchronous steps (``sync_steps.step``)
+pay it on top of the forward; the pipelined loop (the engine's AsyncStepPipeline, one step in flight) runs the
 caller's bookkeeping during the forward. Per batch size, in the same run (sync and pipelined
 alternate, best of ``--repeats`` each, as the machine is shared):
 
@@ -26,7 +26,7 @@ wall time are ``cost_model_median_rel_err_wall``. A synthetic quadratic runner c
 itself (``cost_model_synthetic_median_rel_err``).
 
 Part 3 (same weights and prompts): transformers' ``generate`` (greedy, ``--new-tokens`` after a
-``--prompt-len`` prompt) next to our engine (EngineCore through StepPipeline) and the bare forward
+``--prompt-len`` prompt) next to our engine (EngineCore through the engine's step pipeline) and the bare forward
 loop, at ``--tiny-batches``; ``hf_speedup_bB`` = engine tokens/s / transformers tokens/s.
 """
 
@@ -43,11 +43,11 @@ import torch
 from deepinfer.engine.core.batch import ForwardBatch
 from deepinfer.engine.sched.cost_model import CostModel, StepFeatures
 from deepinfer.engine.sched.cost_profile import profile_cost_model
-from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig, tune_interpreter_for_serving
+from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig
 from deepinfer.engine.api.sampling_params import SamplingParams
 from deepinfer.engine.sched.scheduler import SchedulerConfig
-from deepinfer.engine.core.step_loop import StepPipeline
-from deepinfer_bench import engine_tiny
+from deepinfer.engine.core.step_loop import tune_interpreter
+from deepinfer_bench import engine_tiny, sync_steps
 from deepinfer_bench.report import Report, base_parser
 
 HIDDEN_COEF = np.array([3e-3, 2e-5, 4e-6, 1e-9, 2e-9])
@@ -138,8 +138,8 @@ def _time_steps(batch: int, step_ms: float, vocab: int, num_steps: int, greedy: 
     core = _core(runner, batch, vocab, device=device)
     _fill(core, batch, greedy)
     with ThreadPoolExecutor(1) as ex:
-        pipe = StepPipeline(core, ex)
-        step = pipe.step if pipelined else core.step
+        pipe = sync_steps.StepPipeline(core, ex)
+        step = pipe.step if pipelined else (lambda: sync_steps.step(core))
         for _ in range(4):
             step()  # prefill + first decodes
         runner.intervals.clear()
@@ -218,13 +218,13 @@ def main(argv=None) -> int:
                         "of the forward's thread, blind to other processes on a shared machine; wall: perf_counter)")
     p.add_argument("--no-tiny", action="store_true", help="skip the real-model parts (2 and 3)")
     p.add_argument("--quick", action="store_true", help="few steps and a smaller real model (for tests)")
-    p.add_argument("--default-interpreter", action="store_true", help="skip tune_interpreter_for_serving()")
+    p.add_argument("--default-interpreter", action="store_true", help="skip tune_interpreter(freeze_gc=True)")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device is available")
     torch.set_num_threads(1)
     if not args.default_interpreter:
-        tune_interpreter_for_serving()
+        tune_interpreter(freeze_gc=True)
     steps = 5 if args.quick else args.steps
     rep = Report(f"engine overhead per step (fake model {args.step_ms} ms on {args.device}, vocab {args.vocab}, "
                  f"{'temperature 0.8' if args.sampled else 'greedy'}); then the tiny V4 model")

@@ -27,8 +27,8 @@ from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig
 from deepinfer.engine.core.model_runner import ModelRunner
 from deepinfer.engine.api.sampling_params import SamplingParams
 from deepinfer.engine.sched.scheduler import SchedulerConfig
-from deepinfer.engine.core.step_loop import StepPipeline
 from deepinfer_bench.bench_model import BENCH_SHAPE, hf_generate, our_generate
+from deepinfer_bench.sync_steps import StepPipeline
 
 BLOCK_SIZE = 128
 STEP_CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
@@ -57,7 +57,7 @@ def make_engine(ref, *, max_num_seqs: int, max_model_len: int, cost_model: CostM
 
 
 def engine_generate(core: EngineCore, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
-    """Greedy ``new_tokens`` per prompt through StepPipeline; (seconds, tokens per prompt)."""
+    """Greedy ``new_tokens`` per prompt through the engine's step pipeline; (seconds, tokens per prompt)."""
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     tokens: dict[str, list[int]] = {}
     with ThreadPoolExecutor(1) as ex:

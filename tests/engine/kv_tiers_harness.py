@@ -14,8 +14,10 @@ import argparse
 import dataclasses
 import json
 import random
+import runpy
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig
 from deepinfer.engine.kv.offload import KVOffload, KVOffloadConfig
@@ -23,8 +25,9 @@ from deepinfer.engine.core.model_runner import ModelRunner
 from deepinfer.engine.text.output_processor import merge_output
 from deepinfer.engine.api.sampling_params import SamplingParams
 from deepinfer.engine.sched.scheduler import SchedulerConfig
-from deepinfer.engine.core.step_loop import StepPipeline
 from deepinfer.engine.models.deepseek_v4.tiny_model import init_weights, tiny_config
+
+StepPipeline = runpy.run_path(str(Path(__file__).resolve().parents[1] / "bench" / "sync_steps.py"))["StepPipeline"]
 
 LAYERS = "WCH"  # one layer of each kind: window-only, CSA (compressed + indexer keys), HCA
 BLOCK_SIZE = 128  # a multiple of the HCA ratio (128)

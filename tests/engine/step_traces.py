@@ -3,7 +3,8 @@
 A workload is a list of requests with arrival points (after the k-th committed step), aborts,
 optional speculative drafts, and an engine shape (pool size, budget, prefix caching, bounded
 replay). ``run_workload`` drives one ``EngineCore`` with a fake paged runner through the
-engine's step loop (serial or pipelined) and records, in order:
+engine's step loop (serial, pipelined, or the pipeline stepped one call at a time) and records,
+in order:
 
 - every forward the runner saw: per sequence its seq id, slot, block table, positions, token ids,
   logit rows, window_start, write_from;
@@ -219,52 +220,56 @@ def run_workload(w: Workload) -> dict:
     core = make_core(w)
     trace: dict = {"outputs": []}
     feeder = _Feeder(w, core, trace)
-    if w.mode == "serial":
-        _run_serial(core, feeder, trace)
-    elif w.mode == "pipelined":
+    if w.mode == "pipelined":  # the blocking twin of the engine's step pipeline (tests/bench/sync_steps.py)
         _run_pipelined(core, feeder, trace)
-    else:
-        asyncio.run(_run_async(core, feeder, trace))
+    else:  # the engine's StepLoop, serial or pipelined
+        asyncio.run(_run_step_loop(core, feeder, trace, is_pipelined=w.mode == "async"))
     return _finish(trace, core)
 
 
-def _run_serial(core: EngineCore, feeder: _Feeder, trace: dict) -> None:
-    for _ in range(5000):
-        feeder.feed(idle=not core.has_unfinished_requests())
-        if not core.has_unfinished_requests() and not feeder.has_pending:
-            return
-        trace["outputs"].extend(_output_record(o) for o in core.step())
-        core.check_integrity()
-    raise AssertionError("the engine did not finish")
+def _raise(request_ids, error):
+    raise error
+
+
+async def _run_step_loop(core: EngineCore, feeder: _Feeder, trace: dict, *, is_pipelined: bool) -> None:
+    """The engine's own StepLoop; arrivals, aborts and drafts come in between steps (its deliver hook)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from deepinfer.engine.core.step_loop import FailurePolicy, FailureScope, StepHooks, StepLoop
+
+    with ThreadPoolExecutor(1) as ex:
+        def deliver(outputs) -> None:
+            trace["outputs"].extend(_output_record(o) for o in outputs)
+            if not is_pipelined:
+                core.check_integrity()
+            feed()
+
+        def feed() -> None:
+            feeder.feed(idle=not steps.has_work())
+            while not steps.has_work() and feeder.has_pending:  # aborts emptied it: as the next step's feed
+                feeder.feed(idle=True)
+            if not steps.has_work():
+                steps.close()
+
+        steps = StepLoop(core, ex, StepHooks(deliver=deliver, fail=_raise), name="trace", is_pipelined=is_pipelined,
+                         failure=FailurePolicy(FailureScope.HELD))
+        feed()
+        await asyncio.wait_for(steps.run(), 120)
 
 
 def _run_pipelined(core: EngineCore, feeder: _Feeder, trace: dict) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
-    from deepinfer.engine.core.step_loop import StepPipeline
+    from tests.conftest import load_test_helper
 
+    sync_steps = load_test_helper("bench/sync_steps")
     with ThreadPoolExecutor(1) as ex:
-        pipe = StepPipeline(core, ex)
+        pipe = sync_steps.StepPipeline(core, ex)
         for _ in range(5000):
             feeder.feed(idle=not pipe.has_work())
             if not pipe.has_work() and not feeder.has_pending:
                 return
             trace["outputs"].extend(_output_record(o) for o in pipe.step())
-    raise AssertionError("the engine did not finish")
-
-
-async def _run_async(core: EngineCore, feeder: _Feeder, trace: dict) -> None:
-    from concurrent.futures import ThreadPoolExecutor
-
-    from deepinfer.engine.core.step_loop import AsyncStepPipeline
-
-    with ThreadPoolExecutor(1) as ex:
-        pipe = AsyncStepPipeline(core, ex)
-        for _ in range(5000):
-            feeder.feed(idle=not pipe.has_work())
-            if not pipe.has_work() and not feeder.has_pending:
-                return
-            trace["outputs"].extend(_output_record(o) for o in await pipe.step())
     raise AssertionError("the engine did not finish")
 
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import runpy
 import sys
+from pathlib import Path
 
 from deepinfer.cache.swa_fetch import SwaSlotOwner
 from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig
@@ -21,6 +23,8 @@ from deepinfer.engine.api.sampling_params import SamplingParams
 from deepinfer.engine.sched.scheduler import SchedulerConfig
 from deepinfer.engine.kv.swa_slots import attach_swa_slots
 from deepinfer.transport.channels import EventPublisher
+
+sync_steps = runpy.run_path(str(Path(__file__).resolve().parents[1] / "bench" / "sync_steps.py"))
 
 BS = 16
 
@@ -43,7 +47,7 @@ def generate(core: EngineCore, rid: str, prompt: list[int], max_tokens: int) -> 
     for _ in range(1000):
         if not core.has_unfinished_requests():
             break
-        for out in core.step():
+        for out in sync_steps["step"](core):
             acc = merge_output(acc, out)
     return list(acc.outputs[0].token_ids)
 

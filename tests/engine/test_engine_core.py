@@ -18,7 +18,9 @@ from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig
 from deepinfer.engine.text.output_processor import merge_output
 from deepinfer.engine.api.sampling_params import SamplingParams
 from deepinfer.engine.sched.scheduler import PLACEHOLDER_TOKEN_ID, SchedulerConfig
-from deepinfer.engine.core.step_loop import StepPipeline
+from tests.conftest import load_test_helper
+
+sync_steps = load_test_helper("bench/sync_steps")
 
 VOCAB = 64
 EOS = 1
@@ -114,7 +116,7 @@ def run_alone(reqs):
         core.add_request(rid, prompt, params)
         acc = None
         while core.has_unfinished_requests():
-            for out in core.step():
+            for out in sync_steps.step(core):
                 acc = merge_output(acc, out)
         ref[rid] = (acc.outputs[0].token_ids, acc.outputs[0].finish_reason)
     return ref
@@ -171,7 +173,7 @@ def test_concurrent_outputs_equal_alone_outputs(workload):
     reqs, ref = workload
     core = make_core(num_blocks=48, max_num_seqs=16, budget=64)
     abort_ids = ["r3", "r10", "r11"]
-    results, aborted = run_concurrent(core, reqs, core.step, abort_ids=abort_ids)
+    results, aborted = run_concurrent(core, reqs, (lambda: sync_steps.step(core)), abort_ids=abort_ids)
     assert_same_as_alone(results, ref, aborted)
     for rid in abort_ids:
         if rid in results:
@@ -188,7 +190,7 @@ def test_pipelined_outputs_equal_alone_outputs(workload):
     reqs, ref = workload
     core = make_core(num_blocks=48, max_num_seqs=16, budget=64)
     with ThreadPoolExecutor(1) as ex:
-        pipe = StepPipeline(core, ex)
+        pipe = sync_steps.StepPipeline(core, ex)
         results, aborted = run_concurrent(core, reqs, pipe.step, abort_ids=["r5"], has_work=pipe.has_work)
     assert_same_as_alone(results, ref, aborted)
     assert core.scheduler.num_preemptions > 0
@@ -209,11 +211,11 @@ def test_speculative_drafts_do_not_change_outputs(workload):
                 true = ref_tokens[req.request_id][done : done + 4]
                 req.spec_token_ids = [t if rng.random() < 0.7 else rng.randrange(VOCAB) for t in true]
 
-    results, _ = run_concurrent(core, reqs, core.step, drafts=propose)
+    results, _ = run_concurrent(core, reqs, (lambda: sync_steps.step(core)), drafts=propose)
     assert_same_as_alone(results, ref)
     assert_all_freed(core)
     plain = make_core(num_blocks=64, max_num_seqs=16, budget=64)
-    run_concurrent(plain, reqs, plain.step)
+    run_concurrent(plain, reqs, (lambda: sync_steps.step(plain)))
     assert core.num_steps < plain.num_steps  # accepted drafts save steps
 
 
@@ -225,7 +227,7 @@ def test_prefix_hit_outputs_identical_and_reported():
     for rid in ("first", "second"):
         core.add_request(rid, prompt, params)
         while core.has_unfinished_requests():
-            for o in core.step():
+            for o in sync_steps.step(core):
                 outs[rid] = merge_output(outs.get(rid), o)
     assert outs["first"].outputs[0].token_ids == outs["second"].outputs[0].token_ids
     assert outs["first"].num_cached_tokens == 0
@@ -240,7 +242,7 @@ def test_parallel_sampling_n_and_logprobs():
                                                      prompt_logprobs=1))
     acc = None
     while core.has_unfinished_requests():
-        for o in core.step():
+        for o in sync_steps.step(core):
             acc = merge_output(acc, o)
     assert acc.finished and [c.index for c in acc.outputs] == [0, 1, 2]
     for c in acc.outputs:
@@ -255,7 +257,7 @@ def test_parallel_sampling_n_and_logprobs():
     lone.add_request("x", [5, 6, 7], SamplingParams(temperature=0.8, seed=12, max_tokens=5))
     got = None
     while lone.has_unfinished_requests():
-        for o in lone.step():
+        for o in sync_steps.step(lone):
             got = merge_output(got, o)
     assert got.outputs[0].token_ids == acc.outputs[1].token_ids
 
@@ -293,7 +295,7 @@ def eos_core(**kw):
 def drive(core):
     acc = {}
     while core.has_unfinished_requests():
-        for o in core.step():
+        for o in sync_steps.step(core):
             acc[o.request_id] = merge_output(acc.get(o.request_id), o)
         core.check_integrity()
     return acc

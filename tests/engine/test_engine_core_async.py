@@ -15,6 +15,9 @@ from deepinfer.engine.text.output_processor import merge_output
 from deepinfer.engine.api.sampling_params import SamplingParams
 from deepinfer.engine.sched.scheduler import SchedulerConfig
 from deepinfer.engine.core.step_loop import AsyncStepPipeline
+from tests.conftest import load_test_helper
+
+sync_steps = load_test_helper("bench/sync_steps")
 
 VOCAB = 32
 
@@ -51,7 +54,7 @@ def sync_outputs():
         core.add_request(*r)
     acc = {}
     while core.has_unfinished_requests():
-        for o in core.step():
+        for o in sync_steps.step(core):
             acc[o.request_id] = merge_output(acc.get(o.request_id), o)
     return {k: v.outputs[0].token_ids for k, v in acc.items()}
 

@@ -15,7 +15,9 @@ from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig  # no
 from deepinfer.engine.text.output_processor import merge_output  # noqa: E402
 from deepinfer.engine.api.sampling_params import SamplingParams  # noqa: E402
 from deepinfer.engine.sched.scheduler import SchedulerConfig  # noqa: E402
-from deepinfer.engine.core.step_loop import StepPipeline  # noqa: E402
+from tests.conftest import load_test_helper  # noqa: E402
+
+sync_steps = load_test_helper("bench/sync_steps")
 
 BS = 16
 
@@ -64,16 +66,16 @@ def test_real_runner_concurrent_equals_alone(ref):
     alone_core = make_core(ref, num_blocks=64, budget=4096, prefix_caching=False)
     alone = {}
     for r in reqs:
-        alone.update(run(alone_core, [r], alone_core.step, alone_core.has_unfinished_requests))
+        alone.update(run(alone_core, [r], (lambda: sync_steps.step(alone_core)), alone_core.has_unfinished_requests))
 
     core = make_core(ref, num_blocks=8, budget=64)  # small pool and budget: preemption + chunking
-    together = run(core, reqs, core.step, core.has_unfinished_requests)
+    together = run(core, reqs, (lambda: sync_steps.step(core)), core.has_unfinished_requests)
     assert core.scheduler.num_preemptions > 0 and core.scheduler.pool.num_hits > 0
     assert any(out.num_cached_tokens > 0 for out in together.values())
 
     core2 = make_core(ref, num_blocks=8, budget=64)
     with ThreadPoolExecutor(1) as ex:
-        pipe = StepPipeline(core2, ex)
+        pipe = sync_steps.StepPipeline(core2, ex)
         piped = run(core2, reqs, pipe.step, pipe.has_work)
     for rid in alone:
         want = alone[rid].outputs[0].token_ids

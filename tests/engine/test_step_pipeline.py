@@ -18,7 +18,11 @@ from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig
 from deepinfer.engine.text.output_processor import merge_output
 from deepinfer.engine.api.sampling_params import SamplingParams
 from deepinfer.engine.sched.scheduler import PLACEHOLDER_TOKEN_ID, SchedulerConfig
-from deepinfer.engine.core.step_loop import AsyncStepPipeline, StepPipeline
+from deepinfer.engine.core.step_loop import AsyncStepPipeline
+from tests.conftest import load_test_helper
+
+sync_steps = load_test_helper("bench/sync_steps")
+StepPipeline = sync_steps.StepPipeline
 
 VOCAB = 48
 
@@ -74,7 +78,7 @@ def run_sync(reqs):
         core.add_request(*r)
     acc = {}
     while core.has_unfinished_requests():
-        for o in core.step():
+        for o in sync_steps.step(core):
             acc[o.request_id] = merge_output(acc.get(o.request_id), o)
     return {k: (v.outputs[0].token_ids, v.outputs[0].logprobs) for k, v in acc.items()}
 

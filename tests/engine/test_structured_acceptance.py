@@ -24,6 +24,9 @@ from deepinfer.engine.text.output_processor import merge_output
 from deepinfer.engine.api.sampling_params import SamplingParams
 from deepinfer.engine.sched.scheduler import SchedulerConfig
 from deepinfer.engine.sample.structured_output import StructuredOutputBackend
+from tests.conftest import load_test_helper
+
+sync_steps = load_test_helper("bench/sync_steps")
 
 # A byte-level-style vocabulary: every printable character plus multi-character merges that
 # straddle grammar boundaries (so the mask must reason about partial matches).
@@ -183,7 +186,7 @@ def test_random_model_always_produces_valid_structured_output():
     results = {}
     steps = 0
     while core.has_unfinished_requests():
-        for out in core.step():
+        for out in sync_steps.step(core):
             results[out.request_id] = merge_output(results.get(out.request_id), out)
         core.check_integrity()
         steps += 1

@@ -16,6 +16,9 @@ from deepinfer.engine.api.sampling_params import SamplingParams  # noqa: E402
 from deepinfer.engine.sched.scheduler import SchedulerConfig  # noqa: E402
 from deepinfer.engine.kv.swa_replay import plan_rebuild, snapshot_boundary, snapshot_chunk_end  # noqa: E402
 from deepinfer.engine.kv.swa_slots import attach_swa_slots  # noqa: E402
+from tests.conftest import load_test_helper  # noqa: E402
+
+sync_steps = load_test_helper("bench/sync_steps")
 
 BS = 16  # the reference model: 4 layers, window 16 -> exact replay = 64 tokens
 
@@ -41,7 +44,7 @@ def run(core, reqs, max_steps=500):
     for _ in range(max_steps):
         if not core.has_unfinished_requests():
             break
-        for out in core.step():
+        for out in sync_steps.step(core):
             acc[out.request_id] = merge_output(acc.get(out.request_id), out)
         core.check_integrity()
     return {rid: list(o.outputs[0].token_ids) for rid, o in acc.items()}

@@ -22,7 +22,7 @@ from deepinfer.engine.api.outputs import CompletionOutput, Logprob, RequestOutpu
 from deepinfer.engine.api.sampling_params import SamplingParams
 from deepinfer.engine.sample.structured_output import StructuredOutputBackend
 from deepinfer.engine.text.tokenizer import Tokenizer
-from deepinfer.engine.api.protocol import EngineOverloadedError, EngineStats, ModelInfo, TokensPrompt
+from deepinfer.engine.api.protocol import EngineOverloadedError, EngineStats, InvalidPromptError, ModelInfo, TokensPrompt
 
 BLOCK_SIZE = 16
 EOS_PROBABILITY = 1 / 48
@@ -105,7 +105,7 @@ class FakeEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         bad = next((t for t in ids if not 0 <= t < self._info.vocab_size), None)
         if bad is not None:
-            raise ValueError(f"prompt token id {bad} is outside the vocabulary")
+            raise InvalidPromptError(f"prompt token id {bad} is outside the vocabulary")
         if params.structured_outputs is not None:
             await asyncio.to_thread(self._backend.compile, params.structured_outputs)
         stats = self.stats()

@@ -10,6 +10,9 @@ import pytest
 
 from deepinfer.engine.text.output_processor import merge_output
 from deepinfer.engine.api.sampling_params import SamplingParams
+from tests.conftest import load_test_helper
+
+sync_steps = load_test_helper("bench/sync_steps")
 
 
 def mixed_requests(num: int, seed: int, *, vocab: int = 4000, prompt_lens=((5, 60), (60, 260)),
@@ -42,7 +45,7 @@ def run_to_end(core, max_steps: int = 5000) -> dict:
     for _ in range(max_steps):
         if not core.has_unfinished_requests():
             return acc
-        for out in core.step():
+        for out in sync_steps.step(core):
             acc[out.request_id] = merge_output(acc.get(out.request_id), out)
         core.check_integrity()
     raise AssertionError(f"the core did not finish within {max_steps} steps")
