@@ -148,3 +148,26 @@ def test_bounded_replay_replays_the_encoder_and_bounds_the_decoder(tiny_dir):
     assert bounded.token_ids[:4] == exact.token_ids[:4]
     lp = [abs(e[t].logprob - b[t].logprob) for e, b, t in zip(exact.logprobs, bounded.logprobs, exact.token_ids[:4])]
     assert max(lp) < 0.1, lp
+
+
+def test_slot_store_restores_a_continued_conversation(tiny_dir):
+    """A finished sequence's SWA slot (windows, the open ratio-2 pair, the Engram history) is saved
+    at its last block boundary and restored when the conversation continues, with no replay: with
+    lossless window rows the continuation equals a cold run exactly (the slot is the whole state)."""
+    from deepinfer.engine.kv.swa_slots import attach_swa_slots
+
+    first = _prompts(1, 8, 140, 140)[0]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+    core = _core(tiny_dir)
+    manager = attach_swa_slots(core, mode="exact", num_store_slots=4, is_window_mxfp8=False)
+    add_resumed(core, "a", first, params, 1, [])
+    turn1 = pd.run_to_end(core)["a"].outputs[0].token_ids
+    follow = first + turn1 + [9, 10, 11]
+    add_resumed(core, "b", follow, params, 1, [])
+    warm = pd.run_to_end(core)["b"]
+    assert manager.stats.num_saved >= 1 and manager.stats.num_restored == 1 and manager.stats.num_replayed_tokens == 0
+    cold = build_engine(tiny_dir, EngineOptions(**OPTIONS, num_blocks=96, enable_prefix_caching=False)).core
+    add_resumed(cold, "b", follow, params, 1, [])
+    want = pd.run_to_end(cold)["b"].outputs[0]
+    assert warm.num_cached_tokens == 144
+    assert warm.outputs[0].token_ids == want.token_ids and warm.outputs[0].logprobs == want.logprobs
