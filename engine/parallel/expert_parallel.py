@@ -1,0 +1,128 @@
+"""Expert parallelism of one model on one rank: its EP layers, statistics, re-placement, rules.
+
+``ExpertParallel(model, ep, settings)`` puts an ``ExpertParallelMoE`` in place of every decoder
+layer's MoE (``layers[i].mlp``; V4 and V4.1 share the MoE class), keeping only this rank's slots.
+The step loop then keeps one contract on every rank of the group, in lockstep:
+
+    ep.begin_step()                      # between two steps: window, swaps, rule decisions
+    model forward   or   ep.idle_step()  # a rank with nothing to run still serves its experts
+
+``begin_step`` is where everything that needs the group's agreement happens, at the same step on
+every rank: the previous step's counts go into the load window; a re-placement due by the
+schedule starts in the background (``replacement.py``); layers staged on every rank swap in; every
+``rule_period`` steps the replica rule of each layer is decided from the sampled loads
+(eplb/replica_choice.py). Draft-model MoEs (DSpark stages, MTP) stay replicated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from deepinfer.engine.parallel.eplb import ExpertLoadWindow, ReplacementSchedule, plan, static_placement
+from deepinfer.engine.parallel.eplb.replica_choice import RuleChooser
+from deepinfer.engine.parallel.ep_moe import EpStepState, ExpertParallelMoE
+from deepinfer.engine.parallel.expert_slots import SparePool
+from deepinfer.engine.parallel.group import EpGroup
+from deepinfer.engine.parallel.layer_placement import LayerPlacement
+from deepinfer.engine.parallel.replacement import Replacement
+
+
+@dataclass(frozen=True, slots=True)
+class EpSettings:
+    redundant_per_rank: int = 0  # replica slots per rank beyond the experts it owns
+    window: int = 100  # steps of statistics per plan (SPEC: prefill 100, decode 1000)
+    period: int = 1000  # steps between re-placements (prefill 1000, decode 10,000); 0: never
+    use_history: bool = True  # give the planner the window's steps, not only their sum
+    spare_buffers: int = 1  # layers staged ahead of their swap
+    sample_every: int = 16  # steps between measurements of both replica rules
+    rule_period: int = 256  # steps between replica rule decisions
+
+
+class ExpertParallel:
+    def __init__(self, model: torch.nn.Module, ep: EpGroup, settings: EpSettings = EpSettings(),
+                 phy2log: np.ndarray | None = None, planner: Callable[..., np.ndarray] = plan):
+        moes = [layer.mlp for layer in model.layers]
+        first = moes[0].experts
+        self.num_logical = num_logical = first.num_experts
+        if num_logical % ep.size:
+            raise ValueError(f"{num_logical} experts do not split evenly over {ep.size} EP ranks; "
+                             "give an EP size that divides the expert count")
+        self.ep, self.settings, self.planner = ep, settings, planner
+        self.num_physical = num_logical + ep.size * settings.redundant_per_rank
+        if phy2log is None:
+            phy2log = static_placement(len(moes), num_logical, self.num_physical, ep.size)
+        phy2log = np.asarray(phy2log, dtype=np.int64)
+        assert phy2log.shape == (len(moes), self.num_physical), (
+            f"phy2log must be [{len(moes)}, {self.num_physical}], got {phy2log.shape}")
+        self.state = EpStepState(len(moes), num_logical)
+        self.layers: list[ExpertParallelMoE] = []
+        for i, (layer, moe) in enumerate(zip(model.layers, moes)):
+            ep_moe = ExpertParallelMoE(moe, i, ep, LayerPlacement.of(phy2log[i], num_logical, ep.size), self.state)
+            layer.mlp = ep_moe  # the full expert tensors go with the old module
+            self.layers.append(ep_moe)
+        self.pool = SparePool(self.layers[0].slots.gate_up, self.layers[0].slots.down, settings.spare_buffers)
+        self.window = ExpertLoadWindow(len(moes), num_logical, settings.window)
+        self.schedule = ReplacementSchedule(settings.window, max(settings.period, 1))
+        self.rules = RuleChooser(len(moes))
+        self._sampled_loads: list[np.ndarray] = []
+        self.replacement: Replacement | None = None
+        self.num_replacements = 0
+        self.num_steps = 0
+
+    @property
+    def phy2log(self) -> np.ndarray:
+        """[layers, P] the placement in service."""
+        return np.stack([layer.placement.phy2log for layer in self.layers])
+
+    def begin_step(self) -> None:
+        """Between two steps, on every rank of the group (see the module docstring)."""
+        s, state = self.settings, self.state
+        if self.num_steps > 0:
+            self.window.record(state.counts)
+            state.counts[:] = 0.0
+            if state.sampled:
+                self._sampled_loads.append(state.loads.copy())
+        if self.replacement is not None:
+            self.replacement.swap_ready()
+            if self.replacement.is_done:
+                self.replacement.join()
+                self.replacement = None
+        if s.period > 0 and self.replacement is None and self.num_steps > 0 and \
+                self.schedule.is_due(self.window.num_steps):
+            self.start_replacement()
+        if self.num_steps > 0 and self.num_steps % s.rule_period == 0:
+            self._decide_rules()
+        state.sampled = self.num_steps % s.sample_every == 0
+        self.num_steps += 1
+
+    def start_replacement(self) -> None:
+        """Plan from the window now and re-place in the background (every rank, same step)."""
+        assert self.replacement is None, "a re-placement is already in flight"
+        self.replacement = Replacement(self.ep, self.layers, self.pool, self.planner, self.num_logical)
+        history = self.window.history() if self.settings.use_history else None
+        self.replacement.start(self.window.total(), history, self.phy2log)
+        self.num_replacements += 1
+
+    def idle_step(self) -> None:
+        """A step with no tokens of this rank's own: take part in every layer's exchanges."""
+        for layer in self.layers:
+            layer.forward_idle()
+
+    def _decide_rules(self) -> None:
+        if self._sampled_loads:
+            # each rank knows its own loads; a step's cost is the group's slowest rank
+            peaks = self.ep.agree_max(torch.from_numpy(np.stack(self._sampled_loads)))
+            for step in peaks.numpy():
+                self.rules.record(step)
+        self._sampled_loads.clear()
+        self.state.rules[:] = self.rules.decide()
+
+    def close(self) -> None:
+        """Stop a re-placement in flight (its thread ends at its next wait)."""
+        self.pool.close()
+        if self.replacement is not None:
+            self.replacement.join(timeout=5.0)

@@ -1,0 +1,179 @@
+"""Re-placement of experts without stalling the step loop.
+
+    step loop (every rank)                         background thread (every rank)
+    ---------------------------------------        -------------------------------------------
+    due: snapshot the window, start  ------------> sum the window over the group     (side)
+                                                   rank 0 plans; broadcast phy2log   (side)
+    each step boundary:                            for each layer whose row changed:
+      n = min over ranks of layers staged            take a spare buffer (waits for a swap)
+      swap layers [swapped, n): weights + maps       local copies + all-to-all of weights (side)
+      give each old buffer back to the pool          pack CPU GEMM panels; staged += 1
+
+Layers swap one by one at step boundaries, on every rank at the same step (the agreement is one
+small all-reduce per step while a re-placement is in flight), so a token is never dispatched by
+one map to weights of another. With one spare buffer a layer is staged while the previous one
+waits for its swap: memory for one layer's slots, not a second copy of the model's experts.
+
+A failure anywhere (a dead peer, a planner error) is reported to every rank at the next
+agreement as ``ReplacementError``; the step loop decides what to do (the weights in service are
+untouched).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from deepinfer.engine.parallel.eplb import check_placement
+from deepinfer.engine.parallel.eplb.planner import MAX_HISTORY_STEPS
+from deepinfer.engine.parallel.eplb.transfers import SlotSources, slot_sources
+from deepinfer.engine.parallel.expert_slots import SparePool, prepare
+from deepinfer.engine.parallel.group import EpGroup
+from deepinfer.engine.parallel.layer_placement import LayerPlacement
+
+NOT_PLANNED = -1  # this rank's plan has not arrived yet
+FAILED = -(1 << 40)  # this rank's re-placement failed (FAILED + rank: the lowest failed rank wins the min)
+
+
+class ReplacementError(RuntimeError):
+    """A re-placement failed on some rank; the weights in service are unchanged."""
+
+
+class Replacement:
+    """One re-placement in flight (built by ``ExpertParallel`` when the schedule says so)."""
+
+    def __init__(self, ep: EpGroup, layers: list, pool: SparePool, planner: Callable[..., np.ndarray],
+                 num_logical: int):
+        self.ep, self.layers, self.pool, self.planner = ep, layers, pool, planner
+        self.num_logical = num_logical
+        self._lock = threading.Lock()
+        self._staged: list[tuple[int, np.ndarray, tuple[torch.Tensor, torch.Tensor]]] = []
+        self._num_changed: int | None = None
+        self._error: BaseException | None = None
+        self.num_swapped = 0
+        self._all_planned = False  # an agreement has seen the plan on every rank
+        self.num_remote_slots = 0  # slots whose weights came from another rank
+        self.phy2log: np.ndarray | None = None  # the plan, once broadcast
+        self._thread: threading.Thread | None = None
+
+    def start(self, total: np.ndarray, history: np.ndarray | None, current: np.ndarray) -> None:
+        """total: [layers, E] this rank's window; history: [T, layers, E] or None; current:
+        [layers, P] the placement in service."""
+        args = (np.asarray(total, dtype=np.float64), None if history is None else _bucket(history), current.copy())
+        self._thread = threading.Thread(target=self._run, args=args, name="ep-replacement", daemon=True)
+        self._thread.start()
+
+    # ---- background ----------------------------------------------------------------------------
+    def _run(self, total, history, current) -> None:
+        try:
+            with torch.no_grad():
+                new = self._plan(total, history, current)
+                changed = [layer for layer in range(current.shape[0]) if not np.array_equal(new[layer], current[layer])]
+                with self._lock:
+                    self.phy2log = new
+                    self._num_changed = len(changed)
+                for layer in changed:
+                    buffers = self.pool.take()
+                    if buffers is None:  # shutting down
+                        return
+                    sources = slot_sources(current[layer], new[layer], self.ep.size)
+                    self._stage(self.layers[layer].slots, sources, buffers)
+                    with self._lock:
+                        self.num_remote_slots += sources.num_remote
+                        self._staged.append((layer, new[layer], buffers))
+        except BaseException as exc:  # reported to every rank at the next agreement
+            with self._lock:
+                self._error = exc
+
+    def _plan(self, total, history, current) -> np.ndarray:
+        ep = self.ep
+        total_t = ep.side_sum(torch.from_numpy(total))
+        history_t = None if history is None else ep.side_sum(torch.from_numpy(history))
+        new = torch.empty(current.shape, dtype=torch.long)
+        if ep.rank == 0:
+            plan = self.planner(total_t.numpy(), current.shape[1], ep.size,
+                                history=None if history_t is None else history_t.numpy(), current=current)
+            check_placement(plan, self.num_logical, ep.size)
+            new.copy_(torch.from_numpy(np.asarray(plan, dtype=np.int64)))
+        ep.side_broadcast(new, src=0)
+        return new.numpy()
+
+    def _stage(self, slots, sources: SlotSources, buffers) -> None:
+        """Fill ``buffers`` with the new slots of this rank: local copies, then one all-to-all."""
+        ep, me = self.ep, self.ep.rank
+        gate_up, down = buffers
+        local = np.flatnonzero(sources.src_rank[me] == me)
+        src = torch.from_numpy(sources.src_slot[me, local])
+        dst = torch.from_numpy(local)
+        gate_up.index_copy_(0, dst.to(gate_up.device), slots.gate_up.index_select(0, src.to(gate_up.device)))
+        down.index_copy_(0, dst.to(down.device), slots.down.index_select(0, src.to(down.device)))
+        if ep.size > 1:
+            width = gate_up[0].numel() + down[0].numel()
+            sends = [sources.sends(me, r) if r != me else (np.empty(0, np.int64),) * 2 for r in range(ep.size)]
+            recvs = [sources.sends(q, me) if q != me else (np.empty(0, np.int64),) * 2 for q in range(ep.size)]
+            out_slots = np.concatenate([s for s, _ in sends])
+            split = gate_up[0].numel()
+            send = torch.cat([slots.gate_up[out_slots].reshape(len(out_slots), split),
+                              slots.down[out_slots].reshape(len(out_slots), width - split)], dim=1).cpu()
+            in_slots = np.concatenate([d for _, d in recvs])
+            recv = torch.empty(len(in_slots), width, dtype=send.dtype)
+            ep.side_all_to_all(recv.view(-1), send.reshape(-1), [len(d) * width for _, d in recvs],
+                               [len(s) * width for s, _ in sends])
+            if len(in_slots):
+                index = torch.from_numpy(in_slots).to(gate_up.device)
+                gate_up.index_copy_(0, index, recv[:, :split].reshape(-1, *gate_up.shape[1:]).to(gate_up.device))
+                down.index_copy_(0, index, recv[:, split:].reshape(-1, *down.shape[1:]).to(down.device))
+        prepare(gate_up, down)
+
+    # ---- the step loop's side -----------------------------------------------------------------------
+    @property
+    def is_done(self) -> bool:
+        """Every changed layer swapped in, as agreed by the group (the same answer on every rank)."""
+        return self._all_planned and self.num_swapped == self._num_changed
+
+    def swap_ready(self) -> int:
+        """At a step boundary, on every rank: agree how many layers every rank has staged and put
+        those in service. Returns the layers swapped now."""
+        with self._lock:
+            if self._error is not None:
+                mine = FAILED + self.ep.rank
+            elif self._num_changed is None:
+                mine = NOT_PLANNED
+            else:
+                mine = len(self._staged)
+        agreed = int(self.ep.agree_min(torch.tensor([mine], dtype=torch.long)).item())
+        if agreed <= FAILED // 2:
+            self.pool.close()
+            failed = agreed - FAILED
+            why = f": {self._error!r}" if self._error is not None else ""
+            raise ReplacementError(f"the expert re-placement failed on EP rank {failed}{why}; "
+                                   "the placement in service is unchanged")
+        self._all_planned = agreed >= 0
+        with self._lock:
+            ready = self._staged[self.num_swapped : max(agreed, self.num_swapped)]
+        swapped = 0
+        for layer, row, buffers in ready:
+            ep_layer = self.layers[layer]
+            old = ep_layer.slots.swap(*buffers)
+            ep_layer.placement = LayerPlacement.of(row, self.num_logical, self.ep.size)
+            self.pool.give(old)
+            swapped += 1
+        self.num_swapped += swapped
+        return swapped
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+
+def _bucket(history: np.ndarray) -> np.ndarray:
+    """[T, ...] -> at most MAX_HISTORY_STEPS buckets of adjacent steps summed (the planner's own
+    resolution), so the group sums less."""
+    history = np.asarray(history, dtype=np.float64)
+    if history.shape[0] <= MAX_HISTORY_STEPS:
+        return history
+    edges = np.linspace(0, history.shape[0], MAX_HISTORY_STEPS + 1).astype(np.int64)
+    return np.add.reduceat(history, edges[:-1], axis=0)

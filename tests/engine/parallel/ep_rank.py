@@ -1,0 +1,87 @@
+"""One rank of the EP tests (a process of its own): ``python ep_rank.py SPEC.json RANK``.
+
+SPEC: {"world": N, "port": P, "out": DIR, "v41_dir": DIR | null, "cases": [case, ...]}; a case
+is {"name", "model": "v4" | "v41", "groups": [[world ranks], ...], "settings": {EpSettings
+fields}, "replace_at": step | null}. For each case the world splits into its groups, each group
+runs the whole workload expert-parallel (prompt i on group rank i % size), and each rank writes
+``DIR/<name>.g<group>.r<rank>.pt``: its outputs, the placements before and after, re-placement
+counts and step times.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import ep_harness as harness  # noqa: E402
+
+from deepinfer.engine.parallel.expert_parallel import EpSettings, ExpertParallel  # noqa: E402
+from deepinfer.engine.parallel.group import EpGroup  # noqa: E402
+
+
+def run_case(world: EpGroup, spec: dict, case: dict) -> None:
+    ep = EpGroup.split(world, case["groups"])
+    group = next(i for i, ranks in enumerate(case["groups"]) if world.rank in ranks)
+    if case["model"] == "v4":
+        runner = harness.v4_runner(num_seqs=8)
+    else:
+        runner = harness.v41_runner(spec["v41_dir"], num_seqs=8)
+    work = harness.workload(runner.config.vocab_size)
+    parallel = ExpertParallel(runner.model, ep, EpSettings(**case["settings"]))
+    before = parallel.phy2log
+    times: list[float] = []
+    swaps: list[int] = []
+    tick = [time.perf_counter()]
+
+    def before_step():
+        now = time.perf_counter()
+        if parallel.num_steps:
+            times.append(now - tick[0])
+        tick[0] = now
+        swapped_before = parallel.replacement.num_swapped if parallel.replacement else 0
+        replacement = parallel.replacement
+        parallel.begin_step()
+        if replacement is not None:
+            swaps.append(replacement.num_swapped - swapped_before)
+        else:
+            swaps.append(0)
+
+    outputs = harness.run_lockstep(runner, work, work.owned(ep.rank, ep.size), before_step, parallel.idle_step)
+    # let a re-placement still in flight finish (between steps, as the loop would); the
+    # condition is agreed by the group, so every rank runs the same extra steps
+    for _ in range(500):
+        if parallel.replacement is None:
+            break
+        before_step()
+        parallel.idle_step()
+        time.sleep(0.002)
+    result = {
+        "outputs": outputs, "before": before, "after": parallel.phy2log, "rules": parallel.state.rules.copy(),
+        "num_replacements": parallel.num_replacements, "in_flight": parallel.replacement is not None,
+        "step_s": times, "swaps": swaps,
+    }
+    parallel.close()
+    torch.save(result, Path(spec["out"]) / f"{case['name']}.g{group}.r{ep.rank}.pt")
+
+
+def main() -> int:
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    rank = int(sys.argv[2])
+    torch.set_num_threads(1)
+    world = EpGroup.init(rank, spec["world"], f"tcp://127.0.0.1:{spec['port']}", timeout_s=60)
+    try:
+        for case in spec["cases"]:
+            run_case(world, spec, case)
+    finally:
+        world.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
