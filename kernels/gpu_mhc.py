@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 _CHUNK = 512  # flattened-stream channels per mixes program
+_CHUNK_FEW = 256  # with fewer than _BT tokens (64 programs per token at V4-Flash width)
 _BK = 128
 _BT = 16  # tokens per mixes program (tl.dot needs 16 rows)
 _BD = 512  # channels per finish / post program
@@ -29,7 +30,9 @@ _BD = 512  # channels per finish / post program
 
 @triton.jit
 def _mixes_kernel(x_ptr, fn_ptr, part_ptr, ss_ptr, T, K, M, CHUNK: tl.constexpr, BK: tl.constexpr,
-                  BT: tl.constexpr, MP: tl.constexpr):
+                  BT: tl.constexpr, MP: tl.constexpr, USE_DOT: tl.constexpr):
+    """Partial mixes of BT tokens over one K chunk; USE_DOT=False (a few tokens): one token per
+    program, products summed in registers (the tensor-core tile would be 15/16 padding)."""
     tb, s = tl.program_id(0), tl.program_id(1)
     tok = tb * BT + tl.arange(0, BT)
     m = tl.arange(0, MP)
@@ -40,7 +43,10 @@ def _mixes_kernel(x_ptr, fn_ptr, part_ptr, ss_ptr, T, K, M, CHUNK: tl.constexpr,
         x = tl.load(x_ptr + tok[:, None].to(tl.int64) * K + k[None, :], mask=(tok[:, None] < T) & (k[None, :] < K),
                     other=0.0).to(tl.float32)
         f = tl.load(fn_ptr + m[:, None] * K + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
-        acc += tl.dot(x, tl.trans(f), input_precision="ieee")
+        if USE_DOT:
+            acc += tl.dot(x, tl.trans(f), input_precision="ieee")
+        else:
+            acc += tl.sum(x[:, None, :] * f[None, :, :], 2)
         ss += tl.sum(x * x, 1)
     live = tok < T
     tl.store(part_ptr + (s * T + tok[:, None]) * MP + m[None, :], acc, mask=live[:, None])
@@ -50,23 +56,23 @@ def _mixes_kernel(x_ptr, fn_ptr, part_ptr, ss_ptr, T, K, M, CHUNK: tl.constexpr,
 @triton.jit
 def _finish_kernel(part_ptr, ss_ptr, x_ptr, scale_ptr, base_ptr, comb_base_ptr, post_ptr, comb_ptr, out_ptr,
                    T, S, K, D, comb_scale, norm_eps, hc_eps, N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr,
-                   HEAD: tl.constexpr, ITERS: tl.constexpr, BD: tl.constexpr):
+                   SP: tl.constexpr, HEAD: tl.constexpr, ITERS: tl.constexpr, BD: tl.constexpr):
     t, db = tl.program_id(0), tl.program_id(1)
     i = tl.arange(0, NP)
     lane = i < N
     grid2 = lane[:, None] & lane[None, :]
-    pre_mix = tl.zeros([NP], dtype=tl.float32)
+    # the S partials of this token in one 2-D / 3-D load each, summed over S
+    sp = tl.arange(0, SP)
+    sl = sp < S
+    rows = part_ptr + (sp * T + t) * MP
+    pre_mix = tl.sum(tl.load(rows[:, None] + i[None, :], mask=sl[:, None] & lane[None, :], other=0.0), 0)
     post_mix = tl.zeros([NP], dtype=tl.float32)
     comb_mix = tl.zeros([NP, NP], dtype=tl.float32)
-    ss = tl.load(ss_ptr + t)
-    for s in range(0, S):
-        row = part_ptr + (s * T + t) * MP
-        pre_mix += tl.load(row + i, mask=lane, other=0.0)
-        if not HEAD:
-            post_mix += tl.load(row + N + i, mask=lane, other=0.0)
-            comb_mix += tl.load(row + 2 * N + i[:, None] * N + i[None, :], mask=grid2, other=0.0)
-        if s > 0:
-            ss += tl.load(ss_ptr + s * T + t)
+    if not HEAD:
+        post_mix = tl.sum(tl.load(rows[:, None] + N + i[None, :], mask=sl[:, None] & lane[None, :], other=0.0), 0)
+        at = rows[:, None, None] + 2 * N + i[None, :, None] * N + i[None, None, :]
+        comb_mix = tl.sum(tl.load(at, mask=sl[:, None, None] & grid2[None, :, :], other=0.0), 0)
+    ss = tl.sum(tl.load(ss_ptr + sp * T + t, mask=sl, other=0.0), 0)
     r = tl.math.rsqrt(ss / K + norm_eps)
     if HEAD:
         pre_scale = tl.load(scale_ptr)
@@ -148,12 +154,17 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 
 def _mixes(x: torch.Tensor, fn: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """(partial mixes [S, T, MP], partial sums of squares [S, T], S, MP)."""
     t, k = x.shape
     mp = max(16, triton.next_power_of_2(m))
-    s = triton.cdiv(k, _CHUNK)
+    few = t < _BT  # decode: one token per program, more programs over K
+    chunk = _CHUNK_FEW if few else _CHUNK
+    s = triton.cdiv(k, chunk)
     part = torch.empty(s, t, mp, dtype=torch.float32, device=x.device)
     ss = torch.empty(s, t, dtype=torch.float32, device=x.device)
-    _mixes_kernel[(triton.cdiv(t, _BT), s)](x, fn, part, ss, t, k, m, CHUNK=_CHUNK, BK=_BK, BT=_BT, MP=mp, num_warps=4)
+    bt = 1 if few else _BT
+    _mixes_kernel[(triton.cdiv(t, bt), s)](x, fn, part, ss, t, k, m, CHUNK=chunk, BK=chunk if few else _BK, BT=bt,
+                                           MP=mp, USE_DOT=not few, num_warps=4)  # fmt: skip
     return part, ss, s, mp
 
 
@@ -173,7 +184,7 @@ def hc_pre(streams, fn, pre_post_scale, pre_post_base, comb_scale, comb_base, *,
     _finish_kernel[(t, triton.cdiv(d, _BD))](
         part, ss, x, pre_post_scale.float().contiguous(), pre_post_base.float().contiguous(),
         comb_base.float().contiguous(), post, comb, out, t, s, n * d, d, comb_scale, norm_eps, hc_eps, N=n,
-        NP=_lanes(n), MP=mp, HEAD=False, ITERS=max(1, sinkhorn_iters), BD=_BD, num_warps=4,
+        NP=_lanes(n), MP=mp, SP=triton.next_power_of_2(s), HEAD=False, ITERS=max(1, sinkhorn_iters), BD=_BD, num_warps=4,
     )  # fmt: skip
     return post, comb, out
 
@@ -188,7 +199,7 @@ def hc_head(streams, fn, base, scale, *, norm_eps: float, hc_eps: float, batch_i
     part, ss, s, mp = _mixes(x.view(t, n * d), fn.float().contiguous(), n)
     _finish_kernel[(t, triton.cdiv(d, _BD))](
         part, ss, x, scale.float().contiguous(), base.float().contiguous(), base, out, out, out, t, s, n * d, d,
-        1.0, norm_eps, hc_eps, N=n, NP=_lanes(n), MP=mp, HEAD=True, ITERS=1, BD=_BD, num_warps=4,
+        1.0, norm_eps, hc_eps, N=n, NP=_lanes(n), MP=mp, SP=triton.next_power_of_2(s), HEAD=True, ITERS=1, BD=_BD, num_warps=4,
     )  # fmt: skip
     return out
 

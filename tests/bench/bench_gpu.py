@@ -83,7 +83,8 @@ def _same(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def count_launches(runner, prompts, blocks_per_seq: int, first_step: int, num_steps: int, table_path: Path | None):
-    """(kernels, memcpys/memsets) per decoded token over ``num_steps`` decode steps."""
+    """(kernels, memcpys/memsets) per decoded token and device milliseconds per step (the step's
+    kernels back to back: what a CUDA-graph replay would cost) over ``num_steps`` decode steps."""
     from torch.profiler import ProfilerActivity, profile
 
     from deepinfer_bench.gpu_slice import decode_batch
@@ -96,9 +97,11 @@ def count_launches(runner, prompts, blocks_per_seq: int, first_step: int, num_st
             runner.execute(decode_batch(prompts, blocks_per_seq, first_step + 1 + s, tokens))
         torch.cuda.synchronize()
     kernels = copies = 0
+    device_us = 0.0
     for evt in prof.events():
         if evt.device_type != torch.autograd.DeviceType.CUDA:
             continue
+        device_us += evt.time_range.elapsed_us()  # a device event's range is its GPU run
         if evt.name.startswith(("Memcpy", "Memset")):
             copies += 1
         else:
@@ -113,7 +116,7 @@ def count_launches(runner, prompts, blocks_per_seq: int, first_step: int, num_st
                 table = ""
         table_path.write_text(f"{num_steps} decode steps of batch {len(prompts)}\n{table}\n")
     per_token = num_steps * len(prompts)
-    return kernels / per_token, copies / per_token
+    return kernels / per_token, copies / per_token, device_us / 1e3 / num_steps
 
 
 def tiny_part(report: Report, new_tokens: int) -> None:
@@ -163,8 +166,7 @@ def slice_part(report: Report, args, copy_gbps: float, mm_tflops: float, profile
         hf_generate(ref, warm[:1], 3)
     for b, plen, new in zip(batches, lengths, news):
         prompts = _prompts(ref.config.vocab_size, b, plen, args.seed + b)
-        if b > 2:
-            our_generate(runner, prompts[:b], 2, bps)  # this batch size's kernel variants compiled
+        our_generate(runner, prompts, 3, bps)  # the kernel variants of these shapes compiled
         ours = our_generate(runner, prompts, new, bps)
         row = dict(model="slice", batch=b, prompt=plen, new=new, ours_tok_s=b * new / ours.seconds,
                    ours_decode_tok_s=b * (new - 1) / ours.decode_seconds)  # fmt: skip
@@ -183,9 +185,12 @@ def slice_part(report: Report, args, copy_gbps: float, mm_tflops: float, profile
         print(f"  batch {b}: {row}", flush=True)
         if b in (1, 64):
             path = None if profile_dir is None else profile_dir / f"profile_decode_b{b}.txt"
-            kernels, copies = count_launches(runner, prompts, bps, new, 3, path)
+            kernels, copies, device_ms = count_launches(runner, prompts, bps, new, 3, path)
             report.figure(f"launches_per_token_b{b}", kernels)
             report.figure(f"copies_per_token_b{b}", copies)
+            report.figure(f"device_ms_per_step_b{b}", device_ms)
+            if b == 1:
+                report.figure("device_time_vs_roofline_b1", 1e3 / device_ms / roofline)
     prompt = _prompts(ref.config.vocab_size, 1, args.prefill_len, 7)[0]
     our_prefill(runner, prompt[:1024], prefill_blocks)  # prefill variants compiled
     ours_s = min(our_prefill(runner, prompt, prefill_blocks) for _ in range(2))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine (run from the repo root): Triton kernel tests, `deepinfer bench gpu`,
 # then the model-level CUDA tests, each under its own time cap, logs and figures under $OUT.
-#   STAGES=kernels,bench,model  BENCH_ARGS="..."  bash tests/bench/gpu_device_run.sh
+#   STAGES=kernels,bench,model  BENCH_ARGS="..."  MODEL_K="pytest -k expression"  bash tests/bench/gpu_device_run.sh
 # Carry .whl (transformers 5.23, README of the device tool) when the image's transformers is older.
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -28,7 +28,7 @@ if [[ ",$STAGES," == *",bench,"* ]]; then
     --profile-dir "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -60 || status=1
 fi
 if [[ ",$STAGES," == *",model,"* ]]; then
-  timeout "${MODEL_CAP:-120}" python3 -m pytest -q --maxfail=8 -m gpu tests/kernels/test_gpu_model.py \
-    tests/engine/test_v4_device.py tests/engine/test_v4_cuda_parity.py 2>&1 | tee "$OUT/model_tests.log" | tail -25 || status=1
+  timeout "${MODEL_CAP:-120}" python3 -m pytest -q --maxfail=8 -m gpu ${MODEL_K:+-k "$MODEL_K"} \
+    tests/kernels/test_gpu_model.py tests/engine/test_v4_device.py tests/engine/test_v4_cuda_parity.py 2>&1 | tee "$OUT/model_tests.log" | tail -25 || status=1
 fi
 exit $status
