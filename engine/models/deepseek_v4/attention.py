@@ -115,7 +115,9 @@ class Attention(nn.Module):
         def compressed_keys(g, pick):
             if not g.num_candidates:
                 return None, None, None
-            if ix is None:
+            if ix is None or (g.num_candidates <= ix.top_k and not g.cand_rows.is_cpu):
+                # HCA, or an indexer that would keep every candidate: nothing to score (off the CPU
+                # only: there the order of the picks is part of the numbers)
                 return blocks.flat(layer, "compressed"), g.cand_rows, g.cand_bias
             keys = blocks.flat(layer, "indexer_keys").index_select(0, g.cand_rows.reshape(-1))
             keys = keys.view(-1, g.num_candidates, keys.shape[-1])
