@@ -298,7 +298,7 @@ def run(args) -> int:
 
 
 def _run(args) -> int:
-    from deepinfer.engine.core.factory import EngineOptions, EngineOptionsError, kv_store_cluster
+    from deepinfer.engine.core.options import EngineOptions, EngineOptionsError, kv_store_cluster
     from deepinfer.runtime import loop
     from deepinfer.runtime.gateway.config import GatewayConfig
     from deepinfer.runtime.gateway.launcher import LaunchSpec, launch

@@ -55,7 +55,8 @@ from deepinfer.engine.api.protocol import (
 from deepinfer.engine.api.sampling_params import SamplingParams
 from deepinfer.engine.api.streams import DeltaQueue, RequestStream
 from deepinfer.engine.core.engine_core import EngineCore
-from deepinfer.engine.core.factory import EngineOptions, EngineParts, build_engine
+from deepinfer.engine.core.factory import EngineParts, build_engine
+from deepinfer.engine.core.options import EngineOptions
 from deepinfer.engine.core.step_loop import FailurePolicy, FailureScope, StepHooks, StepLoop, tune_interpreter
 from deepinfer.engine.kv.swa_slots import SwaSlotManager, SwaSlotRunner
 from deepinfer.engine.models.registry import FamilyConfig

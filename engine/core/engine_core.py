@@ -24,7 +24,7 @@ import random
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -33,6 +33,7 @@ from deepinfer.cache.block_pool import BlockEvent, BlockPool
 from deepinfer.cache.slot_pool import SlotPool
 from deepinfer.engine.api.protocol import EngineOverloadedError, InvalidPromptError
 from deepinfer.engine.core.batch import ForwardBatch
+from deepinfer.engine.core.hooks import EngineHooks
 from deepinfer.engine.sched.cost_model import CostModel
 from deepinfer.engine.text.output_processor import DetokenizerFactory, OutputProcessor, format_logprobs
 from deepinfer.engine.api.outputs import RequestOutput
@@ -42,8 +43,6 @@ from deepinfer.engine.api.sampling_params import SamplingParams, choice_params
 from deepinfer.engine.sched.scheduler import Scheduler, SchedulerConfig, SchedulerError, SchedulerOutput
 from deepinfer.engine.sample.structured_output import GrammarState, StructuredOutputBackend
 
-if TYPE_CHECKING:
-    from deepinfer.engine.kv.offload import KVOffload
 
 
 class ModelRunner(Protocol):
@@ -96,14 +95,17 @@ class EngineCore:
         seed_rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
         step_timer: Callable[[], float] = time.perf_counter,
-        kv_offload: KVOffload | None = None,
+        hooks: EngineHooks = EngineHooks(),
     ) -> None:
+        """``hooks``: the optional parts (SWA slots, KV tiers) this core is built with (hooks.py)."""
         self.runner = runner
         self.config = config
         sc = config.scheduler
         self.cost_model = cost_model
+        self.hooks = hooks
         self.scheduler = Scheduler(sc, BlockPool(config.num_blocks, sc.block_size, enable_prefix_caching=sc.enable_prefix_caching),
-                                   SlotPool(sc.max_num_seqs), cost_model)
+                                   SlotPool(sc.max_num_seqs), cost_model, swa_slots=hooks.swa_slots,
+                                   kv_offload=hooks.kv_offload)
         self.outputs = OutputProcessor(detokenizer_factory, decode_token)
         self.structured_output = structured_output
         self._grammars: dict[str, GrammarState] = {}
@@ -116,11 +118,9 @@ class EngineCore:
         self._clock = clock  # timestamps in outputs (arrival, first token, finish)
         self._step_timer = step_timer  # forward durations for the cost model
         self.num_steps = 0
-        # KV tiers: host tier / store behind the device pool (hooks in kv_manager.py, the
+        # KV tiers: host tier / store behind the device pool (used by kv/manager.py, the
         # scheduler's admission, schedule_step, execute and commit_step's metrics)
-        self.kv_offload = kv_offload
-        if kv_offload is not None:
-            self.scheduler.kv.attach_offload(kv_offload)
+        self.kv_offload = hooks.kv_offload
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(

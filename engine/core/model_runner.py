@@ -30,7 +30,7 @@ equals the sender's.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -67,6 +67,11 @@ def load_weights(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor],
                 target.copy_(state_dict[name])
 
 
+def paged_bytes_per_block(specs, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one KV block of ``specs`` (what ``BlockCache.bytes_per_block`` reports once built)."""
+    return sum(block_size // s.ratio * s.width for s in specs) * torch.empty((), dtype=dtype).element_size()
+
+
 def default_batch_invariant(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32
 
@@ -77,7 +82,7 @@ class ModelRunner:
         config: FamilyConfig,
         state_dict: Mapping[str, torch.Tensor],
         *,
-        num_blocks: int,
+        num_blocks: int | Callable[[int], int],
         num_slots: int,
         block_size: int = 128,
         lookahead: int = 6,
@@ -100,9 +105,10 @@ class ModelRunner:
         self.model.finalize()
         self.model.eval()
         self.geometry = self.model.geometry(block_size, lookahead)
-        self.blocks = BlockCache(
-            self.model.paged_specs(), num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=self.device
-        )
+        specs = self.model.paged_specs()
+        if callable(num_blocks):  # a pool sized by its budget: the bytes of one block are known only now
+            num_blocks = num_blocks(paged_bytes_per_block(specs, block_size, dtype))
+        self.blocks = BlockCache(specs, num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=self.device)
         self.swa = SwaArena(self.model.ring_specs(lookahead), num_slots=num_slots, dtype=dtype, device=self.device)
 
     @property

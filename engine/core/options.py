@@ -1,8 +1,4 @@
-"""Build an ``EngineCore`` (runner, tokenizer, structured-output backend) from a model directory.
-
-``EngineOptions`` holds every engine knob with its default; ``build_engine(model_dir, options)``
-loads the checkpoint, sizes the KV block pool and wires the core. It blocks (weights are read
-from disk), so AsyncEngine calls it in an executor.
+"""``EngineOptions``: every engine knob with its default, checked when built (one-line errors).
 
 KV pool size: ``num_blocks`` when given; else ``kv_cache_memory_bytes / bytes_per_block`` when a
 budget is given; else room for ``max_num_seqs`` sequences of ``max_model_len`` tokens each (the
@@ -18,28 +14,11 @@ cache past the device pool.
 
 from __future__ import annotations
 
-import logging
-import random
-import time
 from dataclasses import dataclass, fields
-from pathlib import Path
-
-import torch
 
 from deepinfer import envs
-from deepinfer.cache.block_cache import BlockCache
-from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig
-from deepinfer.engine.models.registry import FamilyConfig, family, read_model_config
-from deepinfer.engine.core.model_runner import ModelRunner
-from deepinfer.engine.sched.scheduler import SchedulerConfig
-from deepinfer.engine.kv.offload import KVOffload, KVOffloadConfig
-from deepinfer.engine.sample.structured_output import StructuredOutputBackend
 from deepinfer.engine.kv.swa_replay import SWA_REPLAY_MODES
-from deepinfer.engine.kv.swa_slots import SwaSlotManager, attach_swa_slots
-from deepinfer.engine.text.tokenizer import Tokenizer
-from deepinfer.engine.loader.weights import resolve_dtype
 
-log = logging.getLogger(__name__)
 
 class EngineOptionsError(ValueError):
     """A bad engine option; the message names it."""
@@ -201,129 +180,6 @@ def _is_int(v) -> bool:
 
 def _is_seconds(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < float("inf")
-
-
-@dataclass(slots=True)
-class EngineParts:
-    core: EngineCore
-    model_config: FamilyConfig
-    tokenizer: Tokenizer | None
-    structured_output: StructuredOutputBackend | None
-    max_model_len: int
-    served_model_name: str
-    created: int
-    swa_slots: SwaSlotManager | None = None  # SWA slot store / replay policy (build_engine attaches it)
-    kv_offload: KVOffload | None = None  # KV tiers built by build_engine (closed by whoever owns the parts)
-
-
-def resolve_device(device: str) -> str:
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
-def build_engine(model_dir: str | Path, options: EngineOptions) -> EngineParts:
-    """Load ``model_dir`` and build the core (blocking: reads the weights)."""
-    device = resolve_device(options.device)
-    if options.num_threads:
-        torch.set_num_threads(options.num_threads)
-    cfg = read_model_config(model_dir)
-    # "auto": the checkpoint's dtype on GPUs; float32 on CPU (bf16 GEMMs are slow on most CPUs)
-    compute = resolve_dtype("float32" if options.dtype == "auto" and device == "cpu" else options.dtype, cfg)
-    cfg, state = family(cfg.model_type).load_checkpoint(model_dir, dtype=compute, device=device, progress=False)
-    max_model_len = min(options.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-    bs = options.block_size
-    blocks_per_seq = -(-max_model_len // bs)
-    runner = ModelRunner(cfg, state, num_blocks=1, num_slots=options.max_num_seqs, block_size=bs,
-                         lookahead=options.lookahead, device=device, dtype=compute,
-                         batch_invariant=options.batch_invariant)
-    del state
-    num_blocks = options.num_blocks
-    if num_blocks is None and options.kv_cache_memory_bytes is not None:
-        num_blocks = options.kv_cache_memory_bytes // max(runner.blocks.bytes_per_block, 1)
-        if num_blocks < 1:
-            raise EngineOptionsError(f"kv_cache_memory_bytes {options.kv_cache_memory_bytes} holds no KV block "
-                                     f"({runner.blocks.bytes_per_block} bytes each); raise it")
-    if num_blocks is None:
-        num_blocks = options.max_num_seqs * blocks_per_seq
-    # a sequence longer than the whole pool could never run (it would preempt itself forever)
-    max_model_len = min(max_model_len, num_blocks * bs)
-    # the runner's pool is sized once the bytes per block are known (it was built with one block)
-    runner.blocks = BlockCache(runner.blocks.specs, num_blocks=num_blocks, block_size=bs, dtype=compute,
-                               device=runner.device)
-    tokenizer = None if options.skip_tokenizer_init else Tokenizer.from_dir(model_dir)
-    eos = tokenizer.eos_token_ids if tokenizer is not None else cfg.eos_token_id
-    eos_ids = tuple(eos or ())
-    backend = None
-    if tokenizer is not None:
-        backend = StructuredOutputBackend.from_hf_tokenizer(tokenizer.hf_tokenizer, eos_ids, vocab_size=cfg.vocab_size,
-                                                            any_whitespace=options.json_any_whitespace)
-    name = options.served_model_name or Path(model_dir).name
-    sched = SchedulerConfig(
-        block_size=bs,
-        max_num_seqs=options.max_num_seqs,
-        max_num_batched_tokens=options.max_num_batched_tokens,
-        max_model_len=max_model_len,
-        enable_prefix_caching=options.enable_prefix_caching,
-        max_replay_tokens=cfg.sliding_window * cfg.num_hidden_layers,
-        model_id=name,
-        step_time_target_s=options.step_time_target_s,
-    )
-    core_cfg = EngineCoreConfig(sched, num_blocks=num_blocks, vocab_size=cfg.vocab_size, eos_token_ids=eos_ids,
-                                device=str(runner.device),
-                                max_num_waiting=options.max_num_waiting)
-    detok_factory = decode_token = None
-    if tokenizer is not None:
-        def detok_factory(prompt_ids, params):
-            return tokenizer.detokenizer(params.skip_special_tokens, prompt_token_ids=prompt_ids)
-
-        def decode_token(token_id: int) -> str:
-            return tokenizer.decode([token_id], skip_special_tokens=False)
-
-    offload = _build_kv_offload(runner, options)
-    try:
-        core = EngineCore(runner, core_cfg, detokenizer_factory=detok_factory,
-                          decode_token=decode_token, structured_output=backend, seed_rng=random.Random(options.seed),
-                          kv_offload=offload)
-        swa = None
-        if options.num_swa_store_slots > 0 or options.swa_replay != "exact":
-            swa = attach_swa_slots(core, mode=options.swa_replay, replay_tokens=options.swa_replay_tokens,
-                                   num_store_slots=options.num_swa_store_slots,
-                                   fetch_deadline_s=options.swa_fetch_deadline_s,
-                                   snapshot_prompts=options.swa_snapshot_prompts)
-            if swa.store is not None and options.num_swa_store_slots > 0:
-                log.info("SWA slot store: %d slots x %d bytes = %.1f MiB of host memory", swa.store.num_slots,
-                         swa.store.layout.num_bytes, swa.store.arena.numel() / 2**20)
-    except BaseException:
-        if offload is not None:
-            offload.close()
-        raise
-    return EngineParts(core, cfg, tokenizer, backend, max_model_len, name, int(time.time()), swa, offload)
-
-
-def _build_kv_offload(runner: ModelRunner, options: EngineOptions) -> KVOffload | None:
-    env = envs.get()
-    host_bytes = env.kv_host_tier_bytes if options.kv_host_tier_bytes is None else options.kv_host_tier_bytes
-    cluster = kv_store_cluster(options)
-    if not host_bytes and not options.kv_store_dir and cluster is None:
-        return None
-    deadline = env.kv_load_deadline_s if options.kv_load_deadline_s is None else options.kv_load_deadline_s
-    if not deadline > 0:
-        raise EngineOptionsError(f"DEEPINFER_KV_LOAD_DEADLINE_S must be > 0 seconds, got {deadline!r}")
-    store = None
-    if options.kv_store_dir:
-        from deepinfer.cache.store.fs_backend import FsStore
-
-        store = FsStore(Path(options.kv_store_dir).expanduser())
-    elif cluster is not None:
-        from deepinfer.engine.kv_store_cluster import build_cluster_store
-
-        store = build_cluster_store(cluster)
-        log.info("KV store: %s", cluster.describe())
-    # the cluster store's sockets start on KVOffload's I/O loop, which serves every store call
-    # (the serving loop never decodes fragments); KVOffload.close closes them
-    return KVOffload.build(runner, host_capacity_bytes=host_bytes, store=store,
-                           config=KVOffloadConfig(load_deadline_s=float(deadline)))
 
 
 def kv_store_cluster(options: EngineOptions):

@@ -9,7 +9,7 @@ slot in ``slot``; this manager is the only code that moves them in or out of the
 The scheduler only appends to a ``block_ids`` list it handed to a SeqStep; trimming and
 releasing replace the list, so a step in flight keeps a valid table.
 
-With KV tiers attached (``attach_offload``, engine/kv/offload.py) the prefix lookup walks device
+With KV tiers (``offload``, engine/kv/offload.py, given at construction) the prefix lookup walks device
 pool -> host tier -> store: ``is_kv_ready`` keeps a request waiting (without holding the queue)
 while its blocks are read from the store, ``lookup_prefix`` turns host/store blocks into
 ordinary device hits, and every newly registered block is queued for write-behind.
@@ -29,6 +29,7 @@ from deepinfer.engine.core.request import Request
 
 if TYPE_CHECKING:
     from deepinfer.engine.kv.offload import KVOffload
+    from deepinfer.engine.kv.swa_slots import SwaSlotManager
 
 # Splits not picked up by the engine (a request aborted before its first output) are dropped
 # oldest first past this many.
@@ -36,22 +37,20 @@ _MAX_UNREAD_SPLITS = 4096
 
 
 class KVManager:
-    def __init__(self, block_pool: BlockPool, slot_pool: SlotPool) -> None:
+    def __init__(self, block_pool: BlockPool, slot_pool: SlotPool, *, offload: KVOffload | None = None,
+                 swa_slots: SwaSlotManager | None = None) -> None:
         self.pool = block_pool
         self.slots = slot_pool
         self.block_size = block_pool.block_size
         # [swa-slots hooks] engine/kv/swa_slots.py: blocks computed over an approximate (bounded-
         # replay) SWA state stay out of the prefix cache; a sequence's SWA slot snapshot is saved
         # when it releases its blocks (finish or preempt), while its block hashes are still known
-        self.may_cache_blocks: Callable[[Request], bool] | None = None
-        self.on_release: Callable[[Request], None] | None = None
-        self.offload: KVOffload | None = None
+        self.may_cache_blocks: Callable[[Request], bool] | None = swa_slots.may_cache_blocks if swa_slots else None
+        self.on_release: Callable[[Request], None] | None = swa_slots.on_release if swa_slots else None
+        self.offload = offload
         # request id -> cached tokens by tier at its first admission, until the engine puts it
         # into the request's metrics (pop_cached_tokens_by_tier)
         self._rid2tier_split: OrderedDict[str, dict[str, int]] = OrderedDict()
-
-    def attach_offload(self, offload: KVOffload) -> None:
-        self.offload = offload
 
     def _lookup_hashes(self, req: Request) -> list[BlockHash]:
         """Hashes a prefix lookup may hit: never the whole sequence (at least one token is

@@ -1,5 +1,5 @@
 """Engine side of the KV tiers: prefix blocks loaded from host memory / the store, new blocks
-written behind. Built once per engine, attached with ``EngineCore(..., kv_offload=...)``.
+written behind. Built once per engine, given with ``EngineCore(..., hooks=EngineHooks(kv_offload=...))``.
 
 Who runs what (no step ever waits for the network):
 

@@ -1,6 +1,6 @@
 """The engine side of SWA slots: snapshot, save, restore, prefetch (policy in swa_replay.py).
 
-``SwaSlotManager`` is hooked into one EngineCore:
+``SwaSlotManager`` is one of an EngineCore's parts (``build_swa_slots`` -> ``EngineHooks``):
 
 - scheduler hooks (engine thread): ``has_slot`` / ``on_admit`` decide restore vs replay at
   admission; ``on_release`` (finish or preempt, before blocks are freed) commits the sequence's
@@ -31,6 +31,7 @@ from deepinfer.cache.swa_fetch import FetchResult, SwaSlotFetcher
 from deepinfer.cache.swa_store import SlotLayout, SwaSlotStore
 from deepinfer.engine.core.batch import ForwardBatch
 from deepinfer.engine.core.request import Request
+from deepinfer.engine.sched.types import SchedulerConfig
 from deepinfer.engine.kv.swa_replay import (
     DEFAULT_REPLAY_TOKENS,
     SwaReplayMode,
@@ -68,7 +69,7 @@ class SwaSlotManager:
         self.fetcher = fetcher
         self.fetch_deadline_s = fetch_deadline_s
         # end prompt chunks at their last block boundary so a slot is saved there (costs the
-        # prompt's tail one more step); set by attach_swa_slots when a store is attached
+        # prompt's tail one more step); set by build_swa_slots when a store is built
         self.snapshot_prompts = False
         self.stats = SwaSlotStats()
         # seq id -> decoded slot, read when the scheduler asks (so a later LRU eviction cannot
@@ -249,37 +250,41 @@ class SwaSlotRunner:
         return logits
 
 
-def attach_swa_slots(core, *, mode: SwaReplayMode = "bounded", replay_tokens: int = DEFAULT_REPLAY_TOKENS,
-                     store: SwaSlotStore | None = None, num_store_slots: int = 64,
-                     fetcher: SwaSlotFetcher | None = None, fetch_deadline_s: float = 1.0,
-                     is_window_mxfp8: bool = True, snapshot_prompts: bool = False) -> SwaSlotManager:
-    """Give an EngineCore ``swa_replay`` = ``mode`` and (with a store) slot save/restore.
+@dataclass(slots=True)
+class SwaSlotParts:
+    """What ``build_swa_slots`` gives an EngineCore at construction."""
+
+    manager: SwaSlotManager  # EngineHooks(swa_slots=...)
+    runner: object  # the runner to build the core with (wrapped when slots are stored)
+    scheduler: SchedulerConfig  # the scheduler config with the replay mode's max_replay_tokens
+
+
+def build_swa_slots(runner, scheduler: SchedulerConfig, *, mode: SwaReplayMode = "bounded",
+                    replay_tokens: int = DEFAULT_REPLAY_TOKENS, store: SwaSlotStore | None = None,
+                    num_store_slots: int = 64, fetcher: SwaSlotFetcher | None = None, fetch_deadline_s: float = 1.0,
+                    is_window_mxfp8: bool = True, snapshot_prompts: bool = False) -> SwaSlotParts:
+    """The SWA slot parts of an engine with ``swa_replay`` = ``mode`` and (with a store) slot
+    save/restore, for ``EngineCore(parts.runner, config(parts.scheduler), hooks=EngineHooks(swa_slots=parts.manager))``.
 
     ``store=None`` builds a host store of ``num_store_slots`` slots in the runner's layout;
-    ``num_store_slots=0`` sets only the replay mode and returns a manager without a store.
-    ``snapshot_prompts``: end every prompt's last chunk at its last block boundary, so its slot
-    is saved even when the sequence stops before decoding past a boundary (a P/D prefill)."""
-    runner = core.runner
+    ``num_store_slots=0`` sets only the replay mode and gives a manager without a store (the runner
+    stays unwrapped). ``snapshot_prompts``: end every prompt's last chunk at its last block
+    boundary, so its slot is saved even when the sequence stops before decoding past a boundary
+    (a P/D prefill)."""
     cfg = runner.config
-    sched = core.scheduler
-    if getattr(sched, "swa_slots", None) is not None:
-        raise ValueError("this engine already has SWA slots attached; attach once, with the store and fetcher")
     max_replay = max_replay_tokens(mode, sliding_window=cfg.sliding_window, num_layers=cfg.num_hidden_layers,
                                    replay_tokens=replay_tokens)
     if mode == "bounded" and hasattr(runner, "bounded_replay"):  # a model that bounds some layers itself
         max_replay = runner.bounded_replay(replay_tokens)
-    sched.config = replace(sched.config, max_replay_tokens=max_replay)
+    scheduler = replace(scheduler, max_replay_tokens=max_replay)
     if store is None:
         layout = SlotLayout(runner.swa.specs, carry_dtype=runner.dtype, is_window_mxfp8=is_window_mxfp8)
         store = SwaSlotStore(layout, max(num_store_slots, 1))
-    manager = SwaSlotManager(store, block_size=sched.config.block_size, lookahead=runner.geometry.lookahead,
+    manager = SwaSlotManager(store, block_size=scheduler.block_size, lookahead=runner.geometry.lookahead,
                              num_exact_tokens=exact_replay_tokens(cfg.sliding_window, cfg.num_hidden_layers),
-                             model_id=sched.config.model_id, dtype=runner.dtype, fetcher=fetcher,
+                             model_id=scheduler.model_id, dtype=runner.dtype, fetcher=fetcher,
                              fetch_deadline_s=fetch_deadline_s)
-    sched.swa_slots = manager
-    sched.kv.may_cache_blocks = manager.may_cache_blocks
-    sched.kv.on_release = manager.on_release
     if num_store_slots:
-        core.runner = SwaSlotRunner(runner, manager)
-        manager.snapshot_prompts = snapshot_prompts and sched.config.enable_prefix_caching
-    return manager
+        runner = SwaSlotRunner(runner, manager)
+        manager.snapshot_prompts = snapshot_prompts and scheduler.enable_prefix_caching
+    return SwaSlotParts(manager, runner, scheduler)

@@ -33,6 +33,7 @@ This class owns the state (requests, queues, pools) and its bookkeeping; the ste
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from deepinfer.cache.block_hash import MultiModalSpan, extend_block_hashes, root_hash
 from deepinfer.cache.block_pool import BlockPool
@@ -55,6 +56,10 @@ from deepinfer.engine.sched.types import (
     SchedulerOutput,
 )
 
+if TYPE_CHECKING:
+    from deepinfer.engine.kv.offload import KVOffload
+    from deepinfer.engine.kv.swa_slots import SwaSlotManager
+
 __all__ = [
     "PLACEHOLDER_TOKEN_ID",
     "RequestUpdate",
@@ -73,11 +78,15 @@ class Scheduler:
         block_pool: BlockPool,
         slot_pool: SlotPool,
         cost_model: CostModel | None = None,
+        *,
+        swa_slots: SwaSlotManager | None = None,
+        kv_offload: KVOffload | None = None,
     ) -> None:
+        """``swa_slots`` / ``kv_offload``: the core's parts (engine/core/hooks.py), given here."""
         if block_pool.block_size != config.block_size:
             raise SchedulerError(f"block pool block_size {block_pool.block_size} != config {config.block_size}")
         self.config = config
-        self.kv = KVManager(block_pool, slot_pool)
+        self.kv = KVManager(block_pool, slot_pool, offload=kv_offload, swa_slots=swa_slots)
         self.pool = block_pool
         self.slots = slot_pool
         self.cost_model = cost_model
@@ -89,7 +98,7 @@ class Scheduler:
         self._next_seq_id = 0
         # [swa-slots hook] engine/kv/swa_slots.py SwaSlotManager: restore a stored SWA slot at the
         # prefix-hit boundary instead of replaying (None: always replay)
-        self.swa_slots = None
+        self.swa_slots = swa_slots
         self.num_preemptions = 0
         self._num_schedules = 0
 

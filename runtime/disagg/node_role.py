@@ -21,7 +21,8 @@ from deepinfer.runtime.disagg.engine_service import DisaggEngineService, EngineS
 
 def make_role(*, role: NodeRole, config: ClusterConfig, node_name: str, model: str | None = None,
               engine_options: Mapping[str, Any] | None = None, lease_s: float = 5.0) -> DisaggEngineService:
-    from deepinfer.engine.core.factory import EngineOptions, build_engine
+    from deepinfer.engine.core.factory import build_engine
+    from deepinfer.engine.core.options import EngineOptions
     from deepinfer.runtime.disagg.decode import DecodeService
     from deepinfer.runtime.disagg.prefill import PrefillService
 

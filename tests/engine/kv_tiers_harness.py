@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig
+from deepinfer.engine.core.hooks import EngineHooks
 from deepinfer.engine.kv.offload import KVOffload, KVOffloadConfig
 from deepinfer.engine.core.model_runner import ModelRunner
 from deepinfer.engine.text.output_processor import merge_output
@@ -55,7 +56,7 @@ def make_core(runner: ModelRunner, num_blocks: int, offload: KVOffload | None, b
                             # the SWA state at the hit boundary is rebuilt by exact replay
                             max_replay_tokens=cfg.sliding_window * cfg.num_hidden_layers)
     return EngineCore(runner, EngineCoreConfig(sched, num_blocks=num_blocks, vocab_size=cfg.vocab_size),
-                      seed_rng=random.Random(0), kv_offload=offload)
+                      seed_rng=random.Random(0), hooks=EngineHooks(kv_offload=offload))
 
 
 def prompt(seed: int, length: int) -> list[int]:

@@ -21,7 +21,8 @@ from deepinfer.engine.models.deepseek_v4 import testing
 from deepinfer.engine.text.output_processor import merge_output
 from deepinfer.engine.api.sampling_params import SamplingParams
 from deepinfer.engine.sched.scheduler import SchedulerConfig
-from deepinfer.engine.kv.swa_slots import attach_swa_slots
+from deepinfer.engine.core.hooks import EngineHooks
+from deepinfer.engine.kv.swa_slots import build_swa_slots
 from deepinfer.transport.channels import EventPublisher
 
 sync_steps = runpy.run_path(str(Path(__file__).resolve().parents[1] / "bench" / "sync_steps.py"))
@@ -29,12 +30,18 @@ sync_steps = runpy.run_path(str(Path(__file__).resolve().parents[1] / "bench" / 
 BS = 16
 
 
-def build_core(ref) -> EngineCore:
+def build_core(ref, swa=None) -> EngineCore:
+    """``swa``: build_swa_slots options; the core is built with those SWA slots (core.hooks.swa_slots)."""
     cfg = ref.config
     runner = ModelRunner(cfg, ref.state_dict, num_blocks=64, num_slots=4, block_size=BS)
     sched = SchedulerConfig(block_size=BS, max_num_seqs=4, max_num_batched_tokens=4096, max_model_len=4096,
                             model_id="tiny-v4")
-    return EngineCore(runner, EngineCoreConfig(sched, num_blocks=64, vocab_size=cfg.vocab_size), seed_rng=random.Random(0))
+    hooks = EngineHooks()
+    if swa is not None:
+        parts = build_swa_slots(runner, sched, **swa)
+        runner, sched, hooks = parts.runner, parts.scheduler, EngineHooks(swa_slots=parts.manager)
+    return EngineCore(runner, EngineCoreConfig(sched, num_blocks=64, vocab_size=cfg.vocab_size), seed_rng=random.Random(0),
+                      hooks=hooks)
 
 
 def build_reference():
@@ -53,8 +60,8 @@ def generate(core: EngineCore, rid: str, prompt: list[int], max_tokens: int) -> 
 
 
 async def main() -> None:
-    core = build_core(build_reference())
-    mgr = attach_swa_slots(core, mode="bounded", num_store_slots=8)
+    core = build_core(build_reference(), swa=dict(mode="bounded", num_store_slots=8))
+    mgr = core.hooks.swa_slots
     pub = EventPublisher("tcp://127.0.0.1:*")
     await pub.start()
     owner = SwaSlotOwner(mgr.store, node_name="owner", instance_id=random.getrandbits(48),

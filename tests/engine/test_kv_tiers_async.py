@@ -13,7 +13,8 @@ import pytest
 from deepinfer.cache.kv_tiers import TIER_DEVICE, TIER_HOST, TIER_STORE
 from deepinfer.cache.store.fs_backend import FsStore
 from deepinfer.engine.api.async_engine import AsyncEngine
-from deepinfer.engine.core.factory import EngineOptions, EngineParts
+from deepinfer.engine.core.factory import EngineParts
+from deepinfer.engine.core.options import EngineOptions
 from deepinfer.engine.kv.offload import KVOffload, KVOffloadConfig
 from tests.conftest import load_test_helper
 

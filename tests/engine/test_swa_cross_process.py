@@ -26,7 +26,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import swa_owner_proc as owner_proc  # noqa: E402
 
-from deepinfer.engine.kv.swa_slots import attach_swa_slots  # noqa: E402
 
 
 def tokens(seed, n, vocab):
@@ -73,11 +72,13 @@ async def test_slot_fetched_across_processes_then_owner_killed(tmp_path):
         directory.connect_owner(addresses["events"])
         ref = owner_proc.build_reference()
         vocab = ref.config.vocab_size
-        core = owner_proc.build_core(ref)
-        store = SwaSlotStore(SlotLayout(core.runner.swa.specs, carry_dtype=core.runner.dtype), 8)
+        layout_of = owner_proc.build_core(ref).runner  # the slot layout a core of this model has
+        store = SwaSlotStore(SlotLayout(layout_of.swa.specs, carry_dtype=layout_of.dtype), 8)
         fetcher = await SwaSlotFetcher(store, node_name="second", directory_address=dir_address,
                                        receive_address=f"ipc://{tmp_path}/swa-recv").start()
-        mgr = attach_swa_slots(core, mode="bounded", replay_tokens=16, store=store, fetcher=fetcher, fetch_deadline_s=1.0)
+        core = owner_proc.build_core(ref, swa=dict(mode="bounded", replay_tokens=16, store=store, fetcher=fetcher,
+                                                   fetch_deadline_s=1.0))
+        mgr = core.hooks.swa_slots
 
         async def turn_one(seed, n_prompt):
             p1 = tokens(seed, n_prompt, vocab)

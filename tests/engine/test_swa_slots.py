@@ -15,7 +15,8 @@ from deepinfer.engine.text.output_processor import merge_output  # noqa: E402
 from deepinfer.engine.api.sampling_params import SamplingParams  # noqa: E402
 from deepinfer.engine.sched.scheduler import SchedulerConfig  # noqa: E402
 from deepinfer.engine.kv.swa_replay import plan_rebuild, snapshot_boundary, snapshot_chunk_end  # noqa: E402
-from deepinfer.engine.kv.swa_slots import attach_swa_slots  # noqa: E402
+from deepinfer.engine.core.hooks import EngineHooks  # noqa: E402
+from deepinfer.engine.kv.swa_slots import build_swa_slots  # noqa: E402
 from tests.conftest import load_test_helper  # noqa: E402
 
 sync_steps = load_test_helper("bench/sync_steps")
@@ -28,13 +29,18 @@ def ref():
     return testing.hf_reference(seed=3, layer_types=[testing.SLIDING, testing.CSA, testing.HCA, testing.CSA], hc_mult=2)
 
 
-def make_core(ref, *, prefix_caching=True, num_blocks=64, max_num_seqs=4, budget=4096) -> EngineCore:
+def make_core(ref, *, prefix_caching=True, num_blocks=64, max_num_seqs=4, budget=4096, swa=None) -> EngineCore:
+    """``swa``: build_swa_slots options; the core is built with those SWA slots (core.hooks.swa_slots)."""
     cfg = ref.config
     runner = runner_mod.ModelRunner(cfg, ref.state_dict, num_blocks=num_blocks, num_slots=max_num_seqs, block_size=BS)
     sched = SchedulerConfig(block_size=BS, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=4096,
                             enable_prefix_caching=prefix_caching, model_id="tiny-v4")
+    hooks = EngineHooks()
+    if swa is not None:
+        parts = build_swa_slots(runner, sched, **swa)
+        runner, sched, hooks = parts.runner, parts.scheduler, EngineHooks(swa_slots=parts.manager)
     return EngineCore(runner, EngineCoreConfig(sched, num_blocks=num_blocks, vocab_size=cfg.vocab_size),
-                      seed_rng=random.Random(0))
+                      seed_rng=random.Random(0), hooks=hooks)
 
 
 def run(core, reqs, max_steps=500):
@@ -78,8 +84,8 @@ def test_multi_turn_restores_local_slot_without_replay(ref):
     vocab = ref.config.vocab_size
     p1 = tokens(0, 58, vocab)
     # lossless window rows: the restored state must give exactly the tokens of a full prefill
-    core = make_core(ref)
-    mgr = attach_swa_slots(core, mode="bounded", num_store_slots=8, is_window_mxfp8=False)
+    core = make_core(ref, swa=dict(mode="bounded", num_store_slots=8, is_window_mxfp8=False))
+    mgr = core.hooks.swa_slots
     o1 = run(core, [("t1", p1, 9)])["t1"]
     assert mgr.stats.num_saved == 1 and mgr.store.stored_boundaries()[0][1] == 64  # 67 tokens: boundary 64
     p2 = p1 + o1 + tokens(1, 10, vocab)
@@ -91,8 +97,8 @@ def test_multi_turn_restores_local_slot_without_replay(ref):
     mgr.store.check_integrity()
 
     # MXFP8 slots restore the same way (the values are quantised, so tokens may drift later)
-    core8 = make_core(ref)
-    mgr8 = attach_swa_slots(core8, mode="bounded", num_store_slots=8)
+    core8 = make_core(ref, swa=dict(mode="bounded", num_store_slots=8))
+    mgr8 = core8.hooks.swa_slots
     assert run(core8, [("t1", p1, 9)])["t1"] == o1
     o2_mx = run(core8, [("t2", p2, 6)])["t2"]
     assert mgr8.stats.num_restored == 1 and mgr8.stats.num_replayed_tokens == 0 and len(o2_mx) == 6
@@ -106,14 +112,14 @@ def test_exact_replay_equals_no_cache_and_bounded_stays_out_of_prefix_cache(ref)
     first, second = prefix + tokens(3, 9, vocab), prefix + tokens(4, 11, vocab)
     want = run(make_core(ref, prefix_caching=False), [("b", second, 10)])["b"]
 
-    exact = make_core(ref)
-    mgr = attach_swa_slots(exact, mode="exact", num_store_slots=0)
+    exact = make_core(ref, swa=dict(mode="exact", num_store_slots=0))
+    mgr = exact.hooks.swa_slots
     run(exact, [("a", first, 4)])
     assert run(exact, [("b", second, 10)])["b"] == want
     assert mgr.stats.num_replayed_exact == 1 and mgr.stats.num_replayed_tokens == 64
 
-    bounded = make_core(ref)
-    mgr_b = attach_swa_slots(bounded, mode="bounded", replay_tokens=16, num_store_slots=0)
+    bounded = make_core(ref, swa=dict(mode="bounded", replay_tokens=16, num_store_slots=0))
+    mgr_b = bounded.hooks.swa_slots
     run(bounded, [("a", first, 4)])
     num_cached = bounded.scheduler.pool.num_cached_blocks if hasattr(bounded.scheduler.pool, "num_cached_blocks") else None
     got = run(bounded, [("b", second, 10)])["b"]
@@ -132,8 +138,9 @@ def test_preempted_sequence_resumes_from_its_saved_slot(ref):
     vocab = ref.config.vocab_size
     reqs = [(f"r{i}", tokens(10 + i, 30 + 7 * i, vocab), 40) for i in range(3)]
     want = run(make_core(ref, prefix_caching=False), reqs)
-    core = make_core(ref, num_blocks=9, max_num_seqs=3, budget=64)  # too few blocks: preemption
-    mgr = attach_swa_slots(core, mode="bounded", num_store_slots=8, is_window_mxfp8=False)
+    core = make_core(ref, num_blocks=9, max_num_seqs=3, budget=64,  # too few blocks: preemption
+                     swa=dict(mode="bounded", num_store_slots=8, is_window_mxfp8=False))
+    mgr = core.hooks.swa_slots
     got = run(core, reqs)
     assert core.scheduler.num_preemptions > 0
     assert mgr.stats.num_saved > 0 and mgr.stats.num_restored > 0

@@ -14,7 +14,8 @@ import tempfile
 import numpy as np
 import pytest
 
-from deepinfer.engine.core.factory import EngineOptions, build_engine
+from deepinfer.engine.core.factory import build_engine
+from deepinfer.engine.core.options import EngineOptions
 from deepinfer.engine.models.deepseek_v4.tiny_model import write_tiny_model
 from deepinfer.runtime.disagg.decode import DecodeService
 from deepinfer.runtime.disagg.engine_service import EngineServiceConfig

@@ -19,7 +19,8 @@ import time
 
 import pytest
 
-from deepinfer.engine.core.factory import EngineOptions, build_engine
+from deepinfer.engine.core.factory import build_engine
+from deepinfer.engine.core.options import EngineOptions
 from deepinfer.engine.kv.handoff import add_resumed
 from deepinfer.engine.text.output_processor import merge_output
 from deepinfer.engine.api.sampling_params import SamplingParams

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from deepinfer.engine.core.factory import EngineOptions, build_engine
+from deepinfer.engine.core.factory import build_engine
+from deepinfer.engine.core.options import EngineOptions
 from deepinfer.engine.kv.handoff import (
     HandoffError,
     KvCapture,

@@ -19,7 +19,8 @@ import time
 
 import pytest
 
-from deepinfer.engine.core.factory import EngineOptions, build_engine
+from deepinfer.engine.core.factory import build_engine
+from deepinfer.engine.core.options import EngineOptions
 from deepinfer.engine.kv.handoff import (
     KvCapture,
     KvPayload,

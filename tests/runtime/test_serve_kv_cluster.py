@@ -12,7 +12,7 @@ import pytest
 
 from deepinfer.bin import cli, serve
 from deepinfer.cache.store.local_cluster import LocalCluster
-from deepinfer.engine.core.factory import EngineOptions
+from deepinfer.engine.core.options import EngineOptions
 from tests.conftest import load_test_helper
 
 harness = load_test_helper("runtime/gateway_harness")

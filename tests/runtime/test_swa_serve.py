@@ -12,7 +12,7 @@ import pytest
 
 from deepinfer.bin import cli, serve
 from deepinfer.cache.block_hash import extend_block_hashes, root_hash
-from deepinfer.engine.core.factory import EngineOptions
+from deepinfer.engine.core.options import EngineOptions
 from deepinfer.transport.channels import RequestClient
 from deepinfer.transport.protocol import SwaDirectoryReply, SwaLocate
 from tests.conftest import free_port, load_test_helper

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from deepinfer import LLM, AsyncEngine, SamplingParams
-from deepinfer.engine.core.factory import EngineOptions, build_engine
+from deepinfer.engine.core.factory import build_engine
+from deepinfer.engine.core.options import EngineOptions
 from deepinfer.engine.kv.handoff import KvCapture, PrefilledRequest, add_resumed, admit_prefilled, export_kv, prefill_params
 from deepinfer.engine.text.output_processor import merge_output
 from tests.conftest import load_test_helper
@@ -154,12 +155,22 @@ def test_slot_store_restores_a_continued_conversation(tiny_dir):
     """A finished sequence's SWA slot (windows, the open ratio-2 pair, the Engram history) is saved
     at its last block boundary and restored when the conversation continues, with no replay: with
     lossless window rows the continuation equals a cold run exactly (the slot is the whole state)."""
-    from deepinfer.engine.kv.swa_slots import attach_swa_slots
+    import dataclasses
+    import random
+
+    from deepinfer.engine.core.engine_core import EngineCore
+    from deepinfer.engine.core.hooks import EngineHooks
+    from deepinfer.engine.kv.swa_slots import build_swa_slots
 
     first = _prompts(1, 8, 140, 140)[0]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
-    core = _core(tiny_dir)
-    manager = attach_swa_slots(core, mode="exact", num_store_slots=4, is_window_mxfp8=False)
+    base = _core(tiny_dir)  # its parts, rebuilt with a lossless slot store (SWA slots are given at construction)
+    parts = build_swa_slots(base.runner, base.config.scheduler, mode="exact", num_store_slots=4, is_window_mxfp8=False)
+    core = EngineCore(parts.runner, dataclasses.replace(base.config, scheduler=parts.scheduler),
+                      detokenizer_factory=base.outputs.detokenizer_factory, decode_token=base.outputs.decode_token,
+                      structured_output=base.structured_output, seed_rng=random.Random(0),
+                      hooks=EngineHooks(swa_slots=parts.manager))
+    manager = parts.manager
     add_resumed(core, "a", first, params, 1, [])
     turn1 = pd.run_to_end(core)["a"].outputs[0].token_ids
     follow = first + turn1 + [9, 10, 11]
