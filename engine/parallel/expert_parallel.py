@@ -23,11 +23,12 @@ import numpy as np
 import torch
 
 from deepinfer.engine.parallel.eplb import ExpertLoadWindow, ReplacementSchedule, plan, static_placement
-from deepinfer.engine.parallel.eplb.replica_choice import RuleChooser
+from deepinfer.engine.parallel.eplb.replica_choice import RULE_NAMES, RuleChooser
 from deepinfer.engine.parallel.ep_moe import EpStepState, ExpertParallelMoE
 from deepinfer.engine.parallel.expert_slots import SparePool
 from deepinfer.engine.parallel.group import EpGroup
 from deepinfer.engine.parallel.layer_placement import LayerPlacement
+from deepinfer.engine.parallel.planner_process import PlannerProcess
 from deepinfer.engine.parallel.replacement import Replacement
 
 
@@ -40,17 +41,21 @@ class EpSettings:
     spare_buffers: int = 1  # layers staged ahead of their swap
     sample_every: int = 16  # steps between measurements of both replica rules
     rule_period: int = 256  # steps between replica rule decisions
+    replica_rule: str = "measured"  # "measured" (decided every rule_period), "even" or "least_loaded"
+    plan_in_child: bool = True  # rank 0 plans in a child process (planner_process.py), off the GIL
 
 
 class ExpertParallel:
     def __init__(self, model: torch.nn.Module, ep: EpGroup, settings: EpSettings = EpSettings(),
-                 phy2log: np.ndarray | None = None, planner: Callable[..., np.ndarray] = plan):
+                 phy2log: np.ndarray | None = None, planner: Callable[..., np.ndarray] | None = None):
         moes = [layer.mlp for layer in model.layers]
         first = moes[0].experts
         self.num_logical = num_logical = first.num_experts
         if num_logical % ep.size:
             raise ValueError(f"{num_logical} experts do not split evenly over {ep.size} EP ranks; "
                              "give an EP size that divides the expert count")
+        if planner is None:
+            planner = PlannerProcess() if settings.plan_in_child and ep.rank == 0 else plan
         self.ep, self.settings, self.planner = ep, settings, planner
         self.num_physical = num_logical + ep.size * settings.redundant_per_rank
         if phy2log is None:
@@ -58,7 +63,11 @@ class ExpertParallel:
         phy2log = np.asarray(phy2log, dtype=np.int64)
         assert phy2log.shape == (len(moes), self.num_physical), (
             f"phy2log must be [{len(moes)}, {self.num_physical}], got {phy2log.shape}")
+        if settings.replica_rule not in ("measured", *RULE_NAMES):
+            raise ValueError(f"replica_rule {settings.replica_rule!r}: choose measured, even or least_loaded")
         self.state = EpStepState(len(moes), num_logical)
+        if settings.replica_rule != "measured":
+            self.state.rules[:] = RULE_NAMES.index(settings.replica_rule)
         self.layers: list[ExpertParallelMoE] = []
         for i, (layer, moe) in enumerate(zip(model.layers, moes)):
             ep_moe = ExpertParallelMoE(moe, i, ep, LayerPlacement.of(phy2log[i], num_logical, ep.size), self.state)
@@ -94,7 +103,7 @@ class ExpertParallel:
         if s.period > 0 and self.replacement is None and self.num_steps > 0 and \
                 self.schedule.is_due(self.window.num_steps):
             self.start_replacement()
-        if self.num_steps > 0 and self.num_steps % s.rule_period == 0:
+        if s.replica_rule == "measured" and self.num_steps > 0 and self.num_steps % s.rule_period == 0:
             self._decide_rules()
         state.sampled = self.num_steps % s.sample_every == 0
         self.num_steps += 1
@@ -126,3 +135,5 @@ class ExpertParallel:
         self.pool.close()
         if self.replacement is not None:
             self.replacement.join(timeout=5.0)
+        if isinstance(self.planner, PlannerProcess):
+            self.planner.close()

@@ -7,8 +7,9 @@ EVEN          the i-th pair of expert e in the batch (pair order) goes to replic
               ``(i + home_rank) mod logcnt[e]``: every replica takes its share, the model the
               planner places by. The home rank offsets the start so that ranks holding one
               token each do not all pick replica 0.
-LEAST_LOADED  the pairs of experts with one replica are counted first (they have nowhere else
-              to go); then each replicated expert, the one with the most pairs first, fills
+LEAST_LOADED  the pairs of experts with one replica, or with all replicas on one rank, are
+              counted first (they have nowhere else to go); then each replicated expert, the
+              one with the most pairs first, fills
               its replicas' ranks up to a common level: its tokens go to the less-loaded
               replica until it has caught up with the next one. This is what sending each
               token to the currently less-loaded replica converges to, computed per expert
@@ -67,9 +68,12 @@ def least_loaded_replicas(pairs: PairCounts, log2phy: np.ndarray, logcnt: np.nda
     single = logcnt == 1
     loads = np.bincount(rank_of_slot[log2phy[single, 0]], weights=n[single], minlength=num_ranks).tolist()
     multi = np.flatnonzero(~single & (n > 0))
-    bound = np.zeros(log2phy.shape, dtype=np.int64)  # [E, C]: pairs given to replicas 0..c (cumulative)
-    bound[:, 0] = n
-    for e in multi[np.argsort(-n[multi], kind="stable")].tolist():
+    # experts whose replicas all sit on one rank have no choice either: they go first
+    ranks = np.where(log2phy >= 0, rank_of_slot[np.maximum(log2phy, 0)], -1)  # [E, C]
+    flexible = ((ranks != ranks[:, :1]) & (ranks >= 0)).any(axis=1)
+    # [E, C] pairs given to replicas 0..c, cumulative (an expert's last columns: all of them)
+    bound = np.repeat(n[:, None], log2phy.shape[1], axis=1)
+    for e in multi[np.lexsort((-n[multi], flexible[multi]))].tolist():
         c = int(logcnt[e])
         ranks = rank_of_slot[log2phy[e, :c]].tolist()
         alloc = _level(loads, ranks, int(n[e]))

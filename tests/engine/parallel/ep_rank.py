@@ -2,7 +2,8 @@
 
 SPEC: {"world": N, "port": P, "out": DIR, "v41_dir": DIR | null, "cases": [case, ...]}; a case
 is {"name", "model": "v4" | "v41", "groups": [[world ranks], ...], "settings": {EpSettings
-fields}, "replace_at": step | null}. For each case the world splits into its groups, each group
+fields}} and optionally "workload": {"lengths", "gens"} (harness.workload), "layers" / "hash"
+(the V4's layer kinds and hash layers). For each case the world splits into its groups, each group
 runs the whole workload expert-parallel (prompt i on group rank i % size), and each rank writes
 ``DIR/<name>.g<group>.r<rank>.pt``: its outputs, the placements before and after, re-placement
 counts and step times.
@@ -10,9 +11,12 @@ counts and step times.
 
 from __future__ import annotations
 
-import json
-import sys
 import time
+
+STARTED = time.perf_counter()
+
+import json  # noqa: E402
+import sys  # noqa: E402
 from pathlib import Path
 
 import torch
@@ -28,15 +32,20 @@ from deepinfer.engine.parallel.group import EpGroup  # noqa: E402
 def run_case(world: EpGroup, spec: dict, case: dict) -> None:
     ep = EpGroup.split(world, case["groups"])
     group = next(i for i, ranks in enumerate(case["groups"]) if world.rank in ranks)
+    shape = case.get("workload", {})
+    lengths, gens = shape.get("lengths", harness.DEFAULT_LENGTHS), shape.get("gens", harness.DEFAULT_GENS)
+    num_seqs, blocks = len(lengths), harness.blocks_for(max(lengths), max(gens))
     if case["model"] == "v4":
-        runner = harness.v4_runner(num_seqs=8)
+        runner = harness.v4_runner(num_seqs=num_seqs, layers=case.get("layers", "WCH"), num_hash=case.get("hash", 1),
+                                   blocks_per_seq=blocks)
     else:
-        runner = harness.v41_runner(spec["v41_dir"], num_seqs=8)
-    work = harness.workload(runner.config.vocab_size)
+        runner = harness.v41_runner(spec["v41_dir"], num_seqs=num_seqs, blocks_per_seq=blocks)
+    work = harness.workload(runner.config.vocab_size, **shape)
     parallel = ExpertParallel(runner.model, ep, EpSettings(**case["settings"]))
     before = parallel.phy2log
     times: list[float] = []
     swaps: list[int] = []
+    begin: list[float] = []  # seconds inside begin_step (agreements and swaps)
     tick = [time.perf_counter()]
 
     def before_step():
@@ -47,6 +56,7 @@ def run_case(world: EpGroup, spec: dict, case: dict) -> None:
         swapped_before = parallel.replacement.num_swapped if parallel.replacement else 0
         replacement = parallel.replacement
         parallel.begin_step()
+        begin.append(time.perf_counter() - now)
         if replacement is not None:
             swaps.append(replacement.num_swapped - swapped_before)
         else:
@@ -64,7 +74,7 @@ def run_case(world: EpGroup, spec: dict, case: dict) -> None:
     result = {
         "outputs": outputs, "before": before, "after": parallel.phy2log, "rules": parallel.state.rules.copy(),
         "num_replacements": parallel.num_replacements, "in_flight": parallel.replacement is not None,
-        "step_s": times, "swaps": swaps,
+        "step_s": times, "swaps": swaps, "begin_s": begin,
     }
     parallel.close()
     torch.save(result, Path(spec["out"]) / f"{case['name']}.g{group}.r{ep.rank}.pt")
@@ -73,11 +83,14 @@ def run_case(world: EpGroup, spec: dict, case: dict) -> None:
 def main() -> int:
     spec = json.loads(Path(sys.argv[1]).read_text())
     rank = int(sys.argv[2])
+    print(f"rank {rank}: started in {time.perf_counter() - STARTED:.2f} s", flush=True)
     torch.set_num_threads(1)
     world = EpGroup.init(rank, spec["world"], f"tcp://127.0.0.1:{spec['port']}", timeout_s=60)
     try:
         for case in spec["cases"]:
+            start = time.perf_counter()
             run_case(world, spec, case)
+            print(f"rank {rank}: {case['name']} {time.perf_counter() - start:.2f} s", flush=True)
     finally:
         world.close()
     return 0

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from deepinfer.engine.parallel.eplb.replica_choice import LEAST_LOADED
 from tests.conftest import load_test_helper
 
 harness = load_test_helper("engine/parallel/ep_harness")
@@ -27,10 +28,12 @@ WORLD = 4
 EP4 = [[0, 1, 2, 3]]
 EP2 = [[0, 1], [2, 3]]
 # re-placement after a 3-step window; both replica rules measured every step, decided every 4
+# (v4_ep2 serves with LEAST_LOADED throughout)
 MEASURED = dict(window=3, period=1000, sample_every=1, rule_period=4)
 CASES = [
     dict(name="v4_ep4", model="v4", groups=EP4, settings=dict(redundant_per_rank=1, **MEASURED)),
-    dict(name="v4_ep2", model="v4", groups=EP2, settings=dict(redundant_per_rank=2, **MEASURED)),
+    dict(name="v4_ep2", model="v4", groups=EP2, settings=dict(redundant_per_rank=2, replica_rule="least_loaded",
+                                                              **MEASURED)),
     dict(name="v41_ep4", model="v41", groups=EP4, settings=dict(redundant_per_rank=1, **MEASURED)),
     dict(name="v41_ep2", model="v41", groups=EP2, settings=dict(redundant_per_rank=0, **MEASURED)),
 ]
@@ -98,6 +101,8 @@ def test_ep_outputs_equal_single_process(case, ranks_out, v41_dir):
             assert res["num_replacements"] == 1 and not res["in_flight"]
             assert np.array_equal(res["after"], first["after"]) and np.array_equal(res["before"], first["before"])
             assert res["swaps"] == first["swaps"], "layers swapped at different steps on different ranks"
+        if case["settings"].get("replica_rule") == "least_loaded":
+            assert all((res["rules"] == LEAST_LOADED).all() for res in results)
         changed = int((first["after"] != first["before"]).any(axis=1).sum())
         assert changed >= 1, "the re-placement changed no layer: the test would not test it"
         swap_steps = [s for s, n in enumerate(first["swaps"]) if n]
