@@ -19,6 +19,9 @@ import torch
 M32 = 0xFFFFFFFF
 MUL_A = 0x7FEB352D
 MUL_B = 0x2C1B3C6D
+# the largest float32 below 1: uniforms are clamped to it, since (2^24 - 1 + 0.5) * 2^-24 rounds
+# to 1.0 and -log(-log(1)) is +inf (noise that beats a grammar's -inf mask: NaN, a masked token)
+U_MAX = 1.0 - 2.0**-24
 _TOKEN_SALT = 0x9E3779B9
 _KEY_SALT = 0x85EBCA6B
 
@@ -118,10 +121,10 @@ class GumbelNoise:
             # between many small torch calls when this runs on the engine's device thread)
             x = mix32_np(keys.numpy().astype(np.uint32)[:, None] ^ th.numpy().astype(np.uint32))
             h = torch.from_numpy((x >> np.uint32(8)).astype(np.int64))
-            return (h.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+            return ((h.to(torch.float32) + 0.5) * (1.0 / (1 << 24))).clamp_(max=U_MAX)
         h = mix32_tensor(keys.unsqueeze(1) ^ th)
-        # 24 bits: exactly representable in float32, strictly inside (0, 1)
-        return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+        # 24 bits, +0.5: inside (0, 1) except the top value, whose 1 - 2^-25 rounds to 1.0 in float32
+        return (((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))).clamp_(max=U_MAX)
 
     def gumbel(self, keys: torch.Tensor, vocab_size: int, token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Gumbel(0, 1) = -log(-log(u)), float32 ``[B, V]`` (or ``[B, K]`` at ``token_ids``)."""
@@ -157,6 +160,7 @@ class GumbelNoise:
             ub[...] = xb
             ub += np.float32(0.5)  # the same float32 rounding as the torch form
             ub *= np.float32(1.0 / (1 << 24))
+            np.minimum(ub, np.float32(U_MAX), out=ub)
             g = out[r0:r1]
             torch.log(g, out=g).neg_()  # torch's log, as everywhere else: same bits
             torch.log(g, out=g).neg_()

@@ -8,7 +8,7 @@ logits once, hashes ``(row key, token)`` to the same 24-bit uniform, takes the s
 divides and adds with IEEE rounding and keeps the first maximum: the same token as the torch
 form, bit for bit (``tests/kernels/test_gpu_sampling.py`` checks it on the GPU machine).
 
-Rounding: ``u = ((h >> 8) + 0.5) * 2^-24`` in float32 as counter_rng does; ``libdevice.log`` is
+Rounding: ``u = min(((h >> 8) + 0.5) * 2^-24, U_MAX)`` in float32 as counter_rng does; ``libdevice.log`` is
 the CUDA math library's ``logf`` that torch's CUDA ``log`` compiles to; ``div_rn`` is the IEEE
 divide (Triton's ``/`` on float32 is an approximate one). A row containing NaN picks its first
 NaN, as ``torch.argmax`` does.

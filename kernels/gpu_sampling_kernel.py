@@ -25,7 +25,7 @@ def gumbel_argmax_kernel(logits_ptr, row_stride, temp_ptr, keys_ptr, token_hash_
         h = h ^ (h >> 15)
         h = h * MUL_B
         h = h ^ (h >> 16)
-        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        u = tl.minimum(((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0), 0.99999994039535522)  # counter_rng.U_MAX
         g = -libdevice.log(-libdevice.log(u))
         y = tl.math.div_rn(x, t) + g
         nan_idx = tl.minimum(nan_idx, tl.min(tl.where(live & (y != y), offs, vocab), 0))
