@@ -32,10 +32,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-
-import torch
 
 from deepinfer.cache.block_hash import BlockHash
 from deepinfer.cache.block_pool import BlockPool
@@ -44,6 +42,7 @@ from deepinfer.cache.kv_tiers import TIER_DEVICE, TIER_HOST, TIER_STORE, KVTiers
 from deepinfer.cache.store.api import GetStatus, deadline_after
 from deepinfer.engine.kv_store_health import StoreHealth
 from deepinfer.engine.core.request import Request
+from deepinfer.engine.kv.write_behind import WriteBehind
 
 log = logging.getLogger(__name__)
 
@@ -107,16 +106,12 @@ class KVOffload:
         self._loads: dict[str, _Load] = {}
         self._num_pending_loads = 0
         self._load_done = threading.Event()
-        self._copy_out: list[tuple[int, BlockHash]] = []  # registered, not yet read from the device
-        self._device_writes: dict[int, tuple[BlockHash, dict[str, torch.Tensor]]] = {}  # block id -> rows
-        self._store_writes: dict[Future, int] = {}  # write-behind in flight -> its number of blocks
-        self._store_lock = threading.Lock()
-        self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-write-behind")
         self._loop = asyncio.new_event_loop()
         self._io_thread = threading.Thread(target=self._loop.run_forever, name="kv-tiers-io", daemon=True)
         self._io_thread.start()
         self._closed = False
         self.store_health = StoreHealth()
+        self.writes = WriteBehind(tiers, runner, self.codec, config, self.stats, self.store_health, self._run_io)
         self._probe: Future | None = None
         store_start = getattr(tiers.store, "start", None)
         if store_start is not None:  # e.g. ClusterStore: its sockets live on the I/O loop
@@ -151,10 +146,8 @@ class KVOffload:
         if self._closed:
             return
         self._closed = True
-        self._writer.shutdown(wait=True)
         # reads and writes still running are abandoned (call wait_for_writes first to keep them)
-        with self._store_lock:
-            pending = list(self._store_writes)
+        pending = self.writes.close()
         pending += [load.future for load in self._loads.values() if load.future is not None]
         if self._probe is not None:
             pending.append(self._probe)
@@ -266,7 +259,7 @@ class KVOffload:
             parent = hashes[len(hits) + len(kept) - 1] if hits or kept else None
             if not pool.cache_block(block_id, h, parent):
                 break  # cannot happen (the walk stopped at the first cached miss); stay exact
-            self._device_writes[block_id] = (h, rows)
+            self.writes.promote(block_id, h, rows)
             kept.append(block_id)
             if tier == TIER_STORE:
                 self.tiers.host_put(h, data)  # the next request finds it without a round trip
@@ -295,85 +288,25 @@ class KVOffload:
             load.future.cancel()
             self._num_pending_loads -= 1
 
-    # ---- write-behind (engine thread queues, device thread copies, writer thread sends) ----
+    # ---- write-behind (write_behind.py: engine thread queues, device thread copies, writer sends) ----
     def on_registered(self, blocks: Sequence[tuple[int, BlockHash]]) -> None:
-        self._copy_out.extend(blocks)
+        self.writes.on_registered(blocks)
 
     def take_device_io(self) -> Callable[[], None] | None:
         """The device work queued since the last call, to run right before the next forward."""
-        if not self._copy_out and not self._device_writes:
-            return None
-        reads, self._copy_out = self._copy_out, []
-        writes, self._device_writes = self._device_writes, {}
-        return lambda: self._device_io(reads, writes)
+        return self.writes.take_device_io()
 
     def run_pending_device_io(self) -> None:
         """Run queued device work now: only when no forward is in flight (an idle engine)."""
-        io = self.take_device_io()
-        if io is not None:
-            io()
+        self.writes.run_pending_device_io()
 
     def submit_idle_device_io(self, device_executor) -> None:
-        """The pipeline went idle after a commit: queue the device work (the last commit's
-        copy-outs) on the device thread now instead of waiting for the next plan, so a finished
-        request's blocks reach the host tier / store while the engine has nothing to run."""
-        io = self.take_device_io()
-        if io is not None:
-            device_executor.submit(self._run_logged, io)
+        """The pipeline went idle after a commit: queue the last commit's copy-outs on the device thread now."""
+        self.writes.submit_idle_device_io(device_executor)
 
-    @staticmethod
-    def _run_logged(io: Callable[[], None]) -> None:
-        try:
-            io()
-        except Exception:  # nobody awaits this job: say what went wrong
-            log.exception("kv tiers: idle device I/O failed")
-
-    def _device_io(self, reads: list[tuple[int, BlockHash]], writes: dict[int, tuple[BlockHash, dict]]) -> None:
-        if reads and not self._closed:  # first: a block registered before may be re-promoted below
-            stacked = self.runner.read_blocks([b for b, _ in reads])
-            self.stats.num_copied_out += len(reads)
-            self._writer.submit(self._write_behind, [h for _, h in reads], stacked)
-        if writes:
-            ids = list(writes)
-            self.runner.write_blocks(ids, {s.key: torch.stack([writes[b][1][s.key] for b in ids]) for s in self.codec.specs})
-
-    def _write_behind(self, hashes: list[BlockHash], stacked: dict[str, torch.Tensor]) -> None:
-        payloads = self.codec.pack_many(stacked)
-        if self.config.write_to_host:
-            for h, data in zip(hashes, payloads):
-                self.tiers.host_put(h, data)
-        if not (self.config.write_to_store and self.tiers.has_store):
-            return
-        with self._store_lock:
-            if len(self._store_writes) >= self.config.max_store_writes_in_flight or not self.store_health.can_write():
-                self.stats.num_store_writes_dropped += len(hashes)
-                return
-            fut = self._run_io(self.tiers.write_store(list(zip(hashes, payloads)), traffic_class=self.config.traffic_class,
-                                                      deadline=deadline_after(self.config.write_deadline_s)))
-            self._store_writes[fut] = len(hashes)
-        fut.add_done_callback(self._on_store_written)
-
-    def _on_store_written(self, fut: Future) -> None:
-        with self._store_lock:
-            num_blocks = self._store_writes.pop(fut, 0)
-        if fut.cancelled():  # abandoned by close(): not written, and counted so
-            self.stats.num_store_writes_dropped += num_blocks
-            return
-        exc = fut.exception()
-        if exc is not None:
-            self.stats.num_store_write_failures += 1
-            self.store_health.on_write_failure(f"a write-behind raised {type(exc).__name__}: {exc}")
-            return
-        res = fut.result()
-        self.stats.num_written_store += res.num_ok
-        self.stats.num_store_write_failures += res.num_failed
-        if res.num_ok:
-            self.store_health.on_write_answer()
-        elif res.num_failed:
-            self.store_health.on_write_failure(f"no block of a {res.num_failed}-block write-behind was stored "
-                                         f"({res.first_error})")
-        if res.num_failed and res.num_ok:
-            log.debug("kv write-behind: %d blocks not stored (%s)", res.num_failed, res.first_error)
+    def wait_for_writes(self, timeout_s: float = 30.0) -> bool:
+        """Block until every queued write-behind reached its tiers (tests, shutdown)."""
+        return self.writes.wait_for_writes(timeout_s)
 
     # ---- waiting (engine loops and tests) -------------------------------------------------
     @property
@@ -388,21 +321,3 @@ class KVOffload:
         is_set = self._load_done.wait(timeout_s)
         self._load_done.clear()
         return is_set
-
-    def wait_for_writes(self, timeout_s: float = 30.0) -> bool:
-        """Block until every queued write-behind reached its tiers (tests, shutdown)."""
-        deadline = time.monotonic() + timeout_s
-        self._writer.submit(lambda: None).result(timeout=timeout_s)  # FIFO: earlier packs are done
-        while True:
-            with self._store_lock:
-                pending = list(self._store_writes)
-            if not pending:
-                return True
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            for fut in pending:
-                try:
-                    fut.result(timeout=max(0.0, deadline - time.monotonic()))
-                except Exception:  # noqa: BLE001 - counted by _on_store_written
-                    pass
