@@ -59,6 +59,9 @@ class EngineCoreConfig:
     eos_token_ids: tuple[int, ...] = ()
     device: str = "cpu"  # where the logits live / sampling runs
     max_num_waiting: int | None = None  # queue capacity: beyond it add_request raises EngineOverloadedError
+    # the token that stands for an image (a model with a vision tower, V4.1); images are not
+    # served yet, so prompts holding it are refused
+    image_token_id: int | None = None
 
 
 @dataclass(slots=True)
@@ -149,6 +152,10 @@ class EngineCore:
         bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidPromptError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
+        image = self.config.image_token_id
+        if image is not None and image in prompt_token_ids:
+            raise InvalidPromptError(f"the prompt holds the image token {image}; this engine serves text only "
+                                     "(the vision tower is not served yet)")
         if params.structured_outputs is not None and grammar is None:
             grammar = self.compile_grammar(params.structured_outputs)
         arrival = self._clock() if arrival_time is None else arrival_time

@@ -11,8 +11,10 @@ import torch
 
 from deepinfer import LLM, AsyncEngine, SamplingParams
 from deepinfer.engine.core.factory import build_engine
+from deepinfer.engine.core.model_runner import ModelRunner
 from deepinfer.engine.core.options import EngineOptions
 from deepinfer.engine.kv.handoff import KvCapture, PrefilledRequest, add_resumed, admit_prefilled, export_kv, prefill_params
+from deepinfer.engine.models.deepseek_v41.loader import load_v41_checkpoint
 from deepinfer.engine.text.output_processor import merge_output
 from tests.conftest import load_test_helper
 
@@ -155,30 +157,44 @@ def test_slot_store_restores_a_continued_conversation(tiny_dir):
     """A finished sequence's SWA slot (windows, the open ratio-2 pair, the Engram history) is saved
     at its last block boundary and restored when the conversation continues, with no replay: with
     lossless window rows the continuation equals a cold run exactly (the slot is the whole state)."""
-    import dataclasses
-    import random
-
-    from deepinfer.engine.core.engine_core import EngineCore
+    from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig
     from deepinfer.engine.core.hooks import EngineHooks
     from deepinfer.engine.kv.swa_slots import build_swa_slots
+    from deepinfer.engine.sched.scheduler import SchedulerConfig
 
+    loaded = load_v41_checkpoint(tiny_dir)
+    runner = ModelRunner(loaded.config, loaded.tensors, num_blocks=96, num_slots=4, block_size=16)
+    sched = SchedulerConfig(block_size=16, max_num_seqs=4, max_num_batched_tokens=4096, max_model_len=1024,
+                            model_id="tiny-v41")
+    parts = build_swa_slots(runner, sched, mode="exact", num_store_slots=4, is_window_mxfp8=False)
+    core = EngineCore(parts.runner, EngineCoreConfig(parts.scheduler, num_blocks=96, vocab_size=loaded.config.vocab_size),
+                      seed_rng=random.Random(0), hooks=EngineHooks(swa_slots=parts.manager))
     first = _prompts(1, 8, 140, 140)[0]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
-    base = _core(tiny_dir)  # its parts, rebuilt with a lossless slot store (SWA slots are given at construction)
-    parts = build_swa_slots(base.runner, base.config.scheduler, mode="exact", num_store_slots=4, is_window_mxfp8=False)
-    core = EngineCore(parts.runner, dataclasses.replace(base.config, scheduler=parts.scheduler),
-                      detokenizer_factory=base.outputs.detokenizer_factory, decode_token=base.outputs.decode_token,
-                      structured_output=base.structured_output, seed_rng=random.Random(0),
-                      hooks=EngineHooks(swa_slots=parts.manager))
-    manager = parts.manager
     add_resumed(core, "a", first, params, 1, [])
     turn1 = pd.run_to_end(core)["a"].outputs[0].token_ids
     follow = first + turn1 + [9, 10, 11]
     add_resumed(core, "b", follow, params, 1, [])
     warm = pd.run_to_end(core)["b"]
-    assert manager.stats.num_saved >= 1 and manager.stats.num_restored == 1 and manager.stats.num_replayed_tokens == 0
+    stats = parts.manager.stats
+    assert stats.num_saved >= 1 and stats.num_restored == 1 and stats.num_replayed_tokens == 0
     cold = build_engine(tiny_dir, EngineOptions(**OPTIONS, num_blocks=96, enable_prefix_caching=False)).core
     add_resumed(cold, "b", follow, params, 1, [])
     want = pd.run_to_end(cold)["b"].outputs[0]
     assert warm.num_cached_tokens == 144
-    assert warm.outputs[0].token_ids == want.token_ids and warm.outputs[0].logprobs == want.logprobs
+    got = warm.outputs[0]
+    assert got.token_ids == want.token_ids
+    assert [{t: lp.logprob for t, lp in p.items()} for p in got.logprobs] == \
+        [{t: lp.logprob for t, lp in p.items()} for p in want.logprobs]  # bit for bit
+
+
+def test_a_prompt_with_the_image_token_is_refused(llm, tiny_dir):
+    """V4.1's vision tower is not served yet: a prompt holding its image token is a one-line error
+    (a generated image-token id is just a token)."""
+    from deepinfer.engine.api.llm import LLMError
+    from deepinfer.engine.models.deepseek_v41.config import V41Config
+
+    image = V41Config.from_dir(tiny_dir).image_token_id
+    with pytest.raises(LLMError, match=f"image token {image}; this engine serves text only"):
+        llm.generate({"prompt_token_ids": [5, 6, image, 7]}, SamplingParams(max_tokens=2))
+    assert llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2))[0].outputs[0].token_ids
