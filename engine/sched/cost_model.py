@@ -1,4 +1,4 @@
-"""Quadratic step-time model used to size prefill chunks (SPEC section 6).
+"""Quadratic step-time model used to size prefill chunks (ARCHITECTURE.md, "Balancers": the prefill balancer inside one GPU).
 
 A sequence computing ``n`` new positions on top of ``p`` already computed ones costs about
 
@@ -20,38 +20,13 @@ import itertools
 import math
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
+from deepinfer.engine.sched.types import StepFeatures
+
 NUM_FEATURES = 5
 FEATURE_NAMES = ("c0", "c_seq", "c_tok", "c_ctx", "c_sq")
-
-
-@dataclass(slots=True)
-class StepFeatures:
-    """Running sums over the sequences of one step (mutable accumulator)."""
-
-    num_seqs: int = 0
-    sum_n: float = 0.0
-    sum_np: float = 0.0
-    sum_n2: float = 0.0
-
-    def add(self, n: int, p: int) -> None:
-        self.num_seqs += 1
-        self.sum_n += n
-        self.sum_np += n * p
-        self.sum_n2 += n * n
-
-    def vector(self) -> np.ndarray:
-        return np.array([1.0, self.num_seqs, self.sum_n, self.sum_np, self.sum_n2])
-
-    @classmethod
-    def of(cls, chunks: Sequence[tuple[int, int]]) -> StepFeatures:
-        f = cls()
-        for n, p in chunks:
-            f.add(n, p)
-        return f
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -22,12 +22,10 @@ sampling the previous step and before launching this one (see engine_core.py). A
 handed to a SeqStep never changes afterwards: growing copies it first (the runner may be reading it
 on the device thread), rollback and preemption replace it.
 
-This class owns the state (requests, queues, pools) and its bookkeeping; the step is built by
-  sched_admission.py  1 and 3: priority preemption, admission of waiting requests
-  sched_running.py    2: running requests' decodes, chunks and speculative runs
-  sched_budget.py     the step's token budget and chunk sizing against the cost model
-  sched_emit.py       one request's SeqStep written into the output
-  sched_commit.py     update_from_output
+This class owns the state (requests, queues, pools) and its bookkeeping; the two verbs are built by
+  schedule.py   schedule(): priority preemption, running requests, admission, each request's SeqStep
+  commit.py     update_from_output()
+  types.py      the values they pass around (config, the step's plan and budget, the waiting queue)
 """
 
 from __future__ import annotations
@@ -42,11 +40,8 @@ from deepinfer.engine.sched.cost_model import CostModel
 from deepinfer.engine.kv.manager import KVManager
 from deepinfer.engine.core.request import Request, RequestStatus
 from deepinfer.engine.api.sampling_params import SamplingParams
-from deepinfer.engine.sched.admission import admit_waiting, preempt_for_priority
-from deepinfer.engine.sched.budget import StepBudget
 from deepinfer.engine.sched.commit import commit_step
-from deepinfer.engine.sched.queue import WaitingQueue
-from deepinfer.engine.sched.running import schedule_running
+from deepinfer.engine.sched.schedule import admit_waiting, preempt_for_priority, schedule_running
 from deepinfer.engine.sched.types import (
     PLACEHOLDER_TOKEN_ID,
     RequestUpdate,
@@ -54,6 +49,8 @@ from deepinfer.engine.sched.types import (
     SchedulerConfig,
     SchedulerError,
     SchedulerOutput,
+    StepBudget,
+    WaitingQueue,
 )
 
 if TYPE_CHECKING:
