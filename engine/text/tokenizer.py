@@ -194,6 +194,15 @@ class Tokenizer:
             return bytes([int(fallback.group(1), 16)])
         return self._tok.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
+    def detokenizer_for(self, prompt_token_ids: Sequence[int], params) -> ByteLevelDetokenizer | OffsetDetokenizer:
+        """The output processor's ``DetokenizerFactory``: a request's detokenizer (its params'
+        ``skip_special_tokens``)."""
+        return self.detokenizer(params.skip_special_tokens, prompt_token_ids=prompt_token_ids)
+
+    def decode_token(self, token_id: int) -> str:
+        """One token's text with special tokens kept (logprob entries)."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
     def detokenizer(self, skip_special_tokens: bool = True,
                     prompt_token_ids: Sequence[int] = ()) -> ByteLevelDetokenizer | OffsetDetokenizer:
         """A fresh streaming detokenizer for the text generated after ``prompt_token_ids``:
