@@ -184,7 +184,8 @@ def hc_pre(streams, fn, pre_post_scale, pre_post_base, comb_scale, comb_base, *,
     _finish_kernel[(t, triton.cdiv(d, _BD))](
         part, ss, x, pre_post_scale.float().contiguous(), pre_post_base.float().contiguous(),
         comb_base.float().contiguous(), post, comb, out, t, s, n * d, d, comb_scale, norm_eps, hc_eps, N=n,
-        NP=_lanes(n), MP=mp, SP=triton.next_power_of_2(s), HEAD=False, ITERS=max(1, sinkhorn_iters), BD=_BD, num_warps=4,
+        NP=_lanes(n), MP=mp, SP=triton.next_power_of_2(s), HEAD=False, ITERS=max(1, sinkhorn_iters), BD=_BD,
+        num_warps=4,
     )  # fmt: skip
     return post, comb, out
 
@@ -199,7 +200,8 @@ def hc_head(streams, fn, base, scale, *, norm_eps: float, hc_eps: float, batch_i
     part, ss, s, mp = _mixes(x.view(t, n * d), fn.float().contiguous(), n)
     _finish_kernel[(t, triton.cdiv(d, _BD))](
         part, ss, x, scale.float().contiguous(), base.float().contiguous(), base, out, out, out, t, s, n * d, d,
-        1.0, norm_eps, hc_eps, N=n, NP=_lanes(n), MP=mp, SP=triton.next_power_of_2(s), HEAD=True, ITERS=1, BD=_BD, num_warps=4,
+        1.0, norm_eps, hc_eps, N=n, NP=_lanes(n), MP=mp, SP=triton.next_power_of_2(s), HEAD=True, ITERS=1, BD=_BD,
+        num_warps=4,
     )  # fmt: skip
     return out
 

@@ -128,10 +128,12 @@ def _rows_times_weights(x_ptr, tok, live, w_ptr, n, nl, K, BM: tl.constexpr, BN:
         kl = kk < K
         w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + kk[None, :], mask=nl[:, None] & kl[None, :], other=0.0)
         if SWAP:
-            a = tl.load(x_ptr + tok[None, :].to(tl.int64) * K + kk[:, None], mask=live[None, :] & kl[:, None], other=0.0)
+            a = tl.load(x_ptr + tok[None, :].to(tl.int64) * K + kk[:, None], mask=live[None, :] & kl[:, None],
+                        other=0.0)
             acc += _dot(w, a, IEEE, UPCAST)
         else:
-            a = tl.load(x_ptr + tok[:, None].to(tl.int64) * K + kk[None, :], mask=live[:, None] & kl[None, :], other=0.0)
+            a = tl.load(x_ptr + tok[:, None].to(tl.int64) * K + kk[None, :], mask=live[:, None] & kl[None, :],
+                        other=0.0)
             acc += _dot(a, tl.trans(w), IEEE, UPCAST)
     return acc
 

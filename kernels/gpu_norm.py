@@ -130,7 +130,8 @@ def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     tail = view[..., d - rope_dim :]
     _rms_norm_rope_kernel[(rows,)](
         tail, tail, cos.contiguous(), sin.contiguous(), tail, view.shape[1], tail.stride(0), tail.stride(1),
-        tail.stride(0), tail.stride(1), rope_dim, 0.0, HAS_W=False, NORM=False, ROPE_DIM=rope_dim, HALF_P=triton.next_power_of_2(max(1, rope_dim // 2)),
+        tail.stride(0), tail.stride(1), rope_dim, 0.0, HAS_W=False, NORM=False, ROPE_DIM=rope_dim,
+        HALF_P=triton.next_power_of_2(max(1, rope_dim // 2)),
         BLOCK=triton.next_power_of_2(rope_dim), num_warps=1,
     )  # fmt: skip
     return x

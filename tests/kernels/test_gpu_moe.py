@@ -20,7 +20,8 @@ DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
 
 
 @cases.examples()
-@given(t=st.integers(1, 80), e=st.sampled_from([2, 9, 64, 300]), k=st.sampled_from([1, 2, 6, 8]), scoring=st.sampled_from(list(gpu_moe.SCORING)),
+@given(t=st.integers(1, 80), e=st.sampled_from([2, 9, 64, 300]), k=st.sampled_from([1, 2, 6, 8]),
+       scoring=st.sampled_from(list(gpu_moe.SCORING)),
        hashed=st.booleans(), dtype=DTYPES, seed=st.integers(0, 2**31))
 def test_moe_route(t, e, k, scoring, hashed, dtype, seed):
     k = min(k, e)
@@ -34,7 +35,8 @@ def test_moe_route(t, e, k, scoring, hashed, dtype, seed):
     # the weights of the picked experts follow the reference formula (the hash path takes the given ids;
     # bf16 scores may round one ulp apart: softplus is computed by another formula)
     want_ids, want_w = torch_ref.moe_route(logits, None, ids, k, scoring, 1.5)
-    assert torch.equal(want_ids, ids) and cases.rel_err(weights, want_w) < (1e-5 if dtype == torch.float32 else cases.BF16_TOL)
+    bound = 1e-5 if dtype == torch.float32 else cases.BF16_TOL
+    assert torch.equal(want_ids, ids) and cases.rel_err(weights, want_w) < bound
     if hashed:
         assert torch.equal(ids, hash_ids.sort(dim=-1).values)
         return
@@ -52,9 +54,9 @@ def test_moe_route(t, e, k, scoring, hashed, dtype, seed):
 
 
 @cases.examples()
-@given(t=st.integers(1, 70), e=st.sampled_from([1, 7, 64]), k=st.sampled_from([1, 2, 6]), h=st.sampled_from([1, 40, 300]),
-       i=st.sampled_from([3, 64, 200]),
-       extra_rows=st.integers(0, 5), dtype=DTYPES, seed=st.integers(0, 2**31))
+@given(t=st.integers(1, 70), e=st.sampled_from([1, 7, 64]), k=st.sampled_from([1, 2, 6]),
+       h=st.sampled_from([1, 40, 300]), i=st.sampled_from([3, 64, 200]), extra_rows=st.integers(0, 5), dtype=DTYPES,
+       seed=st.integers(0, 2**31))
 def test_moe_experts(t, e, k, h, i, extra_rows, dtype, seed):
     k = min(k, e)
     g = cases.gen(seed)
