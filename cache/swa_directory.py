@@ -1,6 +1,6 @@
 """Which node holds the SWA slot for a prefix hash: a pure index plus its asyncio service.
 
-Slots never leave the machine that produced them (SPEC section 3); this directory is how another
+Slots never leave the machine that produced them (ARCHITECTURE.md, "Caches"); this directory is how another
 prefill engine finds one. Owners publish ``SwaSlotEvents`` (saved / evicted keys, and now and
 then their full set) on their event socket under ``TOPIC_SWA`` (the directory subscribes to
 every owner) or send them as requests to the directory (owners whose event socket it does not

@@ -12,7 +12,7 @@ Fetcher (``SwaSlotFetcher``): ``await fetch(keys, deadline_s)`` asks the directo
 slots of ``keys`` are (candidate boundaries, longest first), fetches the first one another node
 holds and saves it into the local store. It never raises for a remote failure: a miss, a dead
 owner or a deadline gives a ``FetchResult`` with ``is_hit = False`` and the caller replays
-instead (SPEC section 3). Run it as an asyncio task so other work overlaps the transfer.
+instead (ARCHITECTURE.md, "Caches"). Run it as an asyncio task so other work overlaps the transfer.
 
     fetcher                 directory              owner
       | SwaLocate(keys) ------> |                      |

@@ -13,7 +13,7 @@ Byte layout of one slot (``SlotLayout``; every slot of a model has the same size
     window ring  (capacity rows of head_dim values): MXFP8 rows, D e4m3 + D/32 ue8m0 bytes each
     carry rings  (compressor / indexer carry-over):  raw rows in the runner's dtype
 
-Window rows are the bulk (SPEC: 20 layers x 134 rows x 528 bytes = 1,415,040 per V4.1 slot) and
+Window rows are the bulk (ARCHITECTURE.md, "Caches": 20 layers x 134 rows x 528 bytes = 1,415,040 per V4.1 slot) and
 are only attended to, so MXFP8 costs little. Carry rows are few (``span + lookahead`` on
 compressed layers only) and are pooled into compressed rows that enter the block cache, where an
 error would persist; they stay lossless.

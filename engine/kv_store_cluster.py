@@ -15,7 +15,7 @@
 Objects are placed by a rendezvous ranking over node *names* (cache/store/placement.py), so
 every engine sharing a cluster must name its nodes alike: an address list names each node by
 its address unless ``NAME=`` is given, a config file by its ``name`` keys. k and m of an
-address list come from ``kv_store_ec`` ("K+M", default 10+2 as in SPEC section 4); a config
+address list come from ``kv_store_ec`` ("K+M", default 10+2 as in ARCHITECTURE.md, "KV store"); a config
 file carries its own and takes no ``kv_store_ec``.
 """
 

@@ -5,7 +5,7 @@ One row of ``D`` values (``D % 32 == 0``) becomes ``D + D // 32`` bytes::
     packed row:  | e4m3 x0 ... x(D-1)  (D bytes) | ue8m0 s0 ... s(D/32-1)  (D/32 bytes) |
     value i   =  e4m3(x_i) * 2 ** (s_(i // 32) - 127)
 
-so a 512-wide K=V row takes 528 bytes (SPEC section 3). Scale choice: the smallest power of two
+so a 512-wide K=V row takes 528 bytes (ARCHITECTURE.md, "Caches"). Scale choice: the smallest power of two
 ``X`` with ``amax / X <= 448`` (E4M3's largest finite value), i.e. ``X = 2^ceil(log2(amax/448))``,
 computed exactly from the exponent of ``amax`` (no division, no log). Unlike the OCP reference
 choice ``2^(floor(log2 amax) - 8)`` nothing ever saturates; the price is at most one bit of the

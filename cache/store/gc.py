@@ -5,7 +5,7 @@ Pure: plain values in, a plan out; the fragment store applies it. Two rules, in 
 1. **TTL.** Every fragment carries ``expires_at = written_at + ttl(traffic_class)``; once the
    clock passes it the fragment is gone, whatever the fill level. Retention counts from the write,
    not the last read: the TTL is a promise about how long a conversation's KV may live on the
-   store, and reading it must not extend that (SPEC section 4: agent 3 days, chat 7 days).
+   store, and reading it must not extend that (ARCHITECTURE.md, "KV store": agent 3 days, chat 7 days).
 2. **Fill.** When used bytes pass the high watermark, least-recently-used fragments go until used
    bytes are at or below the low watermark. The gap between the two marks keeps GC from running on
    every write once the node is full.

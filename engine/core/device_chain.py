@@ -5,9 +5,7 @@ while the previous step's forward still runs. One executor job (the *chain*) tak
 order and, per slot: forward, wait for the caller's sampling inputs, sample; then, if the next
 slot is already handed over, writes this step's tokens into that slot's placeholders *before*
 publishing this step's result, so the next forward starts with no caller wake-up, Future or
-executor round trip in between:
-
-    device: | fwd N | sample N | fill N+1 | publish N | fwd N+1 | sample N+1 | fill N+2 | ...
+executor round trip in between (ARCHITECTURE.md, "The step timeline", draws both threads).
 
 When no slot is waiting the chain publishes, waits up to ``LINGER_S`` for a late hand-over,
 then ends; the next ``submit`` starts a new job on the same executor, so other device jobs

@@ -50,7 +50,7 @@ class EngineOptions:
     # between torch ops; a short interval lets the loop thread in promptly. None: leave it.
     switch_interval_s: float | None = 0.0005
     check_integrity_every_step: bool = False  # debug: EngineCore.check_integrity() after each step
-    # SWA slots (engine/kv/swa_slots.py, SPEC section 3). A prefix hit whose sliding-window state
+    # SWA slots (engine/kv/swa_slots.py, ARCHITECTURE.md, "Caches"). A prefix hit whose sliding-window state
     # is not in a slot is rebuilt by replay: "exact" replays sliding_window x layers tokens (the
     # state equals a full prefill's), "bounded" only the last swa_replay_tokens (constant cost,
     # approximate; such sequences never enter the prefix cache or the slot store)

@@ -19,7 +19,7 @@ window state at ``h`` must come from somewhere::
 - bounded replay: ``R = min(h, replay_tokens)`` (default 128): constant cost whatever ``h`` is; the
   windows are truncated to the replayed segment, so the state is approximate. It is used for
   decoding only: blocks this sequence computes past ``h`` never enter the prefix cache and its
-  state is never saved as a slot (SPEC section 3).
+  state is never saved as a slot (ARCHITECTURE.md, "Caches").
 """
 
 from __future__ import annotations

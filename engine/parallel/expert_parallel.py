@@ -35,7 +35,7 @@ from deepinfer.engine.parallel.replacement import Replacement
 @dataclass(frozen=True, slots=True)
 class EpSettings:
     redundant_per_rank: int = 0  # replica slots per rank beyond the experts it owns
-    window: int = 100  # steps of statistics per plan (SPEC: prefill 100, decode 1000)
+    window: int = 100  # steps of statistics per plan (ARCHITECTURE.md, "Balancers": prefill 100, decode 1000)
     period: int = 1000  # steps between re-placements (prefill 1000, decode 10,000); 0: never
     use_history: bool = True  # give the planner the window's steps, not only their sum
     spare_buffers: int = 1  # layers staged ahead of their swap

@@ -1,4 +1,4 @@
-"""Load balancing across replicas (SPEC section 6): pure policies over typed load snapshots.
+"""Load balancing across replicas (ARCHITECTURE.md, "Balancers"): pure policies over typed load snapshots.
 
 ``TieredPrefillRouter`` (tiers + prefix affinity under an imbalance bound), ``TwoDimDecodeBalancer``
 (request count and KV length together), ``VEBalancer`` (pending image tokens), and the baselines

@@ -1,6 +1,6 @@
 """Cost models the balancers reason with: quadratic prefill time, linear decode step time.
 
-Prefill (SPEC section 6). Computing ``n`` new tokens on top of ``p`` cached ones costs
+Prefill (ARCHITECTURE.md, "Balancers"). Computing ``n`` new tokens on top of ``p`` cached ones costs
 
     t(n, p) = c_seq + c_tok * n + c_ctx * n * p + c_sq * n^2
 

@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation (SPEC section 5): engines in separate processes or machines.
+"""Prefill/decode disaggregation (ARCHITECTURE.md, "Disaggregation"): engines in separate processes or machines.
 
 A request's path (every message is in transport/protocol.py, P/D handoff section)::
 

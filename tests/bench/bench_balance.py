@@ -19,7 +19,7 @@ Traffic is a mix of chatbot sessions and coding-agent sessions, as a frontier-mo
 
 * Sessions, not independent requests: a turn's prompt is the previous prompt + reply + new
   tokens, so most prompt tokens were seen before (94 % of them with ideal reuse in this trace;
-  SPEC section 4: prefix reuse is where most savings are) and routing decides how many hit.
+  ARCHITECTURE.md, "KV store": prefix reuse is where most savings are) and routing decides how many hit.
 * Chat (85 % of sessions): one of 200 system prompts (median 1.5K tokens, Zipf-popular, as
   deployments share a few templates), a first message of median 400 tokens, and in 4 % of sessions
   an attached document, log-normal (median 24K, sigma 1.4) capped at the 1M-token context: the

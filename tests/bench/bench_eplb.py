@@ -15,7 +15,7 @@ perfect). A replica carries its expert's tokens over its replica count (even spl
 three. Figures start at the first plan (step ``window``); the "per period" column gives each
 period between plans.
 
-Settings (SPEC section 6: prefill 4 spare experts per GPU, 100-step window, re-placed every
+Settings (ARCHITECTURE.md, "Balancers": prefill 4 spare experts per GPU, 100-step window, re-placed every
 1000 steps; decode 1 spare per GPU, 1000-step window, every 10,000 steps):
 
     synthetic prefill-ep2 / prefill-ep4 / decode-ep64: ``deepinfer_bench.eplb.synthetic`` traces

@@ -40,7 +40,7 @@ import numpy as np
 from deepinfer.engine.spec import ConfidencePolicy, FixedPolicy, SpsProfile
 
 POLICIES = ("off", "fixed", "confidence", "delayed")
-# DeepSeek's DSpark figures at 60 sequences per rank, EP64/DP64 (SPEC section 7)
+# DeepSeek's DSpark figures at 60 sequences per rank, EP64/DP64 (ARCHITECTURE.md, "DSpark")
 DEEPSEEK_CONCURRENCY = 60
 DEEPSEEK_TOK_S_FIXED, DEEPSEEK_TOK_S_SCHED = 13_730.0, 14_466.0
 DEEPSEEK_ACCEPTED_FIXED, DEEPSEEK_ACCEPTED_SCHED = 3.29, 3.20

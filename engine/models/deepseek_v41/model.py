@@ -101,7 +101,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         )
 
     def bounded_replay(self, replay_tokens: int) -> int:
-        """Bounded SWA replay (SPEC section 3): the decoder layers (the CED source and above) rebuild
+        """Bounded SWA replay (ARCHITECTURE.md, "Caches"): the decoder layers (the CED source and above) rebuild
         their windows from only the last ``replay_tokens`` replayed tokens, the layers below replay
         exactly; returns the tokens to replay (sliding_window x the layers below the CED source)."""
         c = self.config

@@ -14,7 +14,7 @@ from deepinfer.engine.parallel.eplb.planner import plan
 
 @dataclass(frozen=True, slots=True)
 class EplbConfig:
-    """One EP group's balancer settings (SPEC section 6 gives PREFILL and DECODE below)."""
+    """One EP group's balancer settings (ARCHITECTURE.md, "Balancers" gives PREFILL and DECODE below)."""
 
     num_gpus: int
     redundant_per_gpu: int  # replica slots per GPU beyond the experts it owns

@@ -11,7 +11,7 @@ The story, chosen from how serving traffic behaves rather than to favour any pla
   ``drift_minutes``). Bursts (a batch job, a launch) arrive every ``burst_every_minutes`` on
   average, last ``burst_minutes`` on average and take ``burst_share`` of the traffic for one topic.
 * Prefill (``kind="prefill"``): each of the group's DP ranks processes ``chunk_tokens`` per step
-  (SPEC's 32K budget) from its own queue of requests, whose uncached prompt tokens are
+  (the 32K budget of ARCHITECTURE.md, "Balancers") from its own queue of requests, whose uncached prompt tokens are
   log-normal (median ``median_prompt_tokens`` = 2K, sigma 1.5: bench balance's workload, where
   most of a turn's prompt is a cached prefix and documents add the tail); long prompts span
   steps, as chunked prefill does. Each request's
