@@ -7,7 +7,7 @@ on ``GET /metrics``; under ``deepinfer node --role storage`` it joins the node's
 
 ``StoreClientCollector``: an engine's store client counters (hits, misses, deadline misses that
 fell back to recompute, unavailable reads, hedged reads, degraded writes, repair hints, bytes),
-for the engine process's registry (engine/kv_tier_metrics.py yields them with the KV tiers').
+for the engine process's registry (engine/kv/tier_metrics.py yields them with the KV tiers').
 """
 
 from __future__ import annotations

@@ -146,7 +146,7 @@ def _build_kv_offload(runner: ModelRunner, options: EngineOptions) -> KVOffload 
 
         store = FsStore(Path(options.kv_store_dir).expanduser())
     elif cluster is not None:
-        from deepinfer.engine.kv_store_cluster import build_cluster_store
+        from deepinfer.engine.kv.store_cluster import build_cluster_store
 
         store = build_cluster_store(cluster)
         log.info("KV store: %s", cluster.describe())

@@ -74,7 +74,7 @@ class EngineOptions:
     # the device pool. None: DEEPINFER_KV_HOST_TIER_BYTES (0 = none) / DEEPINFER_KV_LOAD_DEADLINE_S
     kv_host_tier_bytes: int | None = None
     kv_store_dir: str | None = None  # a filesystem KV store shared by the engines of this host
-    # the erasure-coded storage cluster (engine/kv_store_cluster.py): storage node addresses
+    # the erasure-coded storage cluster (engine/kv/store_cluster.py): storage node addresses
     # ("tcp://H:P,tcp://H:P,..." or a list) or a cluster config file with storage nodes; None:
     # DEEPINFER_KV_STORE_NODES ("" = none). Not with kv_store_dir. kv_store_ec: "K+M" of an
     # address list (None: DEEPINFER_KV_STORE_EC, else 10+2); a config file carries its own
@@ -157,7 +157,7 @@ def _require(is_ok: bool, message: str) -> None:
 
 
 def _store_cluster(nodes, ec):
-    from deepinfer.engine.kv_store_cluster import StoreClusterError, resolve_store_cluster
+    from deepinfer.engine.kv.store_cluster import StoreClusterError, resolve_store_cluster
 
     try:
         return resolve_store_cluster(nodes, ec)
@@ -166,7 +166,7 @@ def _store_cluster(nodes, ec):
 
 
 def _store_cluster_ec(ec: str) -> None:
-    from deepinfer.engine.kv_store_cluster import StoreClusterError, parse_ec
+    from deepinfer.engine.kv.store_cluster import StoreClusterError, parse_ec
 
     try:
         parse_ec(ec)

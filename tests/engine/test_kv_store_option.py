@@ -148,7 +148,7 @@ async def test_prompt_evicted_from_the_device_comes_back_from_the_cluster(cluste
 
 @pytest.mark.timeout(150)
 async def test_daemons_killed_mid_run_requests_recompute_same_tokens(cluster, caplog):
-    caplog.set_level(logging.INFO, logger="deepinfer.engine.kv_store_health")
+    caplog.set_level(logging.INFO, logger="deepinfer.engine.kv.store_health")
     prompts = [_prompt(10 + i, 600) for i in range(3)]  # 4 full blocks each
     engine = await _start(",".join(cluster.addresses.values()), kv_load_deadline_s=1.0)
     try:
@@ -200,7 +200,7 @@ def _free_addresses(n: int) -> list[str]:
 
 @pytest.mark.timeout(90)
 async def test_cluster_never_up_engine_serves_and_says_so_once(caplog):
-    caplog.set_level(logging.INFO, logger="deepinfer.engine.kv_store_health")
+    caplog.set_level(logging.INFO, logger="deepinfer.engine.kv.store_health")
     engine = await _start(",".join(_free_addresses(NUM_NODES)), kv_load_deadline_s=0.5)
     try:
         offload = engine.core.kv_offload

@@ -1,4 +1,4 @@
-"""StoreHealth (engine/kv_store_health.py), the KV store back-off policy, on a fake clock: a failure
+"""StoreHealth (engine/kv/store_health.py), the KV store back-off policy, on a fake clock: a failure
 starts an outage (one warning), calls are skipped until the back-off passes, one probe goes
 through, a failing probe doubles the back-off up to the cap, an answer ends the outage (one info)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from deepinfer.engine.kv_store_health import StoreHealth
+from deepinfer.engine.kv.store_health import StoreHealth
 
 
 class Clock:
@@ -18,7 +18,7 @@ class Clock:
 
 
 def test_backoff_probe_and_recovery(caplog):
-    caplog.set_level(logging.DEBUG, logger="deepinfer.engine.kv_store_health")
+    caplog.set_level(logging.DEBUG, logger="deepinfer.engine.kv.store_health")
     clock = Clock()
     health = StoreHealth(min_backoff_s=1.0, max_backoff_s=4.0, clock=clock)
     assert health.can_try() and health.can_try() and not health.is_out
@@ -54,7 +54,7 @@ def test_backoff_probe_and_recovery(caplog):
 
 def test_writes_back_off_on_their_own_so_reads_never_flap_with_them(caplog):
     # a cluster with k nodes up: reads answer, every write fails (quorum k+1 unreachable)
-    caplog.set_level(logging.INFO, logger="deepinfer.engine.kv_store_health")
+    caplog.set_level(logging.INFO, logger="deepinfer.engine.kv.store_health")
     clock = Clock()
     health = StoreHealth(min_backoff_s=1.0, max_backoff_s=4.0, clock=clock)
     for _ in range(5):

@@ -13,7 +13,7 @@ from deepinfer.cache.kv_block_codec import BlockCodec, BlockCodecError
 from deepinfer.cache.kv_tiers import TIER_DEVICE, TIER_HOST, TIER_STORE
 from deepinfer.cache.store.fs_backend import FsStore
 from deepinfer.engine.kv.offload import KVOffload, KVOffloadConfig
-from deepinfer.engine.kv_tier_metrics import KVTierCollector
+from deepinfer.engine.kv.tier_metrics import KVTierCollector
 from tests.conftest import load_test_helper
 
 pytestmark = pytest.mark.timeout(300)

@@ -102,7 +102,7 @@ def test_status_table_names_states_and_silent_nodes():
 
 
 def test_an_engine_names_its_cluster_by_the_membership_file(tmp_path):
-    from deepinfer.engine.kv_store_cluster import StoreClusterError, build_cluster_store, resolve_store_cluster
+    from deepinfer.engine.kv.store_cluster import StoreClusterError, build_cluster_store, resolve_store_cluster
 
     path = tmp_path / "members.json"
     record = Membership.of({"a": "tcp://h:1", "b": "tcp://h:2", "c": "tcp://h:3"}, k=2, m=1, epoch=3)

@@ -15,7 +15,7 @@ from deepinfer.cache.store.api import deadline_after
 from deepinfer.cache.store.client import ClusterStore
 from deepinfer.cache.store.local_cluster import LocalCluster
 from deepinfer.engine.kv.offload import KVOffloadStats
-from deepinfer.engine.kv_tier_metrics import KVTierCollector
+from deepinfer.engine.kv.tier_metrics import KVTierCollector
 from deepinfer.transport.ports import free_tcp_port
 
 pytestmark = pytest.mark.timeout(90)
