@@ -1,4 +1,5 @@
-# The two commands of the README: `make serve` and `make test`.
+# The two commands of the README: `make serve` and `make test` (the layer contracts of
+# ARCHITECTURE.md, checked by lint-imports, then the whole suite).
 # Both create .venv when missing and install what they need. torch is pinned to the
 # local CPU build (2.13.0); an unpinned torch would pull a multi-GB CUDA build.
 PYTHON ?= python3
@@ -20,6 +21,7 @@ serve: $(STAMP)
 	$(VENV)/bin/deepinfer serve $(ARGS)
 
 test: $(STAMP)
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q tests $(ARGS)
 
 bench: $(STAMP)

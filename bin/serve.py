@@ -299,6 +299,7 @@ def run(args) -> int:
 
 def _run(args) -> int:
     from deepinfer.engine.core.options import EngineOptions, EngineOptionsError, kv_store_cluster
+    from deepinfer.runtime.kv_store_cluster import engine_store_options
     from deepinfer.runtime import loop
     from deepinfer.runtime.gateway.config import GatewayConfig
     from deepinfer.runtime.gateway.launcher import LaunchSpec, launch
@@ -313,6 +314,8 @@ def _run(args) -> int:
     if "show_progress" in {f.name for f in fields(EngineOptions)}:  # the weight-loading progress bar
         options["show_progress"] = not args.no_progress
     try:
+        # a cluster config file becomes its storage nodes' addresses here: the engine takes addresses
+        options = engine_store_options(options)
         # bad values fail here, before anything loads (a directory hosted here is joined like any)
         checked = EngineOptions.from_kwargs(**options, **({"swa_directory": args.swa_directory_bind}
                                                           if args.swa_directory_bind else {}))

@@ -1,22 +1,22 @@
-"""The erasure-coded storage cluster an engine keeps KV blocks in, as a user names it.
+"""The erasure-coded storage cluster an engine keeps KV blocks in: node addresses and the EC layout.
 
-``EngineOptions.kv_store_nodes`` (``deepinfer serve --kv-store-nodes``) is one of:
+``EngineOptions.kv_store_nodes`` is one of:
 
     "tcp://10.0.0.7:7200,tcp://10.0.0.8:7200,..."    storage node addresses (a list works too);
     "a=tcp://10.0.0.7:7200,b=tcp://..."               ... with the names the nodes run under
-    "/etc/deepinfer/cluster.toml"                      a cluster config: its role = "storage"
-                                                       nodes (data addresses), k and m from
-                                                       its [storage] section
     "/etc/deepinfer/members.json"                      the storage membership record (the
                                                        nodes' own --cluster file): k, m and
                                                        node states from it; the engine follows
                                                        the file as nodes join, drain or leave
 
+A cluster config file (cluster.toml, the runtime's deployment file) is read by the runtime:
+``deepinfer serve --kv-store-nodes cluster.toml`` and the node roles turn its storage nodes into
+addresses and ``kv_store_ec`` before the engine sees them (runtime/kv_store_cluster.py).
+
 Objects are placed by a rendezvous ranking over node *names* (cache/store/placement.py), so
 every engine sharing a cluster must name its nodes alike: an address list names each node by
-its address unless ``NAME=`` is given, a config file by its ``name`` keys. k and m of an
-address list come from ``kv_store_ec`` ("K+M", default 10+2 as in ARCHITECTURE.md, "KV store"); a config
-file carries its own and takes no ``kv_store_ec``.
+its address unless ``NAME=`` is given. k and m of an address list come from ``kv_store_ec``
+("K+M", default 10+2: ARCHITECTURE.md, "KV store"); a membership record carries its own.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def resolve_store_cluster(nodes: str | Sequence[str], ec: str | None = None) -> 
         if "://" not in text:
             if text.endswith(".json"):
                 return _from_membership_file(text, ec)
-            return _from_config_file(text, ec)
+            return _from_path(text)
         entries = [e.strip() for e in text.split(",")]
     elif isinstance(nodes, Sequence) and all(isinstance(e, str) for e in nodes):
         entries = [e.strip() for e in nodes]
@@ -88,33 +88,17 @@ def resolve_store_cluster(nodes: str | Sequence[str], ec: str | None = None) -> 
         if name in node2address or address in node2address.values():
             raise StoreClusterError(f"kv_store_nodes: {entry!r} is listed twice")
         node2address[name] = address
-    _check_width(len(node2address), k, m, "kv_store_nodes lists", "give kv_store_ec K+M with K+M <= the node count")
+    check_width(len(node2address), k, m, "kv_store_nodes lists", "give kv_store_ec K+M with K+M <= the node count")
     return StoreCluster(node2address, k, m, f"{len(node2address)} addresses")
 
 
-def _from_config_file(path: str, ec: str | None) -> StoreCluster:
-    from deepinfer.runtime.cluster_config import ClusterConfigError, NodeRole, load_cluster_config
-
+def _from_path(path: str) -> StoreCluster:
     file = Path(path).expanduser()
     if not file.is_file():
         raise StoreClusterError(f"kv_store_nodes: {path!r} is neither storage node addresses (tcp://HOST:PORT,...) "
                                 "nor an existing cluster config file")
-    if ec is not None:
-        raise StoreClusterError(f"kv_store_ec is for an address list; {path} sets k and m in its [storage] section")
-    try:
-        config = load_cluster_config(file)
-    except ClusterConfigError as exc:
-        raise StoreClusterError(f"kv_store_nodes: {exc}") from None
-    specs = config.nodes_with_role(NodeRole.STORAGE)
-    if not specs:
-        raise StoreClusterError(f"kv_store_nodes: {path} lists no node with role = \"storage\"")
-    missing = [s.name for s in specs if not s.data]
-    if missing:
-        raise StoreClusterError(f"kv_store_nodes: {path}: storage node {missing[0]} has no data address "
-                                "(the address it serves fragments on)")
-    k, m = config.storage.ec_k, config.storage.ec_m
-    _check_width(len(specs), k, m, f"kv_store_nodes: {path} lists", "lower ec_k/ec_m in its [storage] section")
-    return StoreCluster({s.name: s.data for s in specs}, k, m, str(file))
+    raise StoreClusterError(f"kv_store_nodes: {path} is a cluster config file, which deepinfer serve and deepinfer "
+                            "node read; give the engine storage node addresses or a storage membership file (.json)")
 
 
 def _from_membership_file(path: str, ec: str | None) -> StoreCluster:
@@ -126,11 +110,11 @@ def _from_membership_file(path: str, ec: str | None) -> StoreCluster:
         record = load_membership(Path(path).expanduser())
     except MembershipError as exc:
         raise StoreClusterError(f"kv_store_nodes: {exc}") from None
-    _check_width(len(record.ranked_names), record.k, record.m, f"kv_store_nodes: {path} lists", "add storage nodes")
+    check_width(len(record.ranked_names), record.k, record.m, f"kv_store_nodes: {path} lists", "add storage nodes")
     return StoreCluster(record.node2address, record.k, record.m, path, membership_file=str(Path(path).expanduser()))
 
 
-def _check_width(num_nodes: int, k: int, m: int, what: str, fix: str) -> None:
+def check_width(num_nodes: int, k: int, m: int, what: str, fix: str) -> None:
     if num_nodes < k + m:
         raise StoreClusterError(f"{what} {num_nodes} storage nodes; erasure coding {k}+{m} needs at least {k + m}: "
                                 f"{fix}")

@@ -249,51 +249,6 @@ def test_bad_store_cluster_options_one_line(options, message):
     assert message in text and "\n" not in text, text
 
 
-CONFIG = """
-[storage]
-ec_k = 2
-ec_m = 1
-{nodes}
-"""
-NODE = """
-[[nodes]]
-name = "{name}"
-role = "{role}"
-control = "tcp://127.0.0.1:{p0}"
-events = "tcp://127.0.0.1:{p1}"
-{data}
-"""
-
-
-def _config(tmp_path, roles_with_data) -> Path:
-    nodes = "".join(NODE.format(name=f"n{i}", role=role, p0=9000 + 3 * i, p1=9001 + 3 * i,
-                                data=f'data = "tcp://127.0.0.1:{9002 + 3 * i}"' if has_data else "")
-                    for i, (role, has_data) in enumerate(roles_with_data))
-    path = tmp_path / "cluster.toml"
-    path.write_text(CONFIG.format(nodes=nodes))
-    return path
-
-
-def test_cluster_config_file_names_the_storage_nodes(tmp_path):
-    path = _config(tmp_path, [("gateway", False), ("storage", True), ("storage", True), ("storage", True)])
-    cluster = kv_store_cluster(EngineOptions(kv_store_nodes=str(path)))
-    assert cluster.node2address == {f"n{i}": f"tcp://127.0.0.1:{9002 + 3 * i}" for i in (1, 2, 3)}
-    assert (cluster.ec_k, cluster.ec_m) == (2, 1)
-    with pytest.raises(EngineOptionsError, match="kv_store_ec is for an address list"):
-        EngineOptions(kv_store_nodes=str(path), kv_store_ec="2+1")
-    short = _config(tmp_path, [("storage", True), ("storage", True), ("decode", False)])
-    with pytest.raises(EngineOptionsError, match="ec_k.*ec_m|needs at least 3"):
-        EngineOptions(kv_store_nodes=str(short))
-    none = _config(tmp_path, [("gateway", False)])
-    with pytest.raises(EngineOptionsError, match="no node with role"):
-        EngineOptions(kv_store_nodes=str(none))
-    # addresses with names, and the list form of the Python API
-    named = kv_store_cluster(EngineOptions(kv_store_nodes="a=tcp://h1:1, b=tcp://h2:1", kv_store_ec="1+1"))
-    assert named.node2address == {"a": "tcp://h1:1", "b": "tcp://h2:1"}
-    listed = kv_store_cluster(EngineOptions(kv_store_nodes=["tcp://h1:1", "tcp://h2:1"], kv_store_ec="2+0"))
-    assert listed.node2address == {"tcp://h1:1": "tcp://h1:1", "tcp://h2:1": "tcp://h2:1"}
-
-
 def test_environment_names_the_cluster_unless_an_option_does(monkeypatch):
     snapshot = envs.load({"DEEPINFER_KV_STORE_NODES": "tcp://h1:1,tcp://h2:1,tcp://h3:1",
                           "DEEPINFER_KV_STORE_EC": "2+1"})
