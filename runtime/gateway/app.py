@@ -23,15 +23,17 @@ from deepinfer.engine.api.protocol import EngineClient
 from deepinfer.runtime.gateway.errors import GatewayError, clip, echo, error_response, malformed_http_error
 from deepinfer.runtime.gateway.metrics import GatewayMetrics
 from deepinfer.runtime.gateway.openai_responses import ModelCard, ModelList, encoder
+from deepinfer.runtime.gateway.request_ids import add_request_id
 from deepinfer.runtime.gateway.serving_chat import create_chat_completion
 from deepinfer.runtime.gateway.serving_completion import create_completion
+from deepinfer.runtime.gateway.serving_responses import create_response
 
 log = logging.getLogger(__name__)
 
 
 def _http_error(exc: web.HTTPException, max_body_bytes: int) -> GatewayError:
     messages = {
-        404: "no such endpoint; see /v1/models, /v1/completions, /v1/chat/completions",
+        404: "no such endpoint; see /v1/models, /v1/completions, /v1/chat/completions, /v1/responses",
         405: "method not allowed for this endpoint",
         413: f"request body is too large; the limit is {max_body_bytes} bytes",
     }
@@ -149,9 +151,11 @@ def build_app(engine: EngineClient, config: GatewayConfig | None = None) -> web.
     names = config.served_model_names or (engine.model_info.name,)
     app = web.Application(middlewares=[errors_middleware, auth_middleware, body_middleware],
                           client_max_size=config.max_body_bytes)
+    app.on_response_prepare.append(add_request_id)  # every response, streamed and errors too
     app[STATE_KEY] = GatewayState(engine=engine, config=config, metrics=GatewayMetrics(engine), model_names=names)
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
+    app.router.add_post("/v1/responses", create_response)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", get_model)
     app.router.add_get("/health", health)

@@ -45,10 +45,10 @@ def fingerprint() -> str:
     """12 hex digits naming the current tiny-model writer (version + the writing code's source)."""
     from deepinfer.engine.loader import checkpoint_writer
     from deepinfer.engine.models.deepseek_v4 import tiny_model
-    from deepinfer.engine.text import tiny_tokenizer
+    from deepinfer.engine.text import markup, tiny_tokenizer
 
     h = hashlib.sha256(deepinfer.__version__.encode())
-    for module in (tiny_model, tiny_tokenizer, checkpoint_writer):
+    for module in (tiny_model, tiny_tokenizer, markup, checkpoint_writer):
         h.update(inspect.getsource(module).encode())
     return h.hexdigest()[:12]
 

@@ -51,6 +51,7 @@ class ChoiceState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # asked for: they come with the first output
     last_token_time: float | None = None
     is_started: bool = False  # the engine accepted it (a first output arrived)
     is_done: bool = False  # the engine stream ended
@@ -220,10 +221,12 @@ class Generation:
         return self._apply(slot, item)
 
     def _apply(self, slot: int, out: RequestOutput) -> CompletionOutput | None:
+        choice = self.choices[slot]
+        if out.prompt_logprobs is not None:
+            choice.prompt_logprobs = out.prompt_logprobs
         if not out.outputs:
             return None
         delta = out.outputs[0]
-        choice = self.choices[slot]
         now = time.monotonic()
         num_new = len(delta.token_ids)
         if num_new:

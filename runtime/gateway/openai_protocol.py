@@ -6,18 +6,23 @@ errors.py turns that into an OpenAI-format 400. Integers are bounded so nothing 
 an unbounded Python int; floats are finite by construction (JSON has no NaN/Infinity and msgspec
 rejects out-of-range literals).
 
-Top-level fields this server does not know are ignored (clients send ``user``, ``store``,
-``metadata``, ...); fields that would change the result if silently ignored are declared as
-``Any`` here and rejected with a clear message by ``unsupported_fields`` when set. Nested
-objects (``stream_options``, ``response_format``, ``structured_outputs``) forbid unknown keys.
+Every field OpenAI defines is declared with its type, also those this server does not use
+(``store``, ``metadata``, ``service_tier``, ...), so a value of the wrong type is a 400 whether or
+not it is used. Top-level fields nobody defines are ignored, as OpenAI does (``decode_request``
+logs each such name once, at debug level). Fields that would change the result if silently
+ignored are rejected with a clear message by ``unsupported_fields`` when set. Nested objects
+(``stream_options``, ``response_format``, ``structured_outputs``) forbid unknown keys.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta, Struct
+
+log = logging.getLogger(__name__)
 
 MAX_INT32 = 2**31 - 1
 TokenId = Annotated[int, Meta(ge=0, le=MAX_INT32)]
@@ -25,6 +30,8 @@ TokenCount = Annotated[int, Meta(ge=1, le=MAX_INT32)]
 Seed = Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 NumLogprobs = Annotated[int, Meta(ge=0, le=20)]
+# OpenAI's rule for function names (they appear verbatim in the tool-call markup)
+FunctionName = Annotated[str, Meta(pattern=r"^[a-zA-Z0-9_.:-]{1,64}$")]
 
 
 class StreamOptions(Struct, forbid_unknown_fields=True):
@@ -93,18 +100,26 @@ class SamplingRequest(Struct, kw_only=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: Annotated[int, Meta(ge=-MAX_INT32, le=MAX_INT32)] = 0
+    # defined by OpenAI, typed, not used: a wrong type is still a 400
     user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
     # accepted only at their neutral values (see unsupported_fields)
-    logit_bias: Any = None
-    best_of: Any = None
+    logit_bias: dict[str, float] | None = None
+    best_of: Annotated[int, Meta(ge=1, le=MAX_INT32)] | None = None
 
 
 class CompletionRequest(SamplingRequest, kw_only=True):
     # a string, a list of strings, a list of token ids, or a list of token-id lists
     prompt: str | list[str | TokenId | list[TokenId]]
+    max_tokens: Annotated[int, Meta(ge=0, le=MAX_INT32)] | None = None  # 0: with echo, score the prompt only
     logprobs: NumLogprobs | None = None
-    echo: Any = None
-    suffix: Any = None
+    echo: bool = False  # the prompt first, in the text and (with logprobs) in the logprobs
+    prompt_logprobs: NumLogprobs | None = None  # vLLM's extension: every prompt position's logprobs
+    suffix: str | None = None
 
 
 class TextPart(Struct, tag="text", tag_field="type"):
@@ -119,13 +134,57 @@ class InputAudioPart(Struct, tag="input_audio", tag_field="type"):
     input_audio: Any = None
 
 
-ContentPart = TextPart | ImageUrlPart | InputAudioPart
+class RefusalPart(Struct, tag="refusal", tag_field="type"):
+    refusal: str
+
+
+ContentPart = TextPart | ImageUrlPart | InputAudioPart | RefusalPart
+
+
+class FunctionCall(Struct):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends a JSON string; some clients an object
+
+
+class ToolCallRequest(Struct):
+    """A call in an assistant message the client sends back."""
+
+    function: FunctionCall
+    id: str = ""
+    type: Literal["function"] = "function"
 
 
 class ChatMessage(Struct):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallRequest] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    reasoning_content: str | None = None  # assistant; not rendered (templates drop past reasoning)
+
+
+class FunctionDefinition(Struct):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: no arguments
+    strict: bool | None = None
+
+
+class ChatTool(Struct):
+    function: FunctionDefinition
+    type: Literal["function"] = "function"
+
+
+class ToolChoiceFunction(Struct):
+    name: str
+
+
+class NamedToolChoice(Struct):
+    function: ToolChoiceFunction
+    type: Literal["function"] = "function"
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(SamplingRequest, kw_only=True):
@@ -135,14 +194,18 @@ class ChatCompletionRequest(SamplingRequest, kw_only=True):
     top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
-    continue_final_message: Any = None
-    audio: Any = None
-    modalities: Any = None
-    prediction: Any = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, "none" without
+    parallel_tool_calls: bool | None = None  # default true
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None
+    web_search_options: dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    continue_final_message: bool = False
+    audio: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
 
 
 def _is_set(value: Any) -> bool:
@@ -156,28 +219,44 @@ def unsupported_fields(req: SamplingRequest) -> tuple[str, str] | None:
     if req.best_of is not None and req.best_of != 1 and req.best_of != req.n:
         return "best_of", "best_of is not supported by this server; use n"
     if isinstance(req, CompletionRequest):
-        if _is_set(req.echo):
-            return "echo", "echo is not supported by this server"
         if _is_set(req.suffix):
             return "suffix", "suffix is not supported by this server"
     if isinstance(req, ChatCompletionRequest):
-        for name in ("tools", "functions", "continue_final_message", "audio", "prediction"):
+        for name in ("continue_final_message", "audio", "prediction", "web_search_options"):
             if _is_set(getattr(req, name)):
                 return name, f"{name} is not supported by this server"
-        for name in ("tool_choice", "function_call"):
-            if getattr(req, name) not in (None, "none", "auto"):
-                return name, f"{name} is not supported by this server (tool calling is not implemented)"
+        if _is_set(req.functions):
+            return "functions", "functions (the legacy form) is not supported by this server; use tools"
+        if req.function_call not in (None, "none", "auto"):
+            return "function_call", "function_call (the legacy form) is not supported by this server; use tool_choice"
         if req.modalities is not None and req.modalities != ["text"]:
             return "modalities", "only the 'text' modality is supported"
     return None
 
 
 _decoders: dict[type, msgspec.json.Decoder] = {}
+_keys_decoder = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_MAX_LOGGED_UNKNOWN = 256
+_logged_unknown: set[tuple[str, str]] = set()
 
 
 def decode_request(body: bytes, kind: type[Struct]) -> Any:
-    """Typed decode; raises msgspec.DecodeError / ValidationError (or RecursionError)."""
+    """Typed decode; raises msgspec.DecodeError / ValidationError (or RecursionError). A top-level
+    field ``kind`` does not define is ignored; its name is logged once (debug)."""
     dec = _decoders.get(kind)
     if dec is None:
         dec = _decoders[kind] = msgspec.json.Decoder(kind)
-    return dec.decode(body)
+    req = dec.decode(body)
+    if log.isEnabledFor(logging.DEBUG):
+        _log_unknown_fields(body, kind)
+    return req
+
+
+def _log_unknown_fields(body: bytes, kind: type[Struct]) -> None:
+    known = kind.__struct_fields__
+    for name in _keys_decoder.decode(body):
+        key = (kind.__name__, name)
+        if name not in known and key not in _logged_unknown and len(_logged_unknown) < _MAX_LOGGED_UNKNOWN:
+            _logged_unknown.add(key)
+            log.debug("ignoring the field %r of %s, which this server does not know (logged once)", name[:64],
+                      kind.__name__)

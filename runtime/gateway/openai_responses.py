@@ -189,11 +189,11 @@ def text_bytes(token_id: int, text: str) -> list[int]:
     return list(text.encode("utf-8", "replace"))
 
 
-def _finite(x: float) -> float:
+def finite(x: float) -> float:
     return x if math.isfinite(x) else LOGPROB_FLOOR
 
 
-def _top(position: PositionLogprobs, num_top: int) -> list[tuple[int, float]]:
+def best_logprobs(position: PositionLogprobs, num_top: int) -> list[tuple[int, float]]:
     """The ``num_top`` most likely (token id, logprob) of a position, best first."""
     ranked = sorted(position.items(), key=lambda kv: (kv[1].rank if kv[1].rank is not None else 1 << 30, -kv[1].logprob))
     return [(tid, lp.logprob) for tid, lp in ranked[:num_top]]
@@ -210,10 +210,10 @@ def chat_logprobs(
             continue
         text = token_text(tid, chosen.decoded_token)
         tops = []
-        for top_id, top_lp in _top(pos, num_top):
+        for top_id, top_lp in best_logprobs(pos, num_top):
             top_text = token_text(top_id, pos[top_id].decoded_token)
-            tops.append(TopLogprob(top_text, _finite(top_lp), token_bytes(top_id, top_text)))
-        out.append(ChatTokenLogprob(text, _finite(chosen.logprob), token_bytes(tid, text), tops))
+            tops.append(TopLogprob(top_text, finite(top_lp), token_bytes(top_id, top_text)))
+        out.append(ChatTokenLogprob(text, finite(chosen.logprob), token_bytes(tid, text), tops))
     return out
 
 
@@ -231,10 +231,10 @@ def completion_logprobs(
         if chosen is None:
             continue
         text = token_text(tid, chosen.decoded_token)
-        top = {token_text(t, pos[t].decoded_token): _finite(v) for t, v in _top(pos, num_top)}
-        top.setdefault(text, _finite(chosen.logprob))  # the sampled token is always listed, as in vLLM
+        top = {token_text(t, pos[t].decoded_token): finite(v) for t, v in best_logprobs(pos, num_top)}
+        top.setdefault(text, finite(chosen.logprob))  # the sampled token is always listed, as in vLLM
         lp.tokens.append(text)
-        lp.token_logprobs.append(_finite(chosen.logprob))
+        lp.token_logprobs.append(finite(chosen.logprob))
         lp.top_logprobs.append(top)
         lp.text_offset.append(text_offset)
         text_offset += len(text)

@@ -13,7 +13,8 @@ from typing import Any
 
 from deepinfer.engine.api.protocol import GatewayTokenizer
 from deepinfer.runtime.gateway.errors import GatewayError, bad_request
-from deepinfer.runtime.gateway.openai_protocol import ChatMessage, TextPart
+from deepinfer.runtime.gateway.openai_protocol import ChatMessage, RefusalPart, TextPart
+from deepinfer.runtime.gateway.tool_calls import template_tool_calls
 
 # chat_template_kwargs may not override what the gateway itself passes to the template
 RESERVED_TEMPLATE_KWARGS = frozenset({
@@ -76,28 +77,44 @@ async def completion_prompts(
     return out
 
 
-def _message_text(i: int, message: ChatMessage) -> str:
+def _message_text(i: int, message: ChatMessage) -> str | None:
     content = message.content
     if content is None:
+        if message.role == "assistant" and message.tool_calls:
+            return None  # an assistant turn that only called tools
         raise bad_request(f"messages[{i}].content is required", f"messages[{i}].content")
     if isinstance(content, str):
         return content
     parts = []
     for j, part in enumerate(content):
-        if not isinstance(part, TextPart):
+        if isinstance(part, TextPart):
+            parts.append(part.text)
+        elif isinstance(part, RefusalPart):
+            parts.append(part.refusal)
+        else:
             raise bad_request(f"messages[{i}].content[{j}]: only text content is supported by this model",
                               f"messages[{i}].content[{j}].type")
-        parts.append(part.text)
     return "\n".join(parts)
 
 
-def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
-    """Plain dicts for the chat template (``developer`` is OpenAI's newer name for ``system``)."""
+def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """Plain dicts for the chat template (``developer`` is OpenAI's newer name for ``system``);
+    an assistant's ``tool_calls`` and a tool result's ``tool_call_id`` ride along."""
     out = []
     for i, m in enumerate(messages):
-        d = {"role": "system" if m.role == "developer" else m.role, "content": _message_text(i, m)}
+        d: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": _message_text(i, m)}
         if m.name is not None:
             d["name"] = m.name
+        if m.tool_calls:
+            if m.role != "assistant":
+                raise bad_request(f"messages[{i}].tool_calls: only an assistant message has tool calls",
+                                  f"messages[{i}].tool_calls")
+            d["tool_calls"] = template_tool_calls(m.tool_calls)
+        if m.role == "tool":
+            if not m.tool_call_id:
+                raise bad_request(f"messages[{i}].tool_call_id is required in a tool message (the id of the call "
+                                  "it answers)", f"messages[{i}].tool_call_id")
+            d["tool_call_id"] = m.tool_call_id
         out.append(d)
     return out
 
@@ -108,14 +125,19 @@ async def chat_prompt(
     *,
     add_generation_prompt: bool,
     template_kwargs: dict[str, Any] | None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
+    """The prompt's token ids; ``tools`` (OpenAI-shaped function tools) go to the template's
+    ``tools`` variable."""
     tok = _need_tokenizer(tokenizer, "chat messages", "messages")
     conversation = template_messages(messages)
     kwargs = dict(template_kwargs or {})
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & kwargs.keys())
     if reserved:
         raise bad_request(f"chat_template_kwargs may not set {reserved[0]!r}", "chat_template_kwargs")
-    num_chars = sum(len(m["content"]) for m in conversation)
+    if tools:
+        kwargs["tools"] = tools
+    num_chars = sum(len(m["content"] or "") for m in conversation) + (len(repr(tools)) if tools else 0)
     try:
         # rendered and tokenized in one call: only the tokenizer can keep the template's control
         # tokens apart from control-token strings inside message text (those stay text)

@@ -146,6 +146,7 @@ def sampling_params(
     logprobs: int | None,
     structured: StructuredSpec | None,
     stop: list[str],
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """Engine parameters of one completion (``n`` is 1: the gateway fans choices out itself)."""
     try:
@@ -166,6 +167,7 @@ def sampling_params(
             include_stop_str_in_output=req.include_stop_str_in_output,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=req.skip_special_tokens,
             structured_outputs=None if structured is None else structured.spec,
             priority=req.priority,

@@ -1,4 +1,5 @@
-"""``POST /v1/chat/completions``: messages through the model's chat template, assistant text out."""
+"""``POST /v1/chat/completions``: messages (and tools) through the model's chat template; the
+assistant's text out, read as reasoning, content and tool calls (chat_output.py)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ import time
 
 from aiohttp import web
 
+from deepinfer.runtime.gateway.chat_output import ChatOutputMode, ChatOutputParser, ChatPieces, parse_message
+from deepinfer.runtime.gateway.chat_request import prepare_chat
 from deepinfer.runtime.gateway.config import STATE_KEY, GatewayState
 from deepinfer.runtime.gateway.errors import GatewayError, bad_request, error_payload
 from deepinfer.runtime.gateway.generation import Generation
 from deepinfer.runtime.gateway.openai_protocol import ChatCompletionRequest
 from deepinfer.runtime.gateway.openai_responses import (
-    AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -23,7 +25,7 @@ from deepinfer.runtime.gateway.openai_responses import (
     encoder,
     make_usage,
 )
-from deepinfer.runtime.gateway.prompts import chat_prompt
+from deepinfer.runtime.gateway.request_ids import request_id as client_request_id
 from deepinfer.runtime.gateway.serving_common import (
     admitted,
     decode_body,
@@ -47,26 +49,25 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     num_top = (req.top_logprobs or 0) if req.logprobs else None
-    prompt = await chat_prompt(req.messages, state.engine.tokenizer,
-                               add_generation_prompt=req.add_generation_prompt,
-                               template_kwargs=req.chat_template_kwargs)
+    prepared = await prepare_chat(state, req)
     request_id = new_request_id("chatcmpl")
-    requests, structured = engine_requests(state, req, request_id, [prompt], logprobs=num_top,
-                                           default_max_tokens=None, prompt_param="messages")
+    requests, structured = engine_requests(state, prepared.request, request_id, [prepared.prompt_token_ids],
+                                           logprobs=num_top, default_max_tokens=None, prompt_param="messages",
+                                           client_request_id=client_request_id(request))
     async with admitted(state):
         gen = Generation(state.engine, requests, state.metrics, arrival_time=arrival,
                          structured_param=structured.param if structured else None, prompt_param="messages")
         try:
             await gen.start()
             if req.stream:
-                return await _stream(request, state, req, gen, request_id, model, num_top)
-            return await _full(state, gen, request_id, model, num_top)
+                return await _stream(request, state, req, gen, request_id, model, num_top, prepared.mode)
+            return await _full(state, gen, request_id, model, num_top, prepared.mode)
         finally:
             await gen.close()
 
 
 async def _full(state: GatewayState, gen: Generation, request_id: str, model: str,
-                num_top: int | None) -> web.Response:
+                num_top: int | None, mode: ChatOutputMode) -> web.Response:
     async for _ in gen.deltas():
         pass
     token_text = token_namer(state.engine.tokenizer)
@@ -76,13 +77,15 @@ async def _full(state: GatewayState, gen: Generation, request_id: str, model: st
         logprobs = None
         if num_top is not None:
             logprobs = ChatLogprobs(chat_logprobs(c.token_ids, c.logprobs, num_top, token_text, token_bytes))
-        choices.append(ChatChoice(c.index, AssistantMessage(c.text), logprobs, c.finish_reason, c.stop_reason))
+        message, num_calls = parse_message(mode, c.text)
+        choices.append(ChatChoice(c.index, message, logprobs, mode.finish_reason(c.finish_reason, num_calls),
+                                  c.stop_reason))
     resp = ChatCompletionResponse(request_id, int(time.time()), model, choices, make_usage(*gen.usage_counts()))
     return web.Response(body=encoder.encode(resp), content_type="application/json")
 
 
 async def _stream(request: web.Request, state: GatewayState, req: ChatCompletionRequest, gen: Generation,
-                  request_id: str, model: str, num_top: int | None) -> web.StreamResponse:
+                  request_id: str, model: str, num_top: int | None, mode: ChatOutputMode) -> web.StreamResponse:
     sse = SSEWriter(request)
     opts = req.stream_options
     include_usage = bool(opts and opts.include_usage)
@@ -90,6 +93,7 @@ async def _stream(request: web.Request, state: GatewayState, req: ChatCompletion
     created = int(time.time())
     token_text = token_namer(state.engine.tokenizer)
     token_bytes = token_byte_namer(state.engine.tokenizer)
+    parsers = {c.index: ChatOutputParser(mode) for c in gen.choices}
 
     def chunk(choices: list[ChatChunkChoice]) -> bytes:
         c = ChatCompletionChunk(request_id, created, model, choices)
@@ -104,14 +108,24 @@ async def _stream(request: web.Request, state: GatewayState, req: ChatCompletion
             sse.add(chunk([ChatChunkChoice(c.index, ChatDelta(role="assistant", content=""))]))
         await sse.flush()
         async for choice, delta in gen.deltas():
-            if is_silent_delta(delta.text, delta.finish_reason, len(delta.token_ids) if num_top is not None else 0):
+            parser = parsers[choice.index]
+            pieces = parser.feed(delta.text) if delta.text else ChatPieces()
+            finish_reason = delta.finish_reason
+            if finish_reason is not None:  # the text has ended: what the parsers held back comes out
+                tail = parser.finish()
+                pieces = ChatPieces(pieces.reasoning + tail.reasoning, pieces.content + tail.content,
+                                    pieces.tool_calls + tail.tool_calls)
+                finish_reason = mode.finish_reason(finish_reason, len(parser.calls))
+            body = pieces.delta()
+            num_logprob_tokens = len(delta.token_ids) if num_top is not None else 0
+            if body is None and is_silent_delta("", finish_reason, num_logprob_tokens):
                 continue
             logprobs = None
             if num_top is not None:
                 logprobs = ChatLogprobs(chat_logprobs(delta.token_ids, delta.logprobs or [], num_top, token_text,
                                                       token_bytes))
-            body = ChatDelta(content=delta.text) if delta.text else ChatDelta()
-            sse.add(chunk([ChatChunkChoice(choice.index, body, logprobs, delta.finish_reason, delta.stop_reason)]))
+            sse.add(chunk([ChatChunkChoice(choice.index, body or ChatDelta(), logprobs, finish_reason,
+                                           delta.stop_reason)]))
             if not gen.has_ready:
                 await sse.flush()
         if include_usage:

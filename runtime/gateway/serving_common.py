@@ -90,8 +90,11 @@ def engine_requests(
     logprobs: int | None,
     default_max_tokens: int | None,
     prompt_param: str,
+    prompt_logprobs: int | None = None,
+    client_request_id: str | None = None,
 ) -> tuple[list[EngineRequest], StructuredSpec | None]:
-    """One engine request per (prompt, choice); choice index = prompt * n + i, seed = seed + i."""
+    """One engine request per (prompt, choice); choice index = prompt * n + i, seed = seed + i.
+    Engine ids are ``[client_request_id.]request_id-index`` (request_ids.py: the client's id leads)."""
     check_n(state, req.n, len(prompts))
     structured = structured_spec(req)
     stop = stop_strings(req, state.config.max_stop_strings)
@@ -101,11 +104,13 @@ def engine_requests(
     for p, ids in enumerate(prompts):
         max_tokens = decide_max_tokens(len(ids), requested, requested_param, default_max_tokens, max_model_len,
                                        prompt_param)
-        params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, structured=structured, stop=stop)
+        params = sampling_params(req, max_tokens=max_tokens, logprobs=logprobs, structured=structured, stop=stop,
+                                 prompt_logprobs=prompt_logprobs)
+        lead = f"{client_request_id}.{request_id}" if client_request_id else request_id
         for i in range(req.n):
             index = p * req.n + i
             child = params if req.n == 1 else choice_params(params, i)
-            out.append(EngineRequest(index, p, f"{request_id}-{index}", ids, child))
+            out.append(EngineRequest(index, p, f"{lead}-{index}", ids, child))
     return out, structured
 
 

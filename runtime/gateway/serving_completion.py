@@ -1,25 +1,39 @@
-"""``POST /v1/completions``: prompts in, text (or an SSE stream of text deltas) out."""
+"""``POST /v1/completions``: prompts in, text (or an SSE stream of text deltas) out; with ``echo``
+the prompt first, and ``max_tokens: 0`` scores the prompt only (completion_echo.py)."""
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
+import msgspec
 from aiohttp import web
+from msgspec import UNSET, UnsetType
 
-from deepinfer.runtime.gateway.config import STATE_KEY, GatewayState
+from deepinfer.runtime.gateway.completion_echo import (
+    EchoPlan,
+    echo_logprobs,
+    echo_texts,
+    prompt_logprob_entries,
+    with_generated,
+)
+from deepinfer.runtime.gateway.config import STATE_KEY
 from deepinfer.runtime.gateway.errors import GatewayError, error_payload
-from deepinfer.runtime.gateway.generation import Generation
+from deepinfer.runtime.gateway.generation import ChoiceState, Generation
 from deepinfer.runtime.gateway.openai_protocol import CompletionRequest
 from deepinfer.runtime.gateway.openai_responses import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    TokenText,
+    Usage,
     completion_logprobs,
     encoder,
     make_usage,
 )
 from deepinfer.runtime.gateway.prompts import completion_prompts, num_prompts
+from deepinfer.runtime.gateway.request_ids import request_id as client_request_id
 from deepinfer.runtime.gateway.serving_common import (
     admitted,
     check_n,
@@ -40,68 +54,130 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE_KEY]
     req: CompletionRequest = await decode_body(request, CompletionRequest)
     model = served_model(state, req.model)
+    plan = EchoPlan.of(req)
     check_n(state, req.n, num_prompts(req.prompt))  # before tokenizing a batch that cannot be served
     prompts = await completion_prompts(req.prompt, state.engine.tokenizer)
     request_id = new_request_id("cmpl")
+    engine_req = msgspec.structs.replace(req, max_tokens=1) if plan.score_only else req
     requests, structured = engine_requests(
-        state, req, request_id, prompts, logprobs=req.logprobs,
-        default_max_tokens=state.config.default_completion_max_tokens, prompt_param="prompt")
+        state, engine_req, request_id, prompts, logprobs=req.logprobs,
+        default_max_tokens=state.config.default_completion_max_tokens, prompt_param="prompt",
+        prompt_logprobs=plan.engine_prompt_logprobs, client_request_id=client_request_id(request))
+    tok = state.engine.tokenizer
+    echoes = echo_texts(req.prompt, prompts, tok.decode, req.skip_special_tokens) if plan.echo and tok else None
+    if plan.echo and echoes is None:
+        echoes = [""] * len(prompts)  # token ids without a tokenizer: nothing to show as text
+    view = _View(req, plan, prompts, echoes, token_namer(tok))
     async with admitted(state):
         gen = Generation(state.engine, requests, state.metrics, arrival_time=arrival,
                          structured_param=structured.param if structured else None, prompt_param="prompt")
         try:
             await gen.start()
             if req.stream:
-                return await _stream(request, state, req, gen, request_id, model)
-            return await _full(state, req, gen, request_id, model)
+                return await _stream(request, req, gen, request_id, model, view)
+            return await _full(gen, request_id, model, view)
         finally:
             await gen.close()
 
 
-async def _full(state: GatewayState, req: CompletionRequest, gen: Generation, request_id: str,
-                model: str) -> web.Response:
+@dataclass(slots=True)
+class _View:
+    """How one request's choices are shown: echo, score-only, logprobs (completion_echo.py)."""
+
+    req: CompletionRequest
+    plan: EchoPlan
+    prompts: list[list[int]]
+    echoes: list[str] | None
+    token_text: TokenText
+
+    def first(self, c: ChoiceState) -> tuple[str, CompletionLogprobs | None, int, list | UnsetType]:
+        """What a choice shows before its generated tokens: (text, logprobs, text offset, prompt logprobs)."""
+        req, ids = self.req, self.prompts[c.prompt_index]
+        text, logprobs, offset = "", None, 0
+        if self.plan.echo:
+            text = self.echoes[c.prompt_index]
+            if req.logprobs is not None:
+                logprobs, offset = echo_logprobs(ids, c.prompt_logprobs, req.logprobs, self.token_text)
+        prompt_lps: list | UnsetType = UNSET
+        if req.prompt_logprobs is not None:
+            prompt_lps = prompt_logprob_entries(ids, c.prompt_logprobs, req.prompt_logprobs, self.token_text)
+        return text, logprobs, offset, prompt_lps
+
+    def generated_logprobs(self, before: CompletionLogprobs | None, offset: int, token_ids, positions
+                           ) -> tuple[CompletionLogprobs | None, int]:
+        if self.req.logprobs is None:
+            return None, offset
+        if before is None:
+            return completion_logprobs(token_ids, positions, self.req.logprobs, self.token_text, offset)
+        merged = with_generated(before, offset, token_ids, positions, self.req.logprobs, self.token_text)
+        end = merged.text_offset[-1] + len(merged.tokens[-1]) if merged.tokens else offset
+        return merged, end
+
+    def usage(self, gen: Generation) -> Usage:
+        num_prompt, num_completion, num_cached = gen.usage_counts()
+        return make_usage(num_prompt, 0 if self.plan.score_only else num_completion, num_cached)
+
+
+async def _full(gen: Generation, request_id: str, model: str, view: _View) -> web.Response:
     async for _ in gen.deltas():
         pass
-    token_text = token_namer(state.engine.tokenizer)
     choices = []
     for c in gen.choices:
-        logprobs = None
-        if req.logprobs is not None:
-            logprobs, _ = completion_logprobs(c.token_ids, c.logprobs, req.logprobs, token_text, 0)
-        choices.append(CompletionChoice(c.index, c.text, logprobs, c.finish_reason, c.stop_reason))
-    resp = CompletionResponse(request_id, int(time.time()), model, choices, make_usage(*gen.usage_counts()))
+        text, logprobs, offset, prompt_lps = view.first(c)
+        if view.plan.score_only:
+            choice = CompletionChoice(c.index, text, logprobs, "length")
+        else:
+            logprobs, _ = view.generated_logprobs(logprobs, offset, c.token_ids, c.logprobs)
+            choice = CompletionChoice(c.index, text + c.text, logprobs, c.finish_reason, c.stop_reason)
+        choice.prompt_logprobs = prompt_lps
+        choices.append(choice)
+    resp = CompletionResponse(request_id, int(time.time()), model, choices, view.usage(gen))
     return web.Response(body=encoder.encode(resp), content_type="application/json")
 
 
-async def _stream(request: web.Request, state: GatewayState, req: CompletionRequest, gen: Generation,
-                  request_id: str, model: str) -> web.StreamResponse:
+async def _stream(request: web.Request, req: CompletionRequest, gen: Generation, request_id: str, model: str,
+                  view: _View) -> web.StreamResponse:
     sse = SSEWriter(request)
     opts = req.stream_options
     include_usage = bool(opts and opts.include_usage)
     continuous = include_usage and bool(opts and opts.continuous_usage_stats)
     created = int(time.time())
-    token_text = token_namer(state.engine.tokenizer)
     text_offsets = [0] * len(gen.choices)
+    is_opened = [False] * len(gen.choices)
+
+    def add(choice: CompletionChoice) -> None:
+        chunk = CompletionResponse(request_id, created, model, [choice])
+        if include_usage:
+            chunk.usage = view.usage(gen) if continuous else None
+        sse.add(encoder.encode(chunk))
+
     try:
         await sse.start()
         async for choice, delta in gen.deltas():
+            i = choice.index
+            if not is_opened[i]:  # the echo (and prompt logprobs) lead a choice's first chunk
+                is_opened[i] = True
+                text, before, text_offsets[i], prompt_lps = view.first(choice)
+                if view.plan.score_only:
+                    first = CompletionChoice(i, text, before, "length")
+                    first.prompt_logprobs = prompt_lps
+                    add(first)
+                    continue
+                if text or before is not None or prompt_lps is not UNSET:
+                    first = CompletionChoice(i, text, before, None)
+                    first.prompt_logprobs = prompt_lps
+                    add(first)
+            if view.plan.score_only:
+                continue
             if is_silent_delta(delta.text, delta.finish_reason, len(delta.token_ids) if req.logprobs is not None else 0):
                 continue
-            logprobs: CompletionLogprobs | None = None
-            if req.logprobs is not None:
-                logprobs, text_offsets[choice.index] = completion_logprobs(
-                    delta.token_ids, delta.logprobs or [], req.logprobs, token_text, text_offsets[choice.index])
-            chunk = CompletionResponse(
-                request_id, created, model,
-                [CompletionChoice(choice.index, delta.text, logprobs, delta.finish_reason, delta.stop_reason)])
-            if include_usage:
-                chunk.usage = make_usage(*gen.usage_counts()) if continuous else None
-            sse.add(encoder.encode(chunk))
+            logprobs, text_offsets[i] = view.generated_logprobs(None, text_offsets[i], delta.token_ids,
+                                                                delta.logprobs or [])
+            add(CompletionChoice(i, delta.text, logprobs, delta.finish_reason, delta.stop_reason))
             if not gen.has_ready:
                 await sse.flush()
         if include_usage:
-            await sse.send(encoder.encode(CompletionResponse(request_id, created, model, [],
-                                                             make_usage(*gen.usage_counts()))))
+            await sse.send(encoder.encode(CompletionResponse(request_id, created, model, [], view.usage(gen))))
         await sse.done()
     except ClientGone:
         log.debug("client left while streaming %s; aborting", request_id)

@@ -31,7 +31,7 @@ from xgrammar.structural_tag import (
     TagsWithSeparatorFormat,
 )
 
-from deepinfer.engine.sample.structured_output import MAX_JSON_WHITESPACE, json_string_chars_fixed
+from deepinfer.engine.sample.structured_output import json_string_chars_fixed
 from deepinfer.engine.text.markup import (
     END_THINK,
     THINK,
@@ -46,10 +46,15 @@ class ToolGrammarError(ValueError):
     """A function's parameters are not a JSON schema xgrammar can compile; says which function."""
 
 
+# Whitespace allowed between JSON tokens of the arguments: DeepSeek writes them on one line
+# (``{"city": "Paris"}``); a weak model could otherwise spend its budget on blanks.
+MAX_ARGUMENTS_WHITESPACE = 2
+
+
 def _call_tag(name: str, schema: dict[str, Any]) -> TagFormat:
     return TagFormat(
         begin=f"{TOOL_CALL_BEGIN}{name}{TOOL_SEP}",
-        content=JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=MAX_JSON_WHITESPACE),
+        content=JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=MAX_ARGUMENTS_WHITESPACE),
         end=TOOL_CALL_END,
     )
 
