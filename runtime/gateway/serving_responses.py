@@ -1,4 +1,4 @@
-"""``POST /v1/responses``: a Responses request served through the chat path (responses_api.py)."""
+"""``POST /v1/responses``: a Responses request served through the chat path (responses_request.py, responses_api.py)."""
 
 from __future__ import annotations
 
@@ -19,11 +19,10 @@ from deepinfer.runtime.gateway.reasoning import think_tokens
 from deepinfer.runtime.gateway.request_ids import request_id as client_request_id
 from deepinfer.runtime.gateway.responses_api import (
     ResponseBuilder,
-    ResponsesRequest,
     make_response_usage,
     new_response,
-    to_chat_request,
 )
+from deepinfer.runtime.gateway.responses_request import ResponsesRequest, to_chat_request
 from deepinfer.runtime.gateway.serving_common import admitted, engine_requests, served_model
 from deepinfer.runtime.gateway.sse import ClientGone, SSEWriter
 

@@ -15,11 +15,10 @@ from deepinfer.runtime.gateway.errors import GatewayError
 from deepinfer.runtime.gateway.openai_protocol import decode_request
 from deepinfer.runtime.gateway.responses_api import (
     ResponseBuilder,
-    ResponsesRequest,
     make_response_usage,
     new_response,
-    to_chat_request,
 )
+from deepinfer.runtime.gateway.responses_request import ResponsesRequest, to_chat_request
 
 
 def _req(**body) -> ResponsesRequest:
