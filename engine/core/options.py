@@ -75,9 +75,10 @@ class EngineOptions:
     kv_host_tier_bytes: int | None = None
     kv_store_dir: str | None = None  # a filesystem KV store shared by the engines of this host
     # the erasure-coded storage cluster (engine/kv/store_cluster.py): storage node addresses
-    # ("tcp://H:P,tcp://H:P,..." or a list) or a cluster config file with storage nodes; None:
-    # DEEPINFER_KV_STORE_NODES ("" = none). Not with kv_store_dir. kv_store_ec: "K+M" of an
-    # address list (None: DEEPINFER_KV_STORE_EC, else 10+2); a config file carries its own
+    # ("tcp://H:P,tcp://H:P,..." or a list) or a storage membership file (.json); a cluster config
+    # file is the runtime's to read (runtime/kv_store_cluster.py). None: DEEPINFER_KV_STORE_NODES
+    # ("" = none). Not with kv_store_dir. kv_store_ec: "K+M" of an address list (None:
+    # DEEPINFER_KV_STORE_EC, else 10+2); a membership file carries its own
     kv_store_nodes: str | tuple[str, ...] | list[str] | None = None
     kv_store_ec: str | None = None
     kv_load_deadline_s: float | None = None
