@@ -62,10 +62,11 @@ def _valid_calls(calls) -> list[tuple[str, dict]]:
 
 # ---- tool calling ---------------------------------------------------------------------------------
 def test_required_tool_calls_validate_30_of_30(client):
-    # 15 choices in one response, 15 streamed (one call each), served side by side
+    # 15 choices in one response, 15 streamed, one call each (several per choice: langchain and litellm
+    # below, and tests/runtime/test_tool_calls.py), served side by side
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         whole = pool.submit(client.chat.completions.create, model=MODEL, messages=ASK, tools=TOOLS,
-                            tool_choice="required", n=15, temperature=1.0, seed=1)
+                            tool_choice="required", parallel_tool_calls=False, n=15, temperature=1.0, seed=1)
         streamed = pool.submit(lambda: list(client.chat.completions.create(
             model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, n=15,
             temperature=1.0, seed=2, stream=True)))
@@ -85,6 +86,7 @@ def test_required_tool_calls_validate_30_of_30(client):
     valid = 0
     for choice in resp.choices:
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        assert len(choice.message.tool_calls) == 1
         assert choice.message.tool_calls and all(c.id.startswith("call_") for c in choice.message.tool_calls)
         valid += bool(_valid_calls(choice.message.tool_calls))
     for index, calls in calls_by_choice.items():
