@@ -132,6 +132,10 @@ def test_reasoning_content_split_whole_and_streamed(client):
             reasoning += getattr(ch.delta, "reasoning_content", None) or ""
             content += ch.delta.content or ""
     assert (reasoning, content) == ("ab c", "The end")
+    # reasoning_effort is the same switch when chat_template_kwargs says nothing
+    effort = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, reasoning_effort="high",
+                                            extra_body={"structured_outputs": body["structured_outputs"]})
+    assert (effort.choices[0].message.reasoning_content, effort.choices[0].message.content) == ("ab c", "The end")
     # thinking off (the template's default): the same text is all content
     off = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=40, extra_body={
         "structured_outputs": {"grammar": 'root ::= "ab c</think>The end"'}})
