@@ -12,6 +12,8 @@ chat request first). ``tool_choice`` decides what happens to the request's tools
 
 from __future__ import annotations
 
+import asyncio
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +29,7 @@ from deepinfer.runtime.gateway.tool_calls import function_parameters, template_t
 from deepinfer.runtime.gateway.tool_grammar import ToolGrammarError, tool_call_grammar
 
 MAX_TOOLS = 128
+THREAD_THRESHOLD_TOOLS = 8
 
 
 @dataclass(slots=True)
@@ -87,10 +90,12 @@ async def prepare_chat(state: GatewayState, req: ChatCompletionRequest) -> Prepa
         if structured_spec(req) is not None:
             raise bad_request("tool_choice 'required' or a named function cannot be combined with response_format "
                               "or another structured-output constraint", "tool_choice")
+        build = functools.partial(tool_call_grammar, function_parameters(req.tools), forced=forced,
+                                  parallel_tool_calls=req.parallel_tool_calls is not False,
+                                  in_reasoning=bool(mode.in_reasoning))
         try:
-            grammar = tool_call_grammar(function_parameters(req.tools), forced=forced,
-                                        parallel_tool_calls=req.parallel_tool_calls is not False,
-                                        in_reasoning=bool(mode.in_reasoning))
+            # a few tools take about a millisecond; many (up to MAX_TOOLS) tens: off the loop then
+            grammar = await asyncio.to_thread(build) if len(req.tools) > THREAD_THRESHOLD_TOOLS else build()
         except ToolGrammarError as exc:
             raise bad_request(str(exc), "tools", code="invalid_tool_schema") from None
         req = msgspec.structs.replace(req, structured_outputs=StructuredOutputsRequest(grammar=grammar))
