@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from deepinfer.engine.parallel.eplb import ExpertLoadWindow, ReplacementSchedule, plan, static_placement
+from deepinfer.engine.parallel.eplb.schedule import DRIFT_MARGIN, window_imbalance
 from deepinfer.engine.parallel.eplb.replica_choice import RULE_NAMES, RuleChooser
 from deepinfer.engine.parallel.ep_moe import EpStepState, ExpertParallelMoE
 from deepinfer.engine.parallel.expert_slots import SparePool
@@ -37,6 +38,7 @@ class EpSettings:
     redundant_per_rank: int = 0  # replica slots per rank beyond the experts it owns
     window: int = 100  # steps of statistics per plan (ARCHITECTURE.md, "Balancers": prefill 100, decode 1000)
     period: int = 1000  # steps between re-placements (prefill 1000, decode 10,000); 0: never
+    drift_margin: float = DRIFT_MARGIN  # re-place early on drift (eplb/schedule.py); 0: every period only
     use_history: bool = True  # give the planner the window's steps, not only their sum
     spare_buffers: int = 1  # layers staged ahead of their swap
     sample_every: int = 16  # steps between measurements of both replica rules
@@ -55,7 +57,10 @@ class ExpertParallel:
             raise ValueError(f"{num_logical} experts do not split evenly over {ep.size} EP ranks; "
                              "give an EP size that divides the expert count")
         if planner is None:
-            planner = PlannerProcess() if settings.plan_in_child and ep.rank == 0 else plan
+            planner = plan
+            if settings.plan_in_child and settings.period > 0 and ep.rank == 0:
+                planner = PlannerProcess()
+                planner.start()
         self.ep, self.settings, self.planner = ep, settings, planner
         self.num_physical = num_logical + ep.size * settings.redundant_per_rank
         if phy2log is None:
@@ -75,7 +80,7 @@ class ExpertParallel:
             self.layers.append(ep_moe)
         self.pool = SparePool(self.layers[0].slots.gate_up, self.layers[0].slots.down, settings.spare_buffers)
         self.window = ExpertLoadWindow(len(moes), num_logical, settings.window)
-        self.schedule = ReplacementSchedule(settings.window, max(settings.period, 1))
+        self.schedule = ReplacementSchedule(settings.window, max(settings.period, 1), settings.drift_margin)
         self.rules = RuleChooser(len(moes))
         self._sampled_loads: list[np.ndarray] = []
         self.replacement: Replacement | None = None
@@ -99,18 +104,31 @@ class ExpertParallel:
             self.replacement.swap_ready()
             if self.replacement.is_done:
                 self.replacement.join()
+                self.schedule.planned_imbalance = self.replacement.planned_imbalance
                 self.replacement = None
-        if s.period > 0 and self.replacement is None and self.num_steps > 0 and \
-                self.schedule.is_due(self.window.num_steps):
+        if s.period > 0 and self.replacement is None and self.num_steps > 0 and self._is_due():
             self.start_replacement()
         if s.replica_rule == "measured" and self.num_steps > 0 and self.num_steps % s.rule_period == 0:
             self._decide_rules()
         state.sampled = self.num_steps % s.sample_every == 0
         self.num_steps += 1
 
+    def _is_due(self) -> bool:
+        """The schedule's answer, the same on every rank: the period, or drift measured on the
+        group's window (its sum over the home ranks) under the placement in service."""
+        schedule, num_steps = self.schedule, self.window.num_steps
+        if schedule.is_due(num_steps):
+            return True
+        if not schedule.checks_drift(num_steps):
+            return False
+        total = self.ep.agree_sum(torch.from_numpy(self.window.total())).numpy()
+        drifted = schedule.has_drifted(window_imbalance(total, self.phy2log, self.ep.size))
+        return bool(self.ep.agree_max(torch.tensor([int(drifted)])).item())
+
     def start_replacement(self) -> None:
         """Plan from the window now and re-place in the background (every rank, same step)."""
         assert self.replacement is None, "a re-placement is already in flight"
+        self.schedule.planned(self.window.num_steps, float("inf"))  # no drift check until it is in service
         self.replacement = Replacement(self.ep, self.layers, self.pool, self.planner, self.num_logical)
         history = self.window.history() if self.settings.use_history else None
         self.replacement.start(self.window.total(), history, self.phy2log)

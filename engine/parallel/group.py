@@ -97,6 +97,11 @@ class EpGroup:
             dist.all_reduce(value, op=dist.ReduceOp.MIN, group=self.moe)
         return value
 
+    def agree_sum(self, value: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(value, group=self.moe)
+        return value
+
     def agree_max(self, value: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
             dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.moe)

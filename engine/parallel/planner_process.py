@@ -49,6 +49,11 @@ class PlannerProcess:
             raise PlannerError(f"the planner failed: {bytes(body).decode(errors='replace')}")
         return body
 
+    def start(self) -> None:
+        """Start the child now (it takes a second or two), not at the first plan."""
+        with self._lock:
+            self._start()
+
     def _start(self) -> subprocess.Popen:
         if self._proc is None or self._proc.poll() is not None:
             self._proc = subprocess.Popen([sys.executable, "-m", "deepinfer.engine.parallel.planner_process"],

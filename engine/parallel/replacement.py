@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from deepinfer.engine.parallel.eplb import check_placement
+from deepinfer.engine.parallel.eplb.schedule import window_imbalance
 from deepinfer.engine.parallel.eplb.planner import MAX_HISTORY_STEPS
 from deepinfer.engine.parallel.eplb.transfers import SlotSources, slot_sources
 from deepinfer.engine.parallel.expert_slots import SparePool, prepare
@@ -57,6 +58,7 @@ class Replacement:
         self._all_planned = False  # an agreement has seen the plan on every rank
         self.num_remote_slots = 0  # slots whose weights came from another rank
         self.phy2log: np.ndarray | None = None  # the plan, once broadcast
+        self.planned_imbalance = 0.0  # the group's window under the plan (the drift trigger's base)
         self._thread: threading.Thread | None = None
 
     def start(self, total: np.ndarray, history: np.ndarray | None, current: np.ndarray) -> None:
@@ -99,6 +101,7 @@ class Replacement:
             check_placement(plan, self.num_logical, ep.size)
             new.copy_(torch.from_numpy(np.asarray(plan, dtype=np.int64)))
         ep.side_broadcast(new, src=0)
+        self.planned_imbalance = window_imbalance(total_t.numpy(), new.numpy(), ep.size)
         return new.numpy()
 
     def _stage(self, slots, sources: SlotSources, buffers) -> None:

@@ -1,13 +1,21 @@
 """`deepinfer bench eplb`: our EPLB planner next to DeepSeek's on recorded and synthetic traces.
 
 Every setting replays one routing trace ([steps, layers, experts] token counts) through three
-placements driven by the same window and schedule (``deepinfer_bench.eplb.replay``):
+placements driven by the same window and period (``deepinfer_bench.eplb.replay``):
 
     static     the start-up placement, never re-planned (experts in id order, wrap-around spares)
     baseline   DeepSeek's EPLB (``deepinfer_bench.eplb.baseline``): greedy packing of the window mean
     ours       ``deepinfer.engine.parallel.eplb.plan``: two replica-count rules and count moves,
                LPT (an expert's replicas on different GPUs) + swaps, swaps that balance each step
-               of the window and not only its mean, a layer kept when the new plan is no better
+               of the window and not only its mean, a layer kept when the new plan is no better;
+               and the schedule's drift trigger (``EplbConfig.drift_margin``): a plan comes early
+               when the window's imbalance under the placement in service has grown by the
+               margin. The baseline keeps DeepSeek's fixed period; ``plans`` (baseline/ours)
+               counts the re-placements each made
+
+    ours_least_loaded   ours' placements with the EP layer's least-loaded dispatch instead of
+               the even split (``deepinfer_bench.eplb.dispatch_sim``; one dispatcher per step, the
+               bound of what per-home-rank dispatch reaches; prefill sizes, EP <= 8)
 
 Realised imbalance: each step waits for its slowest GPU at every MoE layer, so a stretch of
 steps scores ``sum over steps and layers of the max GPU load / sum of the mean GPU load`` (1.0 is
@@ -35,12 +43,13 @@ Settings (ARCHITECTURE.md, "Balancers": prefill 4 spare experts per GPU, 100-ste
 
 Figures (``--json``): ``realised_imbalance`` (ours) and ``baseline_imbalance``, the worst over
 the settings run (the only setting with --trace); ``wins`` (settings where ours is below the
-baseline) of ``settings``; per setting ``<trace>_<setting>_{ours,baseline,static}`` and
-``..._{ours,baseline}_worst_period``; ``plan_ms_{ours,baseline}`` (mean per plan); ``wall_s``.
+baseline) of ``settings``; per setting ``<trace>_<setting>_{ours,baseline,static}`` (and ``_ours_least_loaded`` for EP <= 8) and
+``..._{ours,baseline}_worst_period``, ``..._{ours,baseline}_plans``; ``plan_ms_{ours,baseline}`` (mean per plan); ``wall_s``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -53,6 +62,7 @@ from deepinfer_bench.eplb.synthetic import SyntheticTrace, decode_config, prefil
 from deepinfer_bench.report import Report, base_parser
 
 POLICIES = {"static": None, "baseline": deepseek_plan, "ours": plan}
+MAX_DISPATCH_GPUS = 8  # the least-loaded dispatch is replayed in Python, step by step: prefill sizes only
 TINY_PREFILL = dict(redundant_per_gpu=4, window=50, period=500)
 TINY_DECODE = dict(redundant_per_gpu=1, window=100, period=1000)
 
@@ -121,22 +131,30 @@ def main(argv=None) -> int:
 def _measure(report: Report, setting: Setting, chunks, num_layers: int, num_experts: int):
     """Replay one setting, add its row and figures; (ours, baseline, plan seconds, plans)."""
     cfg = setting.config
-    series = replay(chunks, cfg, POLICIES, num_layers, num_experts)
+    configs = {"baseline": dataclasses.replace(cfg, drift_margin=0.0)}  # DeepSeek's fixed period
+    dispatch = ("ours",) if cfg.num_gpus <= MAX_DISPATCH_GPUS else ()
+    series = replay(chunks, cfg, POLICIES, num_layers, num_experts, configs, dispatch)
     num_steps = sum(len(c) for c in series["ours"].peak)
     if num_steps <= cfg.window:
         raise BenchError(f"{setting.key}: {num_steps} steps do not pass the window of {cfg.window}")
     bounds = list(range(cfg.window, num_steps, cfg.period)) + [num_steps]
     value = {name: s.imbalance(cfg.window) for name, s in series.items()}
+    least = series["ours"].imbalance(cfg.window, dispatch=True) if dispatch else None
     per_period = {name: [s.imbalance(a, b) for a, b in zip(bounds, bounds[1:])] for name, s in series.items()}
     report.row(trace=setting.trace, setting=setting.name, gpus=cfg.num_gpus,
                slots_per_gpu=cfg.num_physical(num_experts) // cfg.num_gpus, layers=num_layers,
                measured_steps=num_steps - cfg.window, static=value["static"], baseline=value["baseline"],
-               ours=value["ours"], ours_per_period=" ".join(f"{v:.3f}" for v in per_period["ours"]),
+               ours=value["ours"], plans=f"{series['baseline'].num_plans}/{series['ours'].num_plans}",
+               ours_least_loaded="" if least is None else f"{least:.3f}",
+               ours_per_period=" ".join(f"{v:.3f}" for v in per_period["ours"]),
                baseline_per_period=" ".join(f"{v:.3f}" for v in per_period["baseline"]))  # fmt: skip
     for name in ("ours", "baseline", "static"):
         report.figure(f"{setting.key}_{name}", value[name])
+    if least is not None:
+        report.figure(f"{setting.key}_ours_least_loaded", least)
     for name in ("ours", "baseline"):
         report.figure(f"{setting.key}_{name}_worst_period", max(per_period[name]))
+        report.figure(f"{setting.key}_{name}_plans", series[name].num_plans)
     names = ("ours", "baseline")
     return (value["ours"], value["baseline"], [series[n].plan_seconds for n in names],
             [series[n].num_plans for n in names])

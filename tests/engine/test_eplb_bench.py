@@ -31,8 +31,14 @@ def test_bench_synthetic_ours_against_deepseek(tmp_path, capsys):
     # balancing its mean by more than a point (seeds 0-3 on this size: 1.2-3.2 points)
     for setting in ("prefill_ep2", "prefill_ep4"):
         assert data[f"synthetic_{setting}_ours"] < data[f"synthetic_{setting}_baseline"] - 0.005
-    # decode's thousands of sequences leave sampling noise and drift: both within half a point
-    assert abs(data["synthetic_decode_ep16_ours"] - data["synthetic_decode_ep16_baseline"]) < 0.005
+    # decode's thousands of sequences leave sampling noise and drift: the planners are within
+    # half a point; ours re-places when the load drifts, the baseline waits for its period
+    assert data["synthetic_decode_ep16_ours"] < data["synthetic_decode_ep16_baseline"] + 0.005
+    assert data["synthetic_decode_ep16_ours_plans"] >= data["synthetic_decode_ep16_baseline_plans"]
+    # the least-loaded dispatch over ours' placements (prefill sizes): below the even split
+    for setting in ("prefill_ep2", "prefill_ep4"):
+        assert 1.0 <= data[f"synthetic_{setting}_ours_least_loaded"] < data[f"synthetic_{setting}_ours"]
+    assert "synthetic_decode_ep16_ours_least_loaded" not in data
     settings = ("prefill_ep2", "prefill_ep4", "decode_ep16")
     assert data["realised_imbalance"] == max(data[f"synthetic_{s}_ours"] for s in settings)
     assert data["plan_ms_ours"] > 0 and data["plan_ms_baseline"] > 0

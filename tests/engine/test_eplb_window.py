@@ -47,11 +47,32 @@ def test_window_rejects_bad_counts():
         ExpertLoadWindow(2, 4, window=0)
 
 
+def planned_steps(schedule, num_steps, imbalance_at=lambda n: 1.0):
+    """Drive a schedule as the rebalancer does: the steps that planned."""
+    due = []
+    for n in range(1, num_steps):
+        if schedule.is_due(n) or (schedule.checks_drift(n) and schedule.has_drifted(imbalance_at(n))):
+            due.append(n)
+            schedule.planned(n, 1.0)
+    return due
+
+
 def test_schedule_plans_when_the_window_fills_then_every_period():
-    schedule = ReplacementSchedule(window=100, period=1000)
-    due = [n for n in range(1, 3500) if schedule.is_due(n)]
-    assert due == [100, 1100, 2100, 3100]
-    assert [n for n in range(1, 40) if ReplacementSchedule(window=10, period=10).is_due(n)] == [10, 20, 30]
+    assert planned_steps(ReplacementSchedule(window=100, period=1000), 3500) == [100, 1100, 2100, 3100]
+    assert planned_steps(ReplacementSchedule(window=10, period=10), 40) == [10, 20, 30]
+
+
+def test_schedule_plans_early_when_the_load_drifts_from_the_placement():
+    # the plan left 1.0; from step 2300 the window measures 1.05 under it: beyond the 0.02 margin
+    drifting = lambda n: 1.05 if n >= 2300 else 1.01  # noqa: E731
+    schedule = ReplacementSchedule(window=100, period=1000, drift_margin=0.02)
+    # checks every window steps after a plan: 1200 ... 2000 see 1.01; 2300 is the first over
+    assert planned_steps(schedule, 3500, drifting) == [100, 1100, 2100, 2300, 2400, 2500, 2600, 2700, 2800, 2900,
+                                                        3000, 3100, 3200, 3300, 3400]
+    # without a margin only the period counts
+    assert planned_steps(ReplacementSchedule(window=100, period=1000), 3500, drifting) == [100, 1100, 2100, 3100]
+    with pytest.raises(ValueError, match="drift_margin must be >= 0"):
+        EplbConfig(num_gpus=2, redundant_per_gpu=0, window=1, period=1, drift_margin=-0.1).validate(4)
 
 
 def test_spec_settings():
@@ -68,7 +89,7 @@ def test_rebalancer_plans_from_the_window_on_schedule():
         # a valid placement that differs from the start-up one: experts reversed
         return static_placement(load.shape[0], load.shape[1], num_physical, num_gpus)[:, ::-1].copy()
 
-    cfg = EplbConfig(num_gpus=2, redundant_per_gpu=1, window=3, period=4)
+    cfg = EplbConfig(num_gpus=2, redundant_per_gpu=1, window=3, period=4, drift_margin=0.0)
     balancer = ExpertRebalancer(cfg, num_layers=1, num_logical=4, planner=recording_planner)
     start = balancer.phy2log.copy()
     np.testing.assert_array_equal(start, static_placement(1, 4, 6, 2))

@@ -64,22 +64,29 @@ def even_replicas(pairs: PairCounts, logcnt: np.ndarray, home_rank: int) -> np.n
 def least_loaded_replicas(pairs: PairCounts, log2phy: np.ndarray, logcnt: np.ndarray, rank_of_slot: np.ndarray,
                           num_ranks: int) -> np.ndarray:
     """[P] replica index of each pair under LEAST_LOADED."""
-    n = pairs.per_expert
+    bound = least_loaded_bounds(pairs.per_expert, log2phy, logcnt, rank_of_slot, num_ranks)
+    # a pair of rank q among its expert's pairs goes to the first replica whose bound exceeds q
+    return (pairs.rank_in_expert[:, None] >= bound[pairs.expert]).sum(axis=1)
+
+
+def least_loaded_bounds(per_expert: np.ndarray, log2phy: np.ndarray, logcnt: np.ndarray, rank_of_slot: np.ndarray,
+                        num_ranks: int) -> np.ndarray:
+    """LEAST_LOADED over token counts: [E, C] pairs given to replicas 0..c of each expert,
+    cumulative (replica c of expert e takes ``bound[e, c] - bound[e, c - 1]``)."""
+    n = np.asarray(per_expert, dtype=np.int64)
     single = logcnt == 1
     loads = np.bincount(rank_of_slot[log2phy[single, 0]], weights=n[single], minlength=num_ranks).tolist()
     multi = np.flatnonzero(~single & (n > 0))
     # experts whose replicas all sit on one rank have no choice either: they go first
     ranks = np.where(log2phy >= 0, rank_of_slot[np.maximum(log2phy, 0)], -1)  # [E, C]
     flexible = ((ranks != ranks[:, :1]) & (ranks >= 0)).any(axis=1)
-    # [E, C] pairs given to replicas 0..c, cumulative (an expert's last columns: all of them)
+    # [E, C] cumulative (an expert's columns past its last replica: all of its pairs)
     bound = np.repeat(n[:, None], log2phy.shape[1], axis=1)
     for e in multi[np.lexsort((-n[multi], flexible[multi]))].tolist():
         c = int(logcnt[e])
-        ranks = rank_of_slot[log2phy[e, :c]].tolist()
-        alloc = _level(loads, ranks, int(n[e]))
+        alloc = _level(loads, ranks[e, :c].tolist(), int(n[e]))
         bound[e, :c] = np.cumsum(alloc)
-    # a pair of rank q among its expert's pairs goes to the first replica whose bound exceeds q
-    return (pairs.rank_in_expert[:, None] >= bound[pairs.expert]).sum(axis=1)
+    return bound
 
 
 def _level(loads: list[float], ranks: list[int], units: int) -> list[int]:

@@ -29,7 +29,8 @@ EP4 = [[0, 1, 2, 3]]
 EP2 = [[0, 1], [2, 3]]
 # re-placement after a 3-step window; both replica rules measured every step, decided every 4
 # (v4_ep2 serves with LEAST_LOADED throughout)
-MEASURED = dict(window=3, period=1000, sample_every=1, rule_period=4)
+# (the tiny plans take milliseconds: planned in process, so the swaps land inside the short run)
+MEASURED = dict(window=3, period=1000, drift_margin=0.0, sample_every=1, rule_period=4, plan_in_child=False)
 CASES = [
     dict(name="v4_ep4", model="v4", groups=EP4, settings=dict(redundant_per_rank=1, **MEASURED)),
     dict(name="v4_ep2", model="v4", groups=EP2, settings=dict(redundant_per_rank=2, replica_rule="least_loaded",

@@ -151,3 +151,27 @@ def test_ep1_in_process_equals_the_plain_model():
     assert ep.num_replacements == 1
     for i, (tokens, rows) in ref.items():
         assert got[i][0] == tokens and torch.equal(got[i][1], rows)
+
+
+def test_planner_process_plans_as_the_planner_does_and_reports_failures():
+    from deepinfer.engine.parallel.eplb import plan, static_placement
+    from deepinfer.engine.parallel.planner_process import PlannerError, PlannerProcess
+
+    rng = np.random.default_rng(4)
+    history = rng.poisson(20.0, (30, 3, 16)).astype(float)
+    current = static_placement(3, 16, 24, 4)
+    child = PlannerProcess()
+    try:
+        got = child(history.sum(0), 24, 4, history=history, current=current)
+        assert np.array_equal(got, plan(history.sum(0), 24, 4, history=history, current=current))
+        with pytest.raises(PlannerError, match="do not split over 4 GPUs"):
+            child(history.sum(0), 25, 4)
+        assert np.array_equal(child(history.sum(0), 24, 4), plan(history.sum(0), 24, 4))  # still serving
+        first = child._proc
+        first.kill()
+        first.wait()
+        # a child found dead is replaced at the next plan
+        assert np.array_equal(child(history.sum(0), 24, 4), plan(history.sum(0), 24, 4))
+        assert child._proc.pid != first.pid
+    finally:
+        child.close()
