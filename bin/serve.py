@@ -299,10 +299,10 @@ def run(args) -> int:
 
 def _run(args) -> int:
     from deepinfer.engine.core.options import EngineOptions, EngineOptionsError, kv_store_cluster
-    from deepinfer.runtime.kv_store_cluster import engine_store_options
     from deepinfer.runtime import loop
     from deepinfer.runtime.gateway.config import GatewayConfig
     from deepinfer.runtime.gateway.launcher import LaunchSpec, launch
+    from deepinfer.runtime.kv_store_cluster import engine_store_options
 
     _check_args(args)
     check_http_args(args)

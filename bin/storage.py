@@ -217,7 +217,13 @@ def _status(args) -> int:
 
 
 def _members(args) -> int:
-    from deepinfer.cache.store.membership import Membership, MembershipError, NodeState, load_membership, save_membership
+    from deepinfer.cache.store.membership import (
+        Membership,
+        MembershipError,
+        NodeState,
+        load_membership,
+        save_membership,
+    )
 
     if not args.cluster:
         raise CliError("members needs --cluster MEMBERSHIP_FILE")

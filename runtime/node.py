@@ -53,9 +53,11 @@ from deepinfer.transport.protocol import (
     Hello,
     NodeControlRequest,
     NodeStatus,
-    Role as WireRole,
     StatusRequest,
     Welcome,
+)
+from deepinfer.transport.protocol import (
+    Role as WireRole,
 )
 
 log = logging.getLogger(__name__)

@@ -31,18 +31,17 @@ import torch
 from deepinfer.cache.block_hash import MultiModalSpan
 from deepinfer.cache.block_pool import BlockEvent, BlockPool
 from deepinfer.cache.slot_pool import SlotPool
+from deepinfer.engine.api.outputs import RequestOutput
 from deepinfer.engine.api.protocol import EngineOverloadedError, InvalidPromptError
+from deepinfer.engine.api.sampling_params import SamplingParams, choice_params
 from deepinfer.engine.core.batch import ForwardBatch
 from deepinfer.engine.core.hooks import EngineHooks
-from deepinfer.engine.sched.cost_model import CostModel
-from deepinfer.engine.text.output_processor import DetokenizerFactory, OutputProcessor, format_logprobs
-from deepinfer.engine.api.outputs import RequestOutput
 from deepinfer.engine.core.request import RequestStatus
 from deepinfer.engine.sample.prep import SampledStep, SamplingPrep, SamplingPreparer
-from deepinfer.engine.api.sampling_params import SamplingParams, choice_params
-from deepinfer.engine.sched.scheduler import Scheduler, SchedulerConfig, SchedulerError, SchedulerOutput
 from deepinfer.engine.sample.structured_output import GrammarState, StructuredOutputBackend
-
+from deepinfer.engine.sched.cost_model import CostModel
+from deepinfer.engine.sched.scheduler import Scheduler, SchedulerConfig, SchedulerError, SchedulerOutput
+from deepinfer.engine.text.output_processor import DetokenizerFactory, OutputProcessor, format_logprobs
 
 
 class ModelRunner(Protocol):

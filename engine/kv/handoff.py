@@ -28,10 +28,10 @@ from dataclasses import dataclass, replace
 import msgspec
 import torch
 
-from deepinfer.engine.core.engine_core import EngineCore, StepPlan
 from deepinfer.engine.api.outputs import PositionLogprobs, RequestOutput
-from deepinfer.engine.core.request import RequestStatus
 from deepinfer.engine.api.sampling_params import SamplingParams
+from deepinfer.engine.core.engine_core import EngineCore, StepPlan
+from deepinfer.engine.core.request import RequestStatus
 
 BLOCK_PREFIX = "b."
 SLOT_PREFIX = "s."

@@ -40,8 +40,8 @@ from deepinfer.cache.block_pool import BlockPool
 from deepinfer.cache.kv_block_codec import BlockCodec, BlockCodecError
 from deepinfer.cache.kv_tiers import TIER_DEVICE, TIER_HOST, TIER_STORE, KVTiers, StoreRead
 from deepinfer.cache.store.api import GetStatus, deadline_after
-from deepinfer.engine.kv.store_health import StoreHealth
 from deepinfer.engine.core.request import Request
+from deepinfer.engine.kv.store_health import StoreHealth
 from deepinfer.engine.kv.write_behind import WriteBehind
 
 log = logging.getLogger(__name__)

@@ -31,7 +31,6 @@ from deepinfer.cache.swa_fetch import FetchResult, SwaSlotFetcher
 from deepinfer.cache.swa_store import SlotLayout, SwaSlotStore
 from deepinfer.engine.core.batch import ForwardBatch
 from deepinfer.engine.core.request import Request
-from deepinfer.engine.sched.types import SchedulerConfig
 from deepinfer.engine.kv.swa_replay import (
     DEFAULT_REPLAY_TOKENS,
     SwaReplayMode,
@@ -41,6 +40,7 @@ from deepinfer.engine.kv.swa_replay import (
     snapshot_boundary,
     snapshot_chunk_end,
 )
+from deepinfer.engine.sched.types import SchedulerConfig
 
 
 @dataclass(slots=True)

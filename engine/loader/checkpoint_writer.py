@@ -14,15 +14,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from deepinfer.engine.loader.dequant import quantize_fp4, quantize_fp8
+from deepinfer.engine.loader.weights import INDEX_FILE, SINGLE_FILE
 from deepinfer.engine.models.deepseek_v4.checkpoint_names import (
     is_expert_tensor,
     is_fp8_linear,
     native_expert_name,
     to_native,
 )
-from deepinfer.engine.loader.dequant import quantize_fp4, quantize_fp8
 from deepinfer.engine.models.deepseek_v4.config import ModelConfig
-from deepinfer.engine.loader.weights import INDEX_FILE, SINGLE_FILE
 
 FP8_BLOCK = (128, 128)
 

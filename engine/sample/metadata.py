@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.kernels.counter_rng import row_key, row_keys, seed_key
 from deepinfer.engine.api.sampling_params import SamplingParams
+from deepinfer.kernels.counter_rng import row_key, row_keys, seed_key
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:

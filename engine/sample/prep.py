@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer.engine.core.request import Request
-from deepinfer.engine.sample.sampler import LogprobsTensors, Sampler, SamplerOutput, gather_logprobs
 from deepinfer.engine.sample.metadata import RowSpec, SampleRow, SamplingMetadata, has_penalties, host_tensor
-from deepinfer.engine.sched.types import SchedulerOutput
+from deepinfer.engine.sample.sampler import LogprobsTensors, Sampler, SamplerOutput, gather_logprobs
 from deepinfer.engine.sample.structured_output import GrammarState, StructuredOutputBackend
+from deepinfer.engine.sched.types import SchedulerOutput
 
 
 @dataclass(slots=True)

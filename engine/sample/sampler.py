@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from deepinfer.kernels.counter_rng import GumbelNoise
-from deepinfer.kernels import gpu_sampling
 from deepinfer.engine.sample.metadata import PenaltyTensors, SamplingMetadata
+from deepinfer.kernels import gpu_sampling
+from deepinfer.kernels.counter_rng import GumbelNoise
 
 _NEG_INF = float("-inf")
 # rows per block of noisy_argmax: one float32 block of this many elements stays in L2

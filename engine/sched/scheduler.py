@@ -36,11 +36,11 @@ from typing import TYPE_CHECKING
 from deepinfer.cache.block_hash import MultiModalSpan, extend_block_hashes, root_hash
 from deepinfer.cache.block_pool import BlockPool
 from deepinfer.cache.slot_pool import SlotPool
-from deepinfer.engine.sched.cost_model import CostModel
-from deepinfer.engine.kv.manager import KVManager
-from deepinfer.engine.core.request import Request, RequestStatus
 from deepinfer.engine.api.sampling_params import SamplingParams
+from deepinfer.engine.core.request import Request, RequestStatus
+from deepinfer.engine.kv.manager import KVManager
 from deepinfer.engine.sched.commit import commit_step
+from deepinfer.engine.sched.cost_model import CostModel
 from deepinfer.engine.sched.schedule import admit_waiting, preempt_for_priority, schedule_running
 from deepinfer.engine.sched.types import (
     PLACEHOLDER_TOKEN_ID,

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from deepinfer.engine.api.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
-from deepinfer.engine.sample.sampler import LogprobsTensors
 from deepinfer.engine.api.sampling_params import SamplingParams
+from deepinfer.engine.sample.sampler import LogprobsTensors
 
 
 class Detokenizer(Protocol):

@@ -7,7 +7,13 @@ they are measured against (``RoundRobin``, ``LeastRequests``, ``AffinityOnly``,
 ``now``; ``deepinfer bench balance`` drives the same objects in a discrete-event simulator.
 """
 
-from deepinfer.runtime.balance.baselines import AffinityOnly, ApproxCacheAware, CacheAwareConfig, LeastRequests, RoundRobin
+from deepinfer.runtime.balance.baselines import (
+    AffinityOnly,
+    ApproxCacheAware,
+    CacheAwareConfig,
+    LeastRequests,
+    RoundRobin,
+)
 from deepinfer.runtime.balance.cost_model import DecodeStepCost, PrefillCost
 from deepinfer.runtime.balance.decode_balancer import TwoDimDecodeBalancer
 from deepinfer.runtime.balance.load_view import DecodeLoadView, PrefillLoadView

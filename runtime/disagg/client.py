@@ -30,14 +30,14 @@ import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from deepinfer.engine.kv.handoff import decode_output, encode_params
 from deepinfer.engine.api.outputs import RequestOutput
+from deepinfer.engine.api.protocol import EngineStats, GatewayTokenizer, InvalidPromptError, ModelInfo, TokensPrompt
 from deepinfer.engine.api.sampling_params import SamplingParams
+from deepinfer.engine.kv.handoff import decode_output, encode_params
 from deepinfer.runtime.balance import RequestInfo, TieredPrefillRouter, TwoDimDecodeBalancer
 from deepinfer.runtime.balance.prefix_index import PrefixIndex
 from deepinfer.runtime.cluster_config import ClusterConfig, NodeRole
 from deepinfer.runtime.disagg.engine_directory import EngineDirectory, EngineEntry
-from deepinfer.engine.api.protocol import EngineStats, GatewayTokenizer, InvalidPromptError, ModelInfo, TokensPrompt
 from deepinfer.transport.channels import StreamReceiver
 from deepinfer.transport.errors import RemoteError, TransportError
 from deepinfer.transport.protocol import (

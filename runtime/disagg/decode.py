@@ -52,6 +52,8 @@ from deepinfer.transport.protocol import (
     PdKvReady,
     PdLeaseRenew,
     PdOutput,
+)
+from deepinfer.transport.protocol import (
     Role as WireRole,
 )
 

@@ -33,6 +33,8 @@ from deepinfer.transport.protocol import (
     PdLoadReport,
     PdStatusRequest,
     PeerDown,
+)
+from deepinfer.transport.protocol import (
     Role as WireRole,
 )
 

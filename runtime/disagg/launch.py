@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from deepinfer.cache.swa_directory import SwaDirectoryService
+from deepinfer.engine.api.protocol import ModelInfo
 from deepinfer.runtime.disagg.cli_args import add_disagg_arguments, serve_detector  # noqa: F401 (re-exported)
 from deepinfer.runtime.disagg.client import PdEngineClient
 from deepinfer.runtime.disagg.local_cluster import write_local_cluster
 from deepinfer.runtime.failure_detector import DetectorSettings
-from deepinfer.engine.api.protocol import ModelInfo
 from deepinfer.runtime.supervisor import ChildSpec, Supervisor
 from deepinfer.transport.protocol import FailurePolicy
 

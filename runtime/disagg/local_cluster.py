@@ -12,9 +12,9 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from deepinfer.transport.ports import free_tcp_port
 from deepinfer.runtime.cluster_config import ClusterConfig, parse_cluster_config
 from deepinfer.runtime.failure_detector import DetectorSettings
+from deepinfer.transport.ports import free_tcp_port
 
 # engines on one host: beats every 0.2 s, the detector's default thresholds
 LOCAL_DETECTOR = DetectorSettings(interval_s=0.2)

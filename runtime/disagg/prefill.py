@@ -33,6 +33,7 @@ from typing import Any
 
 import msgspec
 
+from deepinfer.cache.swa_peer import SwaPeer
 from deepinfer.engine.kv.handoff import (
     KvCapture,
     add_resumed,
@@ -43,9 +44,8 @@ from deepinfer.engine.kv.handoff import (
     export_kv,
     prefill_params,
 )
-from deepinfer.engine.text.output_processor import merge_output
-from deepinfer.cache.swa_peer import SwaPeer
 from deepinfer.engine.kv.swa_slots import SwaSlotRunner
+from deepinfer.engine.text.output_processor import merge_output
 from deepinfer.runtime.disagg.engine_service import DisaggEngineService
 from deepinfer.runtime.disagg.handoff_metrics import FailureKind
 from deepinfer.runtime.disagg.leases import LeaseTable
@@ -63,6 +63,8 @@ from deepinfer.transport.protocol import (
     PdKvReady,
     PdLeaseRenew,
     PeerDown,
+)
+from deepinfer.transport.protocol import (
     Role as WireRole,
 )
 

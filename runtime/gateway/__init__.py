@@ -6,10 +6,6 @@
     await serve(engine, host=..., port=..., api_key=...)         # what `deepinfer serve` runs
 """
 
-from deepinfer.runtime.gateway.app import build_app
-from deepinfer.runtime.gateway.config import GatewayConfig
-from deepinfer.runtime.gateway.connections import GatewayRunner
-from deepinfer.runtime.gateway.embedded import RunningGateway, curl_example, serve, start_gateway
 from deepinfer.engine.api.protocol import (
     EngineClient,
     EngineOverloadedError,
@@ -18,6 +14,10 @@ from deepinfer.engine.api.protocol import (
     ModelInfo,
     TokensPrompt,
 )
+from deepinfer.runtime.gateway.app import build_app
+from deepinfer.runtime.gateway.config import GatewayConfig
+from deepinfer.runtime.gateway.connections import GatewayRunner
+from deepinfer.runtime.gateway.embedded import RunningGateway, curl_example, serve, start_gateway
 
 __all__ = [
     "EngineClient",

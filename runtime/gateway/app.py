@@ -18,8 +18,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
 import deepinfer
-from deepinfer.runtime.gateway.config import STATE_KEY, GatewayConfig, GatewayState
 from deepinfer.engine.api.protocol import EngineClient
+from deepinfer.runtime.gateway.config import STATE_KEY, GatewayConfig, GatewayState
 from deepinfer.runtime.gateway.errors import GatewayError, clip, echo, error_response, malformed_http_error
 from deepinfer.runtime.gateway.metrics import GatewayMetrics
 from deepinfer.runtime.gateway.openai_responses import ModelCard, ModelList, encoder

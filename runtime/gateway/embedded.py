@@ -20,10 +20,10 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from deepinfer.engine.api.protocol import EngineClient
 from deepinfer.runtime.gateway.app import build_app
 from deepinfer.runtime.gateway.config import STATE_KEY, GatewayConfig
 from deepinfer.runtime.gateway.connections import GatewayRunner
-from deepinfer.engine.api.protocol import EngineClient
 
 log = logging.getLogger(__name__)
 

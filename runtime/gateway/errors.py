@@ -18,8 +18,8 @@ import msgspec
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
 
-from deepinfer.engine.api.sampling_params import SamplingParamsError
 from deepinfer.engine.api.protocol import EngineOverloadedError, InvalidPromptError
+from deepinfer.engine.api.sampling_params import SamplingParamsError
 
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",

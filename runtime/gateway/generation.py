@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from deepinfer.engine.api.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from deepinfer.engine.api.sampling_params import SamplingParams
 from deepinfer.engine.api.protocol import EngineClient, TokensPrompt
+from deepinfer.engine.api.sampling_params import SamplingParams
 from deepinfer.runtime.gateway.errors import GatewayError, from_engine_error
 from deepinfer.runtime.gateway.metrics import GatewayMetrics
 

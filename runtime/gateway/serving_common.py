@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator
 import msgspec
 from aiohttp import web
 
-from deepinfer.runtime.gateway.config import GatewayState
 from deepinfer.engine.api.protocol import GatewayTokenizer
 from deepinfer.engine.api.sampling_params import choice_params
+from deepinfer.runtime.gateway.config import GatewayState
 from deepinfer.runtime.gateway.errors import GatewayError, bad_request, echo, from_decode_error
 from deepinfer.runtime.gateway.generation import EngineRequest
 from deepinfer.runtime.gateway.openai_protocol import SamplingRequest, decode_request, unsupported_fields

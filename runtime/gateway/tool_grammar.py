@@ -42,6 +42,7 @@ from deepinfer.engine.text.markup import (
     TOOL_SEP,
 )
 
+
 class ToolGrammarError(ValueError):
     """A function's parameters are not a JSON schema xgrammar can compile; says which function."""
 

@@ -39,16 +39,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
-
-from deepinfer.engine.core.batch import ForwardBatch
-from deepinfer.engine.sched.cost_model import CostModel, StepFeatures
-from deepinfer.engine.sched.cost_profile import profile_cost_model
-from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig
-from deepinfer.engine.api.sampling_params import SamplingParams
-from deepinfer.engine.sched.scheduler import SchedulerConfig
-from deepinfer.engine.core.step_loop import tune_interpreter
 from deepinfer_bench import engine_tiny, sync_steps
 from deepinfer_bench.report import Report, base_parser
+
+from deepinfer.engine.api.sampling_params import SamplingParams
+from deepinfer.engine.core.batch import ForwardBatch
+from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig
+from deepinfer.engine.core.step_loop import tune_interpreter
+from deepinfer.engine.sched.cost_model import CostModel, StepFeatures
+from deepinfer.engine.sched.cost_profile import profile_cost_model
+from deepinfer.engine.sched.scheduler import SchedulerConfig
 
 HIDDEN_COEF = np.array([3e-3, 2e-5, 4e-6, 1e-9, 2e-9])
 

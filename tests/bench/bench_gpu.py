@@ -25,7 +25,6 @@ import traceback
 from pathlib import Path
 
 import torch
-
 from deepinfer_bench.report import Report, base_parser
 
 TINY_SHAPE_SOURCE = "bench_model"
@@ -85,9 +84,8 @@ def _same(a: list[list[int]], b: list[list[int]]) -> float:
 def count_launches(runner, prompts, blocks_per_seq: int, first_step: int, num_steps: int, table_path: Path | None):
     """(kernels, memcpys/memsets) per decoded token and device milliseconds per step (the step's
     kernels back to back: what a CUDA-graph replay would cost) over ``num_steps`` decode steps."""
-    from torch.profiler import ProfilerActivity, profile
-
     from deepinfer_bench.gpu_slice import decode_batch
+    from torch.profiler import ProfilerActivity, profile
 
     tokens = [1] * len(prompts)
     runner.execute(decode_batch(prompts, blocks_per_seq, first_step, tokens))  # warm

@@ -17,10 +17,10 @@ from __future__ import annotations
 import time
 
 import torch
+from deepinfer_bench.report import Report, base_parser
 
 from deepinfer.engine.core.model_runner import ModelRunner
 from deepinfer.engine.models.deepseek_v4.testing import CSA, HCA, SLIDING, SeqDriver, hf_reference
-from deepinfer_bench.report import Report, base_parser
 
 BENCH_SHAPE = dict(
     vocab_size=4096, hidden_size=256, num_hidden_layers=8, num_attention_heads=8, head_dim=64,

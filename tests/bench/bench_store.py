@@ -49,14 +49,13 @@ import random
 import tempfile
 import time
 
+from deepinfer_bench.report import Report, base_parser
 from pyeclib.ec_iface import ECDriver
 
-from deepinfer_bench.report import Report, base_parser
-
+from deepinfer.cache.store import fragment_file as ff
 from deepinfer.cache.store.api import deadline_after
 from deepinfer.cache.store.client import ClusterStore, ClusterStoreConfig
 from deepinfer.cache.store.ec import ECConfig, ErasureCodec
-from deepinfer.cache.store import fragment_file as ff
 from deepinfer.cache.store.local_cluster import LocalCluster
 from deepinfer.runtime import loop as runtime_loop
 from deepinfer.transport.protocol import DebugSet

@@ -26,12 +26,12 @@ import time
 from dataclasses import replace
 
 import torch
+from deepinfer_bench.report import Report, base_parser
 
 from deepinfer.engine.core.batch import ForwardBatch, SeqStep
 from deepinfer.engine.core.model_runner import ModelRunner
 from deepinfer.engine.kv.swa_replay import DEFAULT_REPLAY_TOKENS, exact_replay_tokens, flop_model
 from deepinfer.engine.models.deepseek_v4.tiny_model import init_weights, tiny_config
-from deepinfer_bench.report import Report, base_parser
 
 BLOCK = 128
 

@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from deepinfer_bench.report import Report, base_parser
 
 from deepinfer.runtime import loop as runtime_loop

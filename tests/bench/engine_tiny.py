@@ -20,15 +20,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
-
-from deepinfer.engine.sched.cost_model import CostModel
-from deepinfer.engine.sched.cost_profile import profile_cost_model
-from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig
-from deepinfer.engine.core.model_runner import ModelRunner
-from deepinfer.engine.api.sampling_params import SamplingParams
-from deepinfer.engine.sched.scheduler import SchedulerConfig
 from deepinfer_bench.bench_model import BENCH_SHAPE, hf_generate, our_generate
 from deepinfer_bench.sync_steps import StepPipeline
+
+from deepinfer.engine.api.sampling_params import SamplingParams
+from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig
+from deepinfer.engine.core.model_runner import ModelRunner
+from deepinfer.engine.sched.cost_model import CostModel
+from deepinfer.engine.sched.cost_profile import profile_cost_model
+from deepinfer.engine.sched.scheduler import SchedulerConfig
 
 BLOCK_SIZE = 128
 STEP_CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}

@@ -19,14 +19,14 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from deepinfer.engine.api.sampling_params import SamplingParams
 from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig
 from deepinfer.engine.core.hooks import EngineHooks
-from deepinfer.engine.kv.offload import KVOffload, KVOffloadConfig
 from deepinfer.engine.core.model_runner import ModelRunner
-from deepinfer.engine.text.output_processor import merge_output
-from deepinfer.engine.api.sampling_params import SamplingParams
-from deepinfer.engine.sched.scheduler import SchedulerConfig
+from deepinfer.engine.kv.offload import KVOffload, KVOffloadConfig
 from deepinfer.engine.models.deepseek_v4.tiny_model import init_weights, tiny_config
+from deepinfer.engine.sched.scheduler import SchedulerConfig
+from deepinfer.engine.text.output_processor import merge_output
 
 StepPipeline = runpy.run_path(str(Path(__file__).resolve().parents[1] / "bench" / "sync_steps.py"))["StepPipeline"]
 

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from deepinfer.engine.api.sampling_params import SamplingParams
 from deepinfer.engine.core.batch import ForwardBatch
 from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig
-from deepinfer.engine.api.sampling_params import SamplingParams
 from deepinfer.engine.sched.scheduler import PLACEHOLDER_TOKEN_ID, SchedulerConfig
 
 NUM_WORKLOADS = 160

@@ -15,14 +15,14 @@ import sys
 from pathlib import Path
 
 from deepinfer.cache.swa_fetch import SwaSlotOwner
-from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig
-from deepinfer.engine.core.model_runner import ModelRunner
-from deepinfer.engine.models.deepseek_v4 import testing
-from deepinfer.engine.text.output_processor import merge_output
 from deepinfer.engine.api.sampling_params import SamplingParams
-from deepinfer.engine.sched.scheduler import SchedulerConfig
+from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig
 from deepinfer.engine.core.hooks import EngineHooks
+from deepinfer.engine.core.model_runner import ModelRunner
 from deepinfer.engine.kv.swa_slots import build_swa_slots
+from deepinfer.engine.models.deepseek_v4 import testing
+from deepinfer.engine.sched.scheduler import SchedulerConfig
+from deepinfer.engine.text.output_processor import merge_output
 from deepinfer.transport.channels import EventPublisher
 
 sync_steps = runpy.run_path(str(Path(__file__).resolve().parents[1] / "bench" / "sync_steps.py"))

@@ -10,11 +10,11 @@ import torch
 
 from deepinfer import AsyncEngine, SamplingParams
 from deepinfer.engine.api.async_engine import EngineDeadError, EngineStepError, InvalidPromptError
-from deepinfer.engine.text.output_processor import merge_output
-from deepinfer.engine.api.sampling_params import SamplingParamsError
-from deepinfer.engine.sample.structured_output import StructuredOutputError
-from deepinfer.engine.models.deepseek_v4.tiny_model import write_tiny_model
 from deepinfer.engine.api.protocol import EngineClient, EngineOverloadedError
+from deepinfer.engine.api.sampling_params import SamplingParamsError
+from deepinfer.engine.models.deepseek_v4.tiny_model import write_tiny_model
+from deepinfer.engine.sample.structured_output import StructuredOutputError
+from deepinfer.engine.text.output_processor import merge_output
 
 PROMPT = [5, 6, 7, 8, 9, 40, 41, 300, 301, 302, 17]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)

@@ -5,8 +5,8 @@ import pytest
 
 from deepinfer.cache.block_pool import BlockPool
 from deepinfer.cache.slot_pool import SlotPool
-from deepinfer.engine.sched.cost_model import CostModel, StepFeatures, fit_coefficients, nnls
 from deepinfer.engine.api.sampling_params import SamplingParams
+from deepinfer.engine.sched.cost_model import CostModel, StepFeatures, fit_coefficients, nnls
 from deepinfer.engine.sched.scheduler import Scheduler, SchedulerConfig
 
 TRUE = np.array([2e-3, 5e-5, 4e-6, 2e-10, 6e-10])  # c0, c_seq, c_tok, c_ctx, c_sq

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
+from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig
 from deepinfer.engine.sched.cost_model import CostModel, StepFeatures
 from deepinfer.engine.sched.cost_profile import profile_cost_model
-from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig
 from deepinfer.engine.sched.scheduler import SchedulerConfig
 
 HIDDEN = np.array([2e-3, 3e-5, 5e-6, 4e-10, 1e-9])

@@ -12,7 +12,15 @@ import pytest
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from deepinfer.engine.text.tiny_tokenizer import ASSISTANT, BOS, END_THINK, EOS, USER, build_tokenizer, write_tokenizer_files
+from deepinfer.engine.text.tiny_tokenizer import (
+    ASSISTANT,
+    BOS,
+    END_THINK,
+    EOS,
+    USER,
+    build_tokenizer,
+    write_tokenizer_files,
+)
 from deepinfer.engine.text.tokenizer import Tokenizer
 
 TEXTS = ["€龍 rare 鱻 and 😀 emoji, café", "plain ascii text", "中文 模型 — Привет\n\tx"]

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from deepinfer import AsyncEngine, SamplingParams
-from deepinfer.engine.text.output_processor import merge_output
 from deepinfer.engine.models.deepseek_v4.tiny_model import write_tiny_model
+from deepinfer.engine.text.output_processor import merge_output
 
 
 def _int(lo, hi):

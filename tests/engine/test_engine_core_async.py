@@ -9,12 +9,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from deepinfer.engine.api.sampling_params import SamplingParams
 from deepinfer.engine.core.batch import ForwardBatch
 from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig
-from deepinfer.engine.text.output_processor import merge_output
-from deepinfer.engine.api.sampling_params import SamplingParams
-from deepinfer.engine.sched.scheduler import SchedulerConfig
 from deepinfer.engine.core.step_loop import AsyncStepPipeline
+from deepinfer.engine.sched.scheduler import SchedulerConfig
+from deepinfer.engine.text.output_processor import merge_output
 from tests.conftest import load_test_helper
 
 sync_steps = load_test_helper("bench/sync_steps")

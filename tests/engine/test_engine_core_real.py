@@ -11,10 +11,10 @@ import pytest
 runner_mod = pytest.importorskip("deepinfer.engine.core.model_runner")
 testing = pytest.importorskip("deepinfer.engine.models.deepseek_v4.testing")
 
-from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig  # noqa: E402
-from deepinfer.engine.text.output_processor import merge_output  # noqa: E402
 from deepinfer.engine.api.sampling_params import SamplingParams  # noqa: E402
+from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig  # noqa: E402
 from deepinfer.engine.sched.scheduler import SchedulerConfig  # noqa: E402
+from deepinfer.engine.text.output_processor import merge_output  # noqa: E402
 from tests.conftest import load_test_helper  # noqa: E402
 
 sync_steps = load_test_helper("bench/sync_steps")

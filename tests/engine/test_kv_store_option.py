@@ -22,8 +22,8 @@ from deepinfer import envs
 from deepinfer.cache.kv_tiers import TIER_DEVICE, TIER_HOST, TIER_STORE
 from deepinfer.cache.store.local_cluster import LocalCluster
 from deepinfer.engine.api.async_engine import AsyncEngine
-from deepinfer.engine.core.options import EngineOptions, EngineOptionsError, kv_store_cluster
 from deepinfer.engine.api.sampling_params import SamplingParams
+from deepinfer.engine.core.options import EngineOptions, EngineOptionsError, kv_store_cluster
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.engine.text.output_processor import OutputProcessor, format_logprobs, merge_output
-from deepinfer.engine.sample.sampler import LogprobsTensors
 from deepinfer.engine.api.sampling_params import SamplingParams
+from deepinfer.engine.sample.sampler import LogprobsTensors
+from deepinfer.engine.text.output_processor import OutputProcessor, format_logprobs, merge_output
 
 WORDS = {1: "<eos>", 2: "Hel", 3: "lo", 4: " wor", 5: "ld", 6: "!", 7: " ST", 8: "OP", 9: " x"}
 

@@ -3,10 +3,10 @@ from __future__ import annotations
 import torch
 import xgrammar as xgr
 
-from deepinfer.kernels.counter_rng import GumbelNoise, mix32, mix32_tensor, row_key
-from deepinfer.engine.sample.sampler import Sampler, apply_token_bitmask
-from deepinfer.engine.sample.metadata import SampleRow, SamplingMetadata
 from deepinfer.engine.api.sampling_params import SamplingParams
+from deepinfer.engine.sample.metadata import SampleRow, SamplingMetadata
+from deepinfer.engine.sample.sampler import Sampler, apply_token_bitmask
+from deepinfer.kernels.counter_rng import GumbelNoise, mix32, mix32_tensor, row_key
 
 V = 50
 
@@ -190,9 +190,9 @@ def test_top_k_candidate_path_equals_full_vocabulary_path():
 def test_fast_paths_match_the_reference_forms():
     """numpy argmax, vectorised keys, uint32 hashing and RowSpec metadata: same bits as the
     torch/per-row forms they replace."""
-    from deepinfer.kernels.counter_rng import M32, row_keys, seed_key
-    from deepinfer.engine.sample.sampler import argmax_rows
     from deepinfer.engine.sample.metadata import RowSpec
+    from deepinfer.engine.sample.sampler import argmax_rows
+    from deepinfer.kernels.counter_rng import M32, row_keys, seed_key
 
     x = torch.randn(7, V, generator=torch.Generator().manual_seed(3))
     x[1, 5] = x[1, 9] = x[1].max() + 1  # tie: the first index wins, as in torch

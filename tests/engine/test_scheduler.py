@@ -4,8 +4,8 @@ import pytest
 
 from deepinfer.cache.block_pool import BlockPool
 from deepinfer.cache.slot_pool import SlotPool
-from deepinfer.engine.core.request import RequestStatus
 from deepinfer.engine.api.sampling_params import SamplingParams
+from deepinfer.engine.core.request import RequestStatus
 from deepinfer.engine.sched.scheduler import (
     PLACEHOLDER_TOKEN_ID,
     Scheduler,

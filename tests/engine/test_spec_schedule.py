@@ -10,7 +10,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import load_bench_module, load_bench_package
 from deepinfer.engine.spec import (
     ConfidencePolicy,
     FixedPolicy,
@@ -23,6 +22,7 @@ from deepinfer.engine.spec import (
     schedule_lengths,
     survival,
 )
+from tests.conftest import load_bench_module, load_bench_package
 
 CONVEX = SpsProfile.from_table({1: 0.010, 8: 0.010, 16: 0.0102, 24: 0.0108, 40: 0.0125})
 

@@ -22,8 +22,8 @@ import pytest
 
 from deepinfer.cache.swa_directory import SwaDirectoryService
 from deepinfer.engine.api.async_engine import AsyncEngine
-from deepinfer.engine.core.options import EngineOptionsError
 from deepinfer.engine.api.sampling_params import SamplingParams
+from deepinfer.engine.core.options import EngineOptionsError
 from deepinfer.engine.models.deepseek_v4.tiny_model import write_tiny_model
 from deepinfer.transport.protocol import DownReason, PeerDown, Role
 

@@ -27,7 +27,6 @@ sys.path.insert(0, str(HERE))
 import swa_owner_proc as owner_proc  # noqa: E402
 
 
-
 def tokens(seed, n, vocab):
     rng = random.Random(seed)
     return [rng.randrange(vocab) for _ in range(n)]

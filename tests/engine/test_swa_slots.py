@@ -10,13 +10,13 @@ import pytest
 runner_mod = pytest.importorskip("deepinfer.engine.core.model_runner")
 testing = pytest.importorskip("deepinfer.engine.models.deepseek_v4.testing")
 
-from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig  # noqa: E402
-from deepinfer.engine.text.output_processor import merge_output  # noqa: E402
 from deepinfer.engine.api.sampling_params import SamplingParams  # noqa: E402
-from deepinfer.engine.sched.scheduler import SchedulerConfig  # noqa: E402
-from deepinfer.engine.kv.swa_replay import plan_rebuild, snapshot_boundary, snapshot_chunk_end  # noqa: E402
+from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig  # noqa: E402
 from deepinfer.engine.core.hooks import EngineHooks  # noqa: E402
+from deepinfer.engine.kv.swa_replay import plan_rebuild, snapshot_boundary, snapshot_chunk_end  # noqa: E402
 from deepinfer.engine.kv.swa_slots import build_swa_slots  # noqa: E402
+from deepinfer.engine.sched.scheduler import SchedulerConfig  # noqa: E402
+from deepinfer.engine.text.output_processor import merge_output  # noqa: E402
 from tests.conftest import load_test_helper  # noqa: E402
 
 sync_steps = load_test_helper("bench/sync_steps")

@@ -8,11 +8,17 @@ import pytest
 import torch
 
 from deepinfer.bin.cli import main
+from deepinfer.engine.loader.weights import load_checkpoint
 from deepinfer.engine.models.deepseek_v4.checkpoint_names import is_expert_tensor, is_fp8_linear
 from deepinfer.engine.models.deepseek_v4.config import CSA, HCA, SLIDING
-from deepinfer.engine.models.deepseek_v4.tiny_model import TinyModelError, init_weights, parse_layers, tiny_config, write_tiny_model
+from deepinfer.engine.models.deepseek_v4.tiny_model import (
+    TinyModelError,
+    init_weights,
+    parse_layers,
+    tiny_config,
+    write_tiny_model,
+)
 from deepinfer.engine.text.tokenizer import Tokenizer
-from deepinfer.engine.loader.weights import load_checkpoint
 
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 

@@ -9,8 +9,16 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from deepinfer.engine.text.chat_template import ChatTemplateError
 from deepinfer.engine.text.detokenizer import OffsetDetokenizer
-from deepinfer.engine.text.tiny_tokenizer import (ASSISTANT, BOS, END_THINK, EOS, TOOL_SEP, USER, build_tokenizer,
-                                                  write_tokenizer_files)
+from deepinfer.engine.text.tiny_tokenizer import (
+    ASSISTANT,
+    BOS,
+    END_THINK,
+    EOS,
+    TOOL_SEP,
+    USER,
+    build_tokenizer,
+    write_tokenizer_files,
+)
 from deepinfer.engine.text.tokenizer import Tokenizer, TokenizerError
 
 TEXTS = [

@@ -6,10 +6,10 @@ import struct
 import pytest
 import torch
 
-from deepinfer.engine.models.deepseek_v4.checkpoint_names import canonical_shapes, is_fp32_param
 from deepinfer.engine.loader.checkpoint_writer import Layout, save_checkpoint
-from deepinfer.engine.models.deepseek_v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelConfig
 from deepinfer.engine.loader.weights import load_checkpoint
+from deepinfer.engine.models.deepseek_v4.checkpoint_names import canonical_shapes, is_fp32_param
+from deepinfer.engine.models.deepseek_v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelConfig
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM, DeepseekV4Config, DeepseekV4ForCausalLM  # noqa: E402

@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from deepinfer.engine.loader.checkpoint_writer import Layout, save_checkpoint
-from deepinfer.engine.models.deepseek_v4.tiny_model import init_weights, tiny_config
 from deepinfer.engine.loader.weights import CheckpointError, load_checkpoint
+from deepinfer.engine.models.deepseek_v4.tiny_model import init_weights, tiny_config
 
 
 @pytest.fixture(scope="module")

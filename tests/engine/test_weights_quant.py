@@ -7,11 +7,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from deepinfer.engine.models.deepseek_v4.checkpoint_names import is_expert_tensor, is_fp8_linear
 from deepinfer.engine.loader.checkpoint_writer import Layout, save_checkpoint
 from deepinfer.engine.loader.dequant import dequant_fp4, quantize_fp4, quantize_fp8
-from deepinfer.engine.models.deepseek_v4.tiny_model import init_weights, tiny_config
 from deepinfer.engine.loader.weights import load_checkpoint
+from deepinfer.engine.models.deepseek_v4.checkpoint_names import is_expert_tensor, is_fp8_linear
+from deepinfer.engine.models.deepseek_v4.tiny_model import init_weights, tiny_config
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 

@@ -12,7 +12,11 @@ recorded, on every thread. Two counts:
   device thread (aiohttp's middlewares and connection hooks around the handler are not), and not
   only by the model. engine/models/ and kernels/ are never counted.
 """
-import asyncio, os, sys, tempfile, threading
+import asyncio
+import os
+import sys
+import tempfile
+import threading
 from collections import Counter, defaultdict
 from pathlib import Path
 

@@ -19,10 +19,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from deepinfer.engine.api.outputs import CompletionOutput, Logprob, RequestOutput
+from deepinfer.engine.api.protocol import (
+    EngineOverloadedError,
+    EngineStats,
+    InvalidPromptError,
+    ModelInfo,
+    TokensPrompt,
+)
 from deepinfer.engine.api.sampling_params import SamplingParams
 from deepinfer.engine.sample.structured_output import StructuredOutputBackend
 from deepinfer.engine.text.tokenizer import Tokenizer
-from deepinfer.engine.api.protocol import EngineOverloadedError, EngineStats, InvalidPromptError, ModelInfo, TokensPrompt
 
 BLOCK_SIZE = 16
 EOS_PROBABILITY = 1 / 48

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from deepinfer.engine.text.output_processor import merge_output
 from deepinfer.engine.api.sampling_params import SamplingParams
+from deepinfer.engine.text.output_processor import merge_output
 from tests.conftest import load_test_helper
 
 sync_steps = load_test_helper("bench/sync_steps")

@@ -4,8 +4,8 @@ from dataclasses import replace
 
 import pytest
 
-from tests.conftest import load_bench_package
 from deepinfer.runtime.balance import DecodeStepCost, PrefillCost
+from tests.conftest import load_bench_package
 
 load_bench_package()
 from deepinfer_bench.sim.cluster import ClusterConfig, Simulation, size_pools  # noqa: E402

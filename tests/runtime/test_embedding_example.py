@@ -15,7 +15,6 @@ from deepinfer.engine.api.async_engine import EngineDeadError
 from deepinfer.runtime.gateway import GatewayConfig, build_app
 from tests.conftest import load_test_helper
 
-
 harness = load_test_helper("runtime/gateway_harness")
 MODEL_DIR = str(harness.tiny_model_dir())  # any HF-style model directory
 

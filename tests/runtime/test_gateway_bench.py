@@ -5,10 +5,8 @@ import json
 
 import pytest
 
-from tests.conftest import load_bench_module
 from deepinfer.runtime.gateway.config import STATE_KEY
-from tests.conftest import load_test_helper
-
+from tests.conftest import load_bench_module, load_test_helper
 
 harness = load_test_helper("runtime/gateway_harness")
 bench = load_bench_module("serve")

@@ -10,7 +10,6 @@ from deepinfer.runtime.gateway import EngineOverloadedError, EngineStats, Gatewa
 from deepinfer.runtime.gateway.config import STATE_KEY
 from tests.conftest import load_test_helper
 
-
 harness = load_test_helper("runtime/gateway_harness")
 CHAT = "/v1/chat/completions"
 CMPL = "/v1/completions"

@@ -23,7 +23,6 @@ from deepinfer.runtime.gateway import GatewayConfig
 from deepinfer.runtime.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest
 from tests.conftest import load_test_helper
 
-
 harness = load_test_helper("runtime/gateway_harness")
 
 BODY_LIMIT = 64 * 1024

@@ -9,7 +9,6 @@ import pytest
 
 from tests.conftest import load_test_helper
 
-
 harness = load_test_helper("runtime/gateway_harness")
 
 LONG_PROMPT = " ".join(["the model cache of the server keeps every prefix block"] * 12)

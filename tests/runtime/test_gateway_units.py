@@ -18,7 +18,6 @@ from deepinfer.runtime.gateway.prompts import decide_max_tokens, template_messag
 from deepinfer.runtime.gateway.request_params import json_depth, structured_spec
 from tests.conftest import load_test_helper
 
-
 harness = load_test_helper("runtime/gateway_harness")
 
 

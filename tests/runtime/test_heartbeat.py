@@ -4,12 +4,12 @@ import asyncio
 
 import pytest
 
-from deepinfer.transport.ports import free_tcp_port as free_port  # below the ephemeral range
 from deepinfer.runtime.failure_detector import DetectorSettings
 from deepinfer.runtime.heartbeat import PeerAddress
 from deepinfer.runtime.node import Node, NodeSettings
 from deepinfer.runtime.peer_table import PeerTable
 from deepinfer.transport.channels import EventSubscriber
+from deepinfer.transport.ports import free_tcp_port as free_port  # below the ephemeral range
 from deepinfer.transport.protocol import (
     TOPIC_PEER,
     DownReason,

@@ -5,11 +5,11 @@ import asyncio
 import pytest
 import zmq.asyncio
 
-from deepinfer.transport.ports import free_tcp_port as free_port  # below the ephemeral range
 from deepinfer.runtime.cluster_config import parse_cluster_config
 from deepinfer.runtime.node import Node, NodeSettings
 from deepinfer.transport.channels import RequestClient
 from deepinfer.transport.errors import DeadlineExceeded
+from deepinfer.transport.ports import free_tcp_port as free_port  # below the ephemeral range
 from deepinfer.transport.protocol import Hello, NodeControlReply, PeerUp, Role, Welcome
 from deepinfer.transport.security import CurveClientKeys, create_keypair_files, generate_keypair
 

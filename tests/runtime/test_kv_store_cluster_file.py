@@ -14,7 +14,6 @@ import pytest
 from deepinfer.engine.core.options import EngineOptions, EngineOptionsError
 from deepinfer.runtime.kv_store_cluster import engine_store_options, kv_store_cluster
 
-
 CONFIG = """
 [storage]
 ec_k = 2

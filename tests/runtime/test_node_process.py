@@ -11,11 +11,11 @@ import textwrap
 
 import pytest
 
-from deepinfer.transport.ports import free_tcp_port as free_port  # below the ephemeral range
 from deepinfer.runtime.cluster_config import load_cluster_config
 from deepinfer.runtime.node import Node, NodeSettings
 from deepinfer.transport.channels import RequestClient
 from deepinfer.transport.errors import DeadlineExceeded, RemoteError
+from deepinfer.transport.ports import free_tcp_port as free_port  # below the ephemeral range
 from deepinfer.transport.protocol import DownReason, ErrorCode, Hello, NodeControlReply, PeerDown, PeerUp, Role
 
 INTERVAL = 0.2

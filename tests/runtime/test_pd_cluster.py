@@ -19,12 +19,12 @@ import time
 
 import pytest
 
+from deepinfer.engine.api.sampling_params import SamplingParams
 from deepinfer.engine.core.factory import build_engine
 from deepinfer.engine.core.options import EngineOptions
 from deepinfer.engine.kv.handoff import add_resumed
-from deepinfer.engine.text.output_processor import merge_output
-from deepinfer.engine.api.sampling_params import SamplingParams
 from deepinfer.engine.models.deepseek_v4.tiny_model import write_tiny_model
+from deepinfer.engine.text.output_processor import merge_output
 from deepinfer.runtime.disagg.client import EngineLostError
 from deepinfer.runtime.disagg.decode import DecodeService
 from deepinfer.runtime.disagg.launch import LocalPdCluster

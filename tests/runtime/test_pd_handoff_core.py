@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from deepinfer.engine.api.sampling_params import SamplingParams
 from deepinfer.engine.core.factory import build_engine
 from deepinfer.engine.core.options import EngineOptions
 from deepinfer.engine.kv.handoff import (
@@ -20,9 +21,8 @@ from deepinfer.engine.kv.handoff import (
     export_kv,
     prefill_params,
 )
-from deepinfer.engine.text.output_processor import merge_output
-from deepinfer.engine.api.sampling_params import SamplingParams
 from deepinfer.engine.models.deepseek_v4.tiny_model import write_tiny_model
+from deepinfer.engine.text.output_processor import merge_output
 from tests.conftest import load_test_helper
 
 helpers = load_test_helper("runtime/pd_core_helpers")

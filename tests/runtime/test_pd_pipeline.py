@@ -33,8 +33,8 @@ from deepinfer.engine.kv.handoff import (
     has_room,
     prefill_params,
 )
-from deepinfer.engine.text.output_processor import merge_output
 from deepinfer.engine.models.deepseek_v4.tiny_model import write_tiny_model
+from deepinfer.engine.text.output_processor import merge_output
 from deepinfer.runtime.disagg.engine_loop import EngineLoop
 from tests.conftest import load_test_helper
 

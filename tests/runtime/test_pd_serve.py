@@ -14,8 +14,8 @@ import urllib.request
 
 import pytest
 
-from deepinfer.transport.ports import free_tcp_port as _free_port  # below the ephemeral range
 from deepinfer.engine.models.deepseek_v4.tiny_model import write_tiny_model
+from deepinfer.transport.ports import free_tcp_port as _free_port  # below the ephemeral range
 
 ENGINE_FLAGS = ["--dtype", "float32", "--block-size", "128", "--num-blocks", "64", "--max-model-len", "1024",
                 "--num-threads", "1", "--no-progress"]

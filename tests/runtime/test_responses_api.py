@@ -6,9 +6,9 @@ import json
 import msgspec
 import openai
 import pytest
+from openai._models import construct_type_unchecked
 from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import ResponseStreamEvent
-from openai._models import construct_type_unchecked
 
 from deepinfer.runtime.gateway.chat_output import ChatOutputMode, ChatOutputParser
 from deepinfer.runtime.gateway.errors import GatewayError

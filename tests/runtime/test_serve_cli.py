@@ -10,7 +10,6 @@ import pytest
 from deepinfer.bin import cli
 from tests.conftest import load_test_helper
 
-
 harness = load_test_helper("runtime/gateway_harness")
 proc = load_test_helper("runtime/gateway_process")
 Served = proc.Served

@@ -19,7 +19,6 @@ import pytest_asyncio
 
 from tests.conftest import load_test_helper
 
-
 harness = load_test_helper("runtime/gateway_harness")
 pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.timeout(240)]
 MODEL = "deepinfer-tiny"

@@ -21,9 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import load_bench_module
-from tests.conftest import load_test_helper
-
+from tests.conftest import load_bench_module, load_test_helper
 
 harness = load_test_helper("runtime/gateway_harness")
 proc = load_test_helper("runtime/gateway_process")

@@ -13,9 +13,9 @@ import pytest
 
 from deepinfer.cache.block_hash import extend_block_hashes, root_hash
 from deepinfer.engine.api.async_engine import AsyncEngine
-from deepinfer.engine.text.output_processor import merge_output
 from deepinfer.engine.api.sampling_params import SamplingParams
 from deepinfer.engine.models.deepseek_v4.tiny_model import write_tiny_model
+from deepinfer.engine.text.output_processor import merge_output
 from deepinfer.runtime.disagg.launch import LocalPdCluster
 from deepinfer.transport.protocol import PdStatusRequest
 

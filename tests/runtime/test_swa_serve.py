@@ -17,7 +17,6 @@ from deepinfer.transport.channels import RequestClient
 from deepinfer.transport.protocol import SwaDirectoryReply, SwaLocate
 from tests.conftest import free_port, load_test_helper
 
-
 harness = load_test_helper("runtime/gateway_harness")
 proc = load_test_helper("runtime/gateway_process")
 

@@ -8,8 +8,8 @@ import jsonschema
 import pytest
 import torch
 
-from deepinfer.engine.text.tiny_tokenizer import build_tokenizer, write_tokenizer_files
 from deepinfer.engine.text.markup import TOOL_CALL_BEGIN, TOOL_CALL_END, TOOL_CALLS_BEGIN, TOOL_CALLS_END, TOOL_SEP
+from deepinfer.engine.text.tiny_tokenizer import build_tokenizer, write_tokenizer_files
 from deepinfer.runtime.gateway.tool_calls import ArgumentsDelta, CallStarted, Content, ToolCallParser, parse_tool_calls
 from deepinfer.runtime.gateway.tool_grammar import ToolGrammarError, tool_call_grammar
 from tests.conftest import load_test_helper
@@ -185,3 +185,24 @@ def test_an_unusable_schema_names_its_function():
     with pytest.raises(ToolGrammarError, match="'bad'"):
         tool_call_grammar({"ok": {"type": "object"}, "bad": {"type": "object", "minProperties": "x"}}, forced=None,
                           parallel_tool_calls=True, in_reasoning=False)
+
+
+async def test_required_and_named_reach_the_engine_as_the_call_grammar():
+    import aiohttp
+
+    engine = harness.fake_engine(max_model_len=4096)
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": SCHEMAS["flag"]}} for i in range(12)]
+    body = {"model": "fake-tiny", "messages": [{"role": "user", "content": "go"}], "max_tokens": 4, "tools": tools}
+    async with harness.running_gateway(engine) as gateway, aiohttp.ClientSession(gateway.url) as session:
+        for choice, names in (("required", [f"f{i}" for i in range(12)]), ({"type": "function", "function": {"name": "f3"}},
+                                                                          ["f3"]), ("auto", [])):
+            async with session.post("/v1/chat/completions", json={**body, "tool_choice": choice}) as resp:
+                assert resp.status == 200, await resp.text()
+            spec = engine.requests[-1].params.structured_outputs
+            if not names:
+                assert spec is None  # auto: the model is free, its markup is parsed
+                continue
+            grammar = spec["grammar"]
+            opener = lambda n: json.dumps(f"{TOOL_CALL_BEGIN}{n}{TOOL_SEP}")[1:-1]  # EBNF escapes as JSON does
+            assert all(opener(n) in grammar for n in names)
+            assert (opener("f4") in grammar) == (len(names) > 1)

@@ -18,8 +18,8 @@ from torch import nn
 
 from deepinfer.cache.block_cache import BlockCache
 from deepinfer.cache.swa_state import SwaArena
-from deepinfer.engine.models.deepseek_v4.config import ModelConfig
 from deepinfer.engine.models.deepseek_v4.compressor import Compressor, Indexer
+from deepinfer.engine.models.deepseek_v4.config import ModelConfig
 from deepinfer.engine.models.deepseek_v4.context import ForwardContext, RingWrite
 from deepinfer.engine.models.deepseek_v4.layers import Norm, fuse_linears, linear_holder
 from deepinfer.kernels import cpu_gemm, cpu_native, ops

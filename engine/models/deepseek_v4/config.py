@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from deepinfer.engine.loader.config_fields import FieldReader, ModelConfigError, read_config_json
+from deepinfer.engine.loader.quant_config import parse_quantization
 from deepinfer.engine.models.deepseek_v4.layer_kinds import (
     CSA,
     HASH_MOE,
@@ -35,7 +36,6 @@ from deepinfer.engine.models.deepseek_v4.layer_kinds import (
     parse_layer_kinds,
     parse_mlp_kinds,
 )
-from deepinfer.engine.loader.quant_config import parse_quantization
 from deepinfer.engine.models.deepseek_v4.rope_config import RopeConfig, parse_rope
 
 __all__ = [

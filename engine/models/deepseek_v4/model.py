@@ -14,14 +14,15 @@ from torch import nn
 
 from deepinfer.cache.block_cache import BlockCache, PagedSpec
 from deepinfer.cache.swa_state import RingSpec, SwaArena
-from deepinfer.engine.models.deepseek_v4.config import ModelConfig
 from deepinfer.engine.models.deepseek_v4.attention import Attention
+from deepinfer.engine.models.deepseek_v4.config import ModelConfig
 from deepinfer.engine.models.deepseek_v4.context import ForwardContext, Geometry
 from deepinfer.engine.models.deepseek_v4.layers import Norm, linear_holder
 from deepinfer.engine.models.deepseek_v4.mhc import HyperConnection, HyperHead
 from deepinfer.engine.models.deepseek_v4.moe import MoE
 from deepinfer.engine.models.deepseek_v4.rope import inv_freq
 from deepinfer.kernels import cpu_gemm, ops
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, device=None, dtype=None):

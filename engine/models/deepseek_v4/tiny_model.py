@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from deepinfer.engine.models.deepseek_v4.checkpoint_names import canonical_shapes, is_fp32_param
 from deepinfer.engine.loader.checkpoint_writer import Layout, save_checkpoint
+from deepinfer.engine.models.deepseek_v4.checkpoint_names import canonical_shapes, is_fp32_param
 from deepinfer.engine.models.deepseek_v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING, ModelConfig
 from deepinfer.engine.models.deepseek_v4.rope_config import RopeConfig
 from deepinfer.engine.text.tiny_tokenizer import build_tokenizer, write_tokenizer_files

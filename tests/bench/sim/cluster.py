@@ -22,12 +22,13 @@ import math
 import time
 from dataclasses import dataclass, field
 
-from deepinfer.runtime.balance import DecodeStepCost, PrefillCost, PrefixIndex, RequestInfo
-from deepinfer.runtime.balance.load_view import DecodeLoadView, PrefillLoadView
 from deepinfer_bench.sim.engines import DecodeGroup, PrefillEngine, SimRequest, VEInstance
 from deepinfer_bench.sim.metrics import PolicyResult, percentile, weighted_percentile
 from deepinfer_bench.sim.policies import PolicySet, build_planner, build_policy
 from deepinfer_bench.sim.workload import Trace
+
+from deepinfer.runtime.balance import DecodeStepCost, PrefillCost, PrefixIndex, RequestInfo
+from deepinfer.runtime.balance.load_view import DecodeLoadView, PrefillLoadView
 
 _ARRIVAL, _VE_DONE, _PREFILL_DONE, _HANDOFF_DONE, _DECODE_STEP, _HEARTBEAT = range(6)
 SHORT_PROMPT_TOKENS = 16 * 1024
