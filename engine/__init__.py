@@ -1,1 +1,2 @@
-"""One replica's compute: models, weight loading, runner, scheduler, sampler, structured output."""
+"""One replica's compute, in rooms by responsibility: api, core, sched, sample, text, kv, loader,
+models, spec, parallel (ARCHITECTURE.md, "Folder map")."""
