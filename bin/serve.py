@@ -73,6 +73,12 @@ def add_parser(subparsers, name):
     e.add_argument("--seed", type=int, default=None, help="seed source for requests that give none")
     e.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     e.add_argument("--no-progress", action="store_true", help="no progress bars")
+    e.add_argument("--ep", type=int, default=1, metavar="N",
+                   help="expert parallel over N rank processes (attention data-parallel: each request runs on "
+                        "one rank; the MoE layers' experts are spread over all of them and re-placed by EPLB). "
+                        "A rank that dies fails the requests in flight and the group restarts (default 1)")
+    e.add_argument("--ep-redundant-experts", type=int, default=0, metavar="R",
+                   help="with --ep: replica slots per rank beyond the experts it owns, for EPLB (default 0)")
     add_swa_arguments(p)
     from deepinfer.runtime.disagg.cli_args import add_disagg_arguments  # pd-disagg hook: --disaggregated ...
 
@@ -206,6 +212,11 @@ def _check_args(args) -> None:
         value = getattr(args, flag)
         if value is not None and not 0 < value < 3600:
             raise CliError(f"{name} must be between 0 and 3600 seconds (exclusive), got {value}", code=2)
+    if args.ep < 1 or args.ep_redundant_experts < 0:
+        raise CliError(f"--ep must be >= 1 and --ep-redundant-experts >= 0, got {args.ep} and "
+                       f"{args.ep_redundant_experts}", code=2)
+    if args.ep > 1 and args.disaggregated:
+        raise CliError("--ep with --disaggregated is not built yet: serve --ep N runs the co-located engine", code=2)
     if not 0 <= args.shutdown_grace <= 3600:
         raise CliError(f"--shutdown-grace must be between 0 and 3600 seconds, got {args.shutdown_grace}", code=2)
     if args.api_key is not None and not args.api_key.strip():
@@ -326,7 +337,8 @@ def _run(args) -> int:
     except (EngineOptionsError, ValueError) as exc:
         raise CliError(_flag_message(str(exc)), code=2) from None
     logging.basicConfig(level=envs.get().log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    spec = LaunchSpec(model_dir, args.host, args.port, gateway, options, swa_directory_bind=args.swa_directory_bind)
+    spec = LaunchSpec(model_dir, args.host, args.port, gateway, options, swa_directory_bind=args.swa_directory_bind,
+                      ep_size=args.ep, ep_settings={"redundant_per_rank": args.ep_redundant_experts})
     try:
         if args.disaggregated:  # pd-disagg hook: gateway here, engines as supervised processes
             from deepinfer.runtime.disagg.launch import launch_disaggregated

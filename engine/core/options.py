@@ -15,9 +15,13 @@ cache past the device pool.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 from deepinfer import envs
 from deepinfer.engine.kv.swa_replay import SWA_REPLAY_MODES
+
+if TYPE_CHECKING:
+    from deepinfer.engine.parallel.settings import ExpertParallelSpec
 
 
 class EngineOptionsError(ValueError):
@@ -82,6 +86,9 @@ class EngineOptions:
     kv_store_nodes: str | tuple[str, ...] | list[str] | None = None
     kv_store_ec: str | None = None
     kv_load_deadline_s: float | None = None
+    # this engine as one rank of an expert-parallel group (engine/parallel/settings.py): its MoE
+    # layers keep only its experts' slots and every forward is a step of the whole group
+    expert_parallel: ExpertParallelSpec | None = None
 
     def __post_init__(self) -> None:
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size")

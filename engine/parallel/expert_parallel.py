@@ -17,34 +17,20 @@ schedule starts in the background (``replacement.py``); layers staged on every r
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from deepinfer.engine.parallel.eplb import ExpertLoadWindow, ReplacementSchedule, plan, static_placement
-from deepinfer.engine.parallel.eplb.schedule import DRIFT_MARGIN, window_imbalance
+from deepinfer.engine.parallel.eplb.schedule import window_imbalance
 from deepinfer.engine.parallel.eplb.replica_choice import RULE_NAMES, RuleChooser
 from deepinfer.engine.parallel.ep_moe import EpStepState, ExpertParallelMoE
 from deepinfer.engine.parallel.expert_slots import SparePool
 from deepinfer.engine.parallel.group import EpGroup
 from deepinfer.engine.parallel.layer_placement import LayerPlacement
 from deepinfer.engine.parallel.planner_process import PlannerProcess
+from deepinfer.engine.parallel.settings import EpSettings
 from deepinfer.engine.parallel.replacement import Replacement
-
-
-@dataclass(frozen=True, slots=True)
-class EpSettings:
-    redundant_per_rank: int = 0  # replica slots per rank beyond the experts it owns
-    window: int = 100  # steps of statistics per plan (ARCHITECTURE.md, "Balancers": prefill 100, decode 1000)
-    period: int = 1000  # steps between re-placements (prefill 1000, decode 10,000); 0: never
-    drift_margin: float = DRIFT_MARGIN  # re-place early on drift (eplb/schedule.py); 0: every period only
-    use_history: bool = True  # give the planner the window's steps, not only their sum
-    spare_buffers: int = 1  # layers staged ahead of their swap
-    sample_every: int = 16  # steps between measurements of both replica rules
-    rule_period: int = 256  # steps between replica rule decisions
-    replica_rule: str = "measured"  # "measured" (decided every rule_period), "even" or "least_loaded"
-    plan_in_child: bool = True  # rank 0 plans in a child process (planner_process.py), off the GIL
 
 
 class ExpertParallel:

@@ -34,6 +34,9 @@ class LaunchSpec:
     # host the SWA slot directory in this process at this address (tcp://HOST:PORT); the engine
     # here uses it, other engines join with --swa-directory (cache/swa_directory.py)
     swa_directory_bind: str | None = None
+    # expert parallel over this many rank processes (engine/parallel/engine_group.py); 1: in process
+    ep_size: int = 1
+    ep_settings: dict[str, Any] | None = None  # EpSettings fields (engine/parallel/settings.py)
 
 
 # standalone engines have no heartbeats: an engine whose periodic full slot set (every 2 s,
@@ -78,7 +81,14 @@ async def _launch(spec: LaunchSpec, options: dict[str, Any], print_fn: Callable[
     with stop_on_signals(stop):
         t0 = time.monotonic()
         print_fn(f"Loading {spec.model_dir} ...")
-        starting = asyncio.ensure_future(AsyncEngine.start(model=str(spec.model_dir), **options))
+        if spec.ep_size > 1:
+            from deepinfer.engine.parallel.engine_group import EpEngineGroup
+
+            print_fn(f"Expert parallel over {spec.ep_size} rank processes")
+            starting = asyncio.ensure_future(EpEngineGroup.start(str(spec.model_dir), ep_size=spec.ep_size,
+                                                                 ep_settings=spec.ep_settings, **options))
+        else:
+            starting = asyncio.ensure_future(AsyncEngine.start(model=str(spec.model_dir), **options))
         if not await _until_stopped(starting, stop):
             starting.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -15,8 +15,9 @@ Conventions (follow them when adding a section):
 One module per channel family, each section under a banner naming its channel, direction and
 frame layout: ``common`` (bases, error codes, roles), ``node`` (node control, peer events),
 ``bulk`` (the bulk data plane), ``storage`` (the storage cluster), ``pd`` (prefill/decode handoff),
-``swa`` (SWA slots). Import messages from here (``deepinfer.transport.protocol``); add a section
-as a module of its own and list its names below.
+``swa`` (SWA slots), ``ep`` (an expert-parallel engine group's front and its ranks). Import
+messages from here (``deepinfer.transport.protocol``); add a section as a module of its own and
+list its names below.
 """
 
 from deepinfer.transport.protocol.common import (  # noqa: F401
@@ -113,4 +114,15 @@ from deepinfer.transport.protocol.swa import (  # noqa: F401
     SwaDirectoryReply,
     SwaFetchRequest,
     SwaFetchReplyUnion,
+)
+from deepinfer.transport.protocol.ep import (  # noqa: F401
+    EpGenerate,
+    EpAbort,
+    EpStop,
+    EpRankRequest,
+    EpReady,
+    EpOutput,
+    EpRequestFailed,
+    EpRankStats,
+    EpRankReply,
 )

@@ -1,0 +1,103 @@
+"""The EP engine group behind one EngineClient (what `deepinfer serve --ep N` serves): two real
+rank processes over gloo give the tokens and logprobs of a plain engine; killing a rank mid-run
+ends every request in flight with EpRankLostError within 10 s, and the group restarts and serves
+the same outputs again."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from deepinfer import AsyncEngine, SamplingParams
+from deepinfer.engine.parallel.engine_group import EpEngineGroup, EpRankLostError
+
+PROMPTS = [[5 + i, 17, 300 + i, 44, 99] * (i + 1) for i in range(6)]
+OPTIONS = dict(max_num_seqs=4, num_threads=1)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from deepinfer.engine.models.deepseek_v4.tiny_model import write_tiny_model
+
+    out = tmp_path_factory.mktemp("ep_group") / "tiny"
+    write_tiny_model(out, seed=0, layers="WCH", num_hash_layers=1)
+    return out
+
+
+async def run(client, rid, ids, max_tokens):
+    tokens, logprobs = [], []
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1)
+    async for out in client.generate({"prompt_token_ids": ids}, params, request_id=rid):
+        tokens += out.outputs[0].token_ids
+        logprobs += [position[t].logprob for position, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)]
+    return tokens, logprobs
+
+
+def assert_same(got, want):
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, want, strict=True):
+        assert tokens == ref_tokens
+        assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs, strict=True)) <= 1e-5
+
+
+@pytest.mark.timeout(240)
+def test_ep_group_serves_fails_a_dead_rank_fast_and_restarts(tiny_dir):
+    async def main():
+        reference = await AsyncEngine.start(str(tiny_dir), **OPTIONS)
+        try:
+            want = await asyncio.gather(*(run(reference, f"ref{i}", p, 12) for i, p in enumerate(PROMPTS)))
+        finally:
+            await reference.shutdown()
+        group = await EpEngineGroup.start(str(tiny_dir), ep_size=2, ep_settings=dict(redundant_per_rank=2, window=8,
+                                                                                         period=40), **OPTIONS)
+        try:
+            assert group.model_info.vocab_size == 4096
+            got = await asyncio.gather(*(run(group, f"a{i}", p, 12) for i, p in enumerate(PROMPTS)))
+            assert_same(got, want)
+            assert {len(r.outstanding) for r in group._ranks} == {0}
+
+            # long requests on both ranks, then one rank dies
+            long = [asyncio.create_task(run(group, f"b{i}", p, 400)) for i, p in enumerate(PROMPTS)]
+            await asyncio.sleep(0.5)
+            assert all(not t.done() for t in long), "the requests finished before the rank was killed"
+            victim = group._ranks[1].proc.pid
+            killed = time.monotonic()
+            os.kill(victim, signal.SIGKILL)
+            errors = await asyncio.gather(*long, return_exceptions=True)
+            waited = time.monotonic() - killed
+            assert waited < 10.0, f"requests of the dead group ended {waited:.1f} s after the kill"
+            for err in errors:
+                assert isinstance(err, EpRankLostError), err
+                assert f"EP rank 1 (pid {victim}) exited with status -9" in str(err)
+
+            # the group restarts by itself and serves the same outputs again
+            again = await asyncio.gather(*(run(group, f"c{i}", p, 12) for i, p in enumerate(PROMPTS)))
+            assert_same(again, want)
+            assert group.num_restarts == 1 and victim not in [r.proc.pid for r in group._ranks]
+            await group.check_health()
+            ranks = list(group._ranks)
+        finally:
+            await group.shutdown()
+        # a graceful stop: every rank left the group in the same last round and exited 0
+        assert [r.proc.returncode for r in ranks] == [0, 0]
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--ep", "0"], "--ep must be >= 1"),
+    (["--ep", "2", "--ep-redundant-experts", "-1"], "--ep-redundant-experts >= 0"),
+    (["--ep", "2", "--disaggregated"], "--ep with --disaggregated is not built yet"),
+])
+def test_serve_ep_flags_are_checked(argv, message):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "deepinfer.bin", "serve", "--port", "0", *argv], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2
+    lines = (out.stdout + out.stderr).strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines
