@@ -80,6 +80,10 @@ def build_engine(model_dir: str | Path, options: EngineOptions) -> EngineParts:
                          lookahead=options.lookahead, device=device, dtype=compute,
                          batch_invariant=options.batch_invariant)
     del state
+    if options.expert_parallel is not None:  # one rank of an EP group: its experts only, steps in lockstep
+        from deepinfer.engine.parallel.settings import build_ep_runner
+
+        runner = build_ep_runner(runner, options.expert_parallel)
     num_blocks = runner.blocks.num_blocks
     # a sequence longer than the whole pool could never run (it would preempt itself forever)
     max_model_len = min(max_model_len, num_blocks * bs)
