@@ -45,7 +45,7 @@ class ExpertParallel:
         if planner is None:
             planner = plan
             if settings.plan_in_child and settings.period > 0 and ep.rank == 0:
-                planner = PlannerProcess()
+                planner = PlannerProcess(nice=settings.background_nice)
                 planner.start()
         self.ep, self.settings, self.planner = ep, settings, planner
         self.num_physical = num_logical + ep.size * settings.redundant_per_rank
@@ -115,7 +115,8 @@ class ExpertParallel:
         """Plan from the window now and re-place in the background (every rank, same step)."""
         assert self.replacement is None, "a re-placement is already in flight"
         self.schedule.planned(self.window.num_steps, float("inf"))  # no drift check until it is in service
-        self.replacement = Replacement(self.ep, self.layers, self.pool, self.planner, self.num_logical)
+        self.replacement = Replacement(self.ep, self.layers, self.pool, self.planner, self.num_logical,
+                                       nice=self.settings.background_nice)
         history = self.window.history() if self.settings.use_history else None
         self.replacement.start(self.window.total(), history, self.phy2log)
         self.num_replacements += 1

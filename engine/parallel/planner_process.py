@@ -14,6 +14,7 @@ one .npy array (no pickle):
 from __future__ import annotations
 
 import io
+import os
 import struct
 import subprocess
 import sys
@@ -27,7 +28,8 @@ class PlannerError(RuntimeError):
 
 
 class PlannerProcess:
-    def __init__(self):
+    def __init__(self, nice: int = 19):
+        self.nice = nice  # the child's priority: plans are background work
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
 
@@ -56,8 +58,8 @@ class PlannerProcess:
 
     def _start(self) -> subprocess.Popen:
         if self._proc is None or self._proc.poll() is not None:
-            self._proc = subprocess.Popen([sys.executable, "-m", "deepinfer.engine.parallel.planner_process"],
-                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            self._proc = subprocess.Popen([sys.executable, "-m", "deepinfer.engine.parallel.planner_process",
+                                           str(self.nice)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         return self._proc
 
     def close(self) -> None:
@@ -113,4 +115,8 @@ def serve(inp, out) -> None:
 
 
 if __name__ == "__main__":
+    try:
+        os.nice(int(sys.argv[1]) if len(sys.argv) > 1 else 19)  # background work: the step loop comes first
+    except (OSError, ValueError):
+        pass
     serve(sys.stdin.buffer, sys.stdout.buffer)

@@ -21,6 +21,7 @@ untouched).
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 
@@ -47,9 +48,9 @@ class Replacement:
     """One re-placement in flight (built by ``ExpertParallel`` when the schedule says so)."""
 
     def __init__(self, ep: EpGroup, layers: list, pool: SparePool, planner: Callable[..., np.ndarray],
-                 num_logical: int):
+                 num_logical: int, nice: int = 19):
         self.ep, self.layers, self.pool, self.planner = ep, layers, pool, planner
-        self.num_logical = num_logical
+        self.num_logical, self.nice = num_logical, nice
         self._lock = threading.Lock()
         self._staged: list[tuple[int, np.ndarray, tuple[torch.Tensor, torch.Tensor]]] = []
         self._num_changed: int | None = None
@@ -70,6 +71,7 @@ class Replacement:
 
     # ---- background ----------------------------------------------------------------------------
     def _run(self, total, history, current) -> None:
+        _lower_priority(self.nice)  # on a shared CPU the step loop's threads come first
         try:
             with torch.no_grad():
                 new = self._plan(total, history, current)
@@ -133,6 +135,12 @@ class Replacement:
 
     # ---- the step loop's side -----------------------------------------------------------------------
     @property
+    def num_staged(self) -> int:
+        """Layers this rank has staged so far (swapped or not)."""
+        with self._lock:
+            return len(self._staged)
+
+    @property
     def is_done(self) -> bool:
         """Every changed layer swapped in, as agreed by the group (the same answer on every rank)."""
         return self._all_planned and self.num_swapped == self._num_changed
@@ -170,6 +178,17 @@ class Replacement:
     def join(self, timeout: float | None = None) -> None:
         if self._thread is not None:
             self._thread.join(timeout)
+
+
+def _lower_priority(nice: int) -> None:
+    """Nice this thread (Linux sets priorities per thread): at 19 staging competes only for the
+    CPU the step loop leaves idle. Elsewhere a no-op."""
+    if not nice:
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (AttributeError, OSError):
+        pass
 
 
 def _bucket(history: np.ndarray) -> np.ndarray:

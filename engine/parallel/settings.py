@@ -30,6 +30,9 @@ class EpSettings:
     rule_period: int = 256  # steps between replica rule decisions
     replica_rule: str = "measured"  # "measured" (decided every rule_period), "even" or "least_loaded"
     plan_in_child: bool = True  # rank 0 plans in a child process (planner_process.py), off the GIL
+    # nice value of the staging thread and the planner child: on a shared CPU the step loop first
+    # (19: they run on what the loop leaves idle; 0: as fast as the loop)
+    background_nice: int = 19
 
     def __post_init__(self) -> None:
         for name in ("window", "spare_buffers", "sample_every", "rule_period"):
@@ -38,6 +41,8 @@ class EpSettings:
         for name in ("redundant_per_rank", "period"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise EpSettingsError(f"EP {name} must be an integer >= 0, got {getattr(self, name)!r}")
+        if not (isinstance(self.background_nice, int) and 0 <= self.background_nice <= 19):
+            raise EpSettingsError(f"EP background_nice must be an integer from 0 to 19, got {self.background_nice!r}")
         if not self.drift_margin >= 0:
             raise EpSettingsError(f"EP drift_margin must be >= 0, got {self.drift_margin!r}")
         if self.replica_rule not in REPLICA_RULES:

@@ -36,6 +36,9 @@ Settings (ARCHITECTURE.md, "Balancers": prefill 4 spare experts per GPU, 100-ste
         next ones) or 100 steps (decode), serving the rest of the trace; EP stops at 16 GPUs
         (one expert owned per GPU)
 
+``--traces steps`` (not in the default set) runs a real 2-rank EP group on the tiny V4 and reports
+step times around its re-placements (``deepinfer_bench.eplb.replacement_steps``: ``steps_*``).
+
 ``--trace PATH.npy`` replays your own float array [steps, layers, experts] instead, with
 ``--gpus --redundant-per-gpu --window --period [--nodes]``. Size: ``--traces``, ``--layers``,
 ``--experts``, ``--prefill-periods``, ``--decode-periods``, ``--decode-gpus``, ``--tiny-*-steps``
@@ -90,6 +93,7 @@ def build_parser():
         ("--decode-gpus", 64, "synthetic: decode EP size"),
         ("--tiny-prefill-steps", 150, "tiny: prefill steps recorded"),
         ("--tiny-decode-steps", 300, "tiny: decode steps recorded"),
+        ("--steps-decode", 240, "steps: decode steps of the EP group run"),
         ("--seed", 0, "trace seed"),
     ):
         p.add_argument(flag, type=int, default=default, help=f"{text} (default %(default)s)")
@@ -115,6 +119,12 @@ def main(argv=None) -> int:
     except BenchError as exc:
         print(f"deepinfer bench eplb: {exc}")
         return 2
+    if "steps" in [t.strip() for t in args.traces.split(",")] and args.trace is None:
+        _measure_steps(report, args)
+    if not results:
+        report.figure("wall_s", time.perf_counter() - start)
+        report.finish(args.json)
+        return 0
     ours, baseline = [r[0] for r in results], [r[1] for r in results]
     report.figure("realised_imbalance", max(ours))
     report.figure("baseline_imbalance", max(baseline))
@@ -160,15 +170,23 @@ def _measure(report: Report, setting: Setting, chunks, num_layers: int, num_expe
             [series[n].num_plans for n in names])
 
 
+def _measure_steps(report: Report, args) -> None:
+    """``--traces steps``: step times around re-placements in a real 2-rank EP group."""
+    from deepinfer_bench.eplb.replacement_steps import measure
+
+    for name, value in measure(steps=args.steps_decode).items():
+        report.figure(f"steps_{name}", value)
+
+
 def _runs(args):
     """(setting, chunks, num_layers, num_experts) per setting; chunks may be a lazy iterator."""
     if args.trace is not None:
         yield _file_run(args)
         return
     traces = [t.strip() for t in args.traces.split(",") if t.strip()]
-    unknown = sorted(set(traces) - {"synthetic", "tiny"})
+    unknown = sorted(set(traces) - {"synthetic", "tiny", "steps"})
     if unknown or not traces:
-        raise BenchError(f"--traces {args.traces!r}: choose from synthetic, tiny")
+        raise BenchError(f"--traces {args.traces!r}: choose from synthetic, tiny, steps")
     if min(args.layers, args.experts, args.top_k, args.prefill_periods, args.decode_periods) < 1:
         raise BenchError("--layers, --experts, --top-k and the period counts must be at least 1")
     if "synthetic" in traces:

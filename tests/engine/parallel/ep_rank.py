@@ -3,7 +3,8 @@
 SPEC: {"world": N, "port": P, "out": DIR, "v41_dir": DIR | null, "cases": [case, ...]}; a case
 is {"name", "model": "v4" | "v41", "groups": [[world ranks], ...], "settings": {EpSettings
 fields}} and optionally "workload": {"lengths", "gens"} (harness.workload), "layers" / "hash"
-(the V4's layer kinds and hash layers). For each case the world splits into its groups, each group
+(the V4's layer kinds and hash layers), "staged_by_step": S (before step S, wait until this
+rank has staged a layer of the re-placement in flight, so a swap lands inside the run). For each case the world splits into its groups, each group
 runs the whole workload expert-parallel (prompt i on group rank i % size), and each rank writes
 ``DIR/<name>.g<group>.r<rank>.pt``: its outputs, the placements before and after, re-placement
 counts and step times.
@@ -48,7 +49,13 @@ def run_case(world: EpGroup, spec: dict, case: dict) -> None:
     begin: list[float] = []  # seconds inside begin_step (agreements and swaps)
     tick = [time.perf_counter()]
 
+    wait_at = case.get("staged_by_step")  # make this step's boundary swap: wait for this rank's staging
+
     def before_step():
+        if wait_at is not None and parallel.num_steps == wait_at and parallel.replacement is not None:
+            deadline = time.monotonic() + 60
+            while parallel.replacement.num_staged < 1 and time.monotonic() < deadline:
+                time.sleep(0.005)
         now = time.perf_counter()
         if parallel.num_steps:
             times.append(now - tick[0])
@@ -85,6 +92,7 @@ def main() -> int:
     rank = int(sys.argv[2])
     print(f"rank {rank}: started in {time.perf_counter() - STARTED:.2f} s", flush=True)
     torch.set_num_threads(1)
+    sys.setswitchinterval(0.0005)  # the engine's setting (engine/core/step_loop.tune_interpreter)
     world = EpGroup.init(rank, spec["world"], f"tcp://127.0.0.1:{spec['port']}", timeout_s=60)
     try:
         for case in spec["cases"]:
