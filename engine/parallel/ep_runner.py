@@ -11,7 +11,9 @@ anyone waiting for work that is not there:
 
 The device thread asks with 1 from ``execute``; a poll thread asks with 0 while the device thread
 has nothing, so a rank with no requests still serves its experts. One lock keeps the two from
-issuing collectives at once; the order of rounds is the same on every rank.
+issuing collectives at once; the order of rounds is the same on every rank. A closing rank goes
+on serving the others' steps from its poll thread until every rank is closing: that round is the
+last on every rank, so nobody leaves a peer waiting in a collective.
 
 A dead peer is an error within the group's timeout, never a hang: the failing collective raises,
 the runner is broken from then on (``EpGroupError`` from every call, at once), and the engine's
@@ -35,16 +37,16 @@ log = logging.getLogger(__name__)
 POLL_S = 0.001  # idle polls while recently busy
 SLOW_POLL_S = 0.02  # after IDLE_SLOWDOWN_S without work anywhere
 IDLE_SLOWDOWN_S = 1.0
-STOP = 2  # a round's value when a rank is closing (the maximum wins: all stop together)
 
 
 class EpRunner:
     """Wraps a ``ModelRunner`` whose model ``ExpertParallel`` has sharded; the rest of the runner's
     interface (KV layout, blocks, slots) passes through."""
 
-    def __init__(self, runner, parallel: ExpertParallel, timeout_s: float = 30.0):
+    def __init__(self, runner, parallel: ExpertParallel, timeout_s: float = 30.0, *, owns_group: bool = False):
         self._runner = runner
         self.ep_timeout_s = timeout_s
+        self._owns_group = owns_group  # close() leaves torch.distributed too (one group per process)
         self.parallel = parallel
         self.ep = parallel.ep
         self._lock = threading.Lock()
@@ -68,8 +70,7 @@ class EpRunner:
         with self._lock:
             self._check()
             try:
-                if self._agree(1) == STOP:
-                    raise EpGroupError(f"EP rank {self.ep.rank}: the group is closing")
+                self._agree(1)
                 self.parallel.begin_step()
                 out = forward(batch)
             except EpGroupError:
@@ -87,10 +88,10 @@ class EpRunner:
                 if self._broken is not None:
                     return
                 try:
-                    result = self._agree(STOP if self._closed.is_set() else 0)
-                    if result == STOP:  # every rank is closing: no round after this one
+                    any_work, all_closing = self._agree(0, self._closed.is_set())
+                    if all_closing:  # every rank is closing: no round after this one
                         return
-                    stepped = result == 1
+                    stepped = any_work
                     if stepped:
                         self.parallel.begin_step()
                         with torch.inference_mode():
@@ -106,9 +107,11 @@ class EpRunner:
             self._closed.wait(POLL_S if now - idle_since < IDLE_SLOWDOWN_S else SLOW_POLL_S)
 
     # ---- shared ----------------------------------------------------------------------------------
-    def _agree(self, value: int) -> int:
-        """One round: the maximum over the group of 0 (idle), 1 (a forward) or STOP."""
-        return int(self.ep.agree_max(torch.tensor([value], dtype=torch.int64)).item())
+    def _agree(self, has_work: int, is_closing: bool = False) -> tuple[bool, bool]:
+        """One round: (does any rank have a forward, is every rank closing). One all-reduce of
+        [has_work, -is_closing] under MAX: the second is minus the minimum of the closing flags."""
+        flags = self.ep.agree_max(torch.tensor([has_work, -int(is_closing)], dtype=torch.int64)).tolist()
+        return bool(flags[0]), flags[1] == -1
 
     def _check(self) -> None:
         if self._broken is not None:
@@ -132,9 +135,10 @@ class EpRunner:
         return self._broken
 
     def close(self) -> None:
-        """Leave the group cleanly: once every rank has closed, the last round says STOP and no
-        rank issues another collective (a rank that never closes: the timeout ends it)."""
+        """Leave the group cleanly: returns once every rank has closed (the round that sees them all
+        closing is the last anywhere); a rank that never closes: the group's timeout ends it."""
         self._closed.set()
         self._poller.join(timeout=self.ep_timeout_s + 1.0)
         self.parallel.close()
-        self.ep.close()
+        if self._owns_group:
+            self.ep.close()

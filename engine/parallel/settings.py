@@ -75,4 +75,4 @@ def build_ep_runner(runner, spec: ExpertParallelSpec):
     from deepinfer.engine.parallel.group import EpGroup
 
     ep = EpGroup.init(spec.rank, spec.size, spec.init_method, device=runner.device, timeout_s=spec.timeout_s)
-    return EpRunner(runner, ExpertParallel(runner.model, ep, spec.settings), timeout_s=spec.timeout_s)
+    return EpRunner(runner, ExpertParallel(runner.model, ep, spec.settings), timeout_s=spec.timeout_s, owns_group=True)

@@ -17,6 +17,7 @@ import time
 STARTED = time.perf_counter()
 
 import json  # noqa: E402
+import os  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path
 
@@ -27,10 +28,44 @@ sys.path.insert(0, str(HERE))
 import ep_harness as harness  # noqa: E402
 
 from deepinfer.engine.parallel.expert_parallel import EpSettings, ExpertParallel  # noqa: E402
-from deepinfer.engine.parallel.group import EpGroup  # noqa: E402
+from deepinfer.engine.parallel.ep_runner import EpRunner  # noqa: E402
+from deepinfer.engine.parallel.group import EpGroup, EpGroupError  # noqa: E402
+
+
+def run_runner_case(world: EpGroup, spec: dict, case: dict) -> None:
+    """Through EpRunner: no manual lockstep; a rank that has finished idles on its poll thread.
+    With "die": {"rank": r, "after": k}, rank r exits abruptly after k forwards (writing the time
+    first) and the others record the error their next forward raises."""
+    ep = EpGroup.split(world, case["groups"])
+    group = next(i for i, ranks in enumerate(case["groups"]) if world.rank in ranks)
+    runner = harness.v4_runner(num_seqs=8)
+    ep_runner = EpRunner(runner, ExpertParallel(runner.model, ep, EpSettings(**case["settings"])), timeout_s=30)
+    work = harness.workload(runner.config.vocab_size)
+    die = case.get("die")
+    out = Path(spec["out"]) / f"{case['name']}.g{group}.r{ep.rank}.pt"
+    result = {}
+    forwards = [0]
+
+    def count():
+        if die and ep.rank == die["rank"] and forwards[0] == die["after"]:
+            torch.save({"died_at": time.time()}, out)
+            os._exit(17)
+        forwards[0] += 1
+
+    try:
+        result["outputs"] = harness.run_lockstep(ep_runner, work, work.owned(ep.rank, ep.size), count)
+    except EpGroupError as exc:
+        result.update(error=str(exc), failed_at=time.time())
+    if "error" not in result:
+        ep_runner.close()  # returns once every rank has closed: the idle steps are all counted
+    result.update(num_steps=ep_runner.num_steps, num_idle_steps=ep_runner.num_idle_steps)
+    torch.save(result, out)
+    return "error" in result
 
 
 def run_case(world: EpGroup, spec: dict, case: dict) -> None:
+    if case.get("runner") == "ep_runner":
+        return run_runner_case(world, spec, case)
     ep = EpGroup.split(world, case["groups"])
     group = next(i for i, ranks in enumerate(case["groups"]) if world.rank in ranks)
     shape = case.get("workload", {})
@@ -97,8 +132,11 @@ def main() -> int:
     try:
         for case in spec["cases"]:
             start = time.perf_counter()
-            run_case(world, spec, case)
+            broken = run_case(world, spec, case)
             print(f"rank {rank}: {case['name']} {time.perf_counter() - start:.2f} s", flush=True)
+            if broken:  # a peer died: leaving the group would wait on it
+                sys.stdout.flush()
+                os._exit(0)
     finally:
         world.close()
     return 0
