@@ -17,6 +17,7 @@ SUBCOMMANDS = {
     "storage": "deepinfer.bin.storage",
     "bench": "deepinfer.bin.bench",
     "make-tiny-model": "deepinfer.bin.tiny_model",
+    "train-tiny": "deepinfer.bin.train_tiny",
     "version": "deepinfer.bin.version",
 }
 
