@@ -105,8 +105,10 @@ def build_engine(model_dir: str | Path, options: EngineOptions) -> EngineParts:
         model_id=name,
         step_time_target_s=options.step_time_target_s,
     )
+    # a family with a vision tower names its image token (V4.1's config: image_token_id + vision)
+    image_token = getattr(cfg, "image_token_id", None) if getattr(cfg, "vision", None) is not None else None
     core_cfg = EngineCoreConfig(sched, num_blocks=num_blocks, vocab_size=cfg.vocab_size, eos_token_ids=eos_ids,
-                                device=str(runner.device),
+                                device=str(runner.device), image_token_id=image_token,
                                 max_num_waiting=options.max_num_waiting)
     detok_factory = tokenizer.detokenizer_for if tokenizer is not None else None
     decode_token = tokenizer.decode_token if tokenizer is not None else None
