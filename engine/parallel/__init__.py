@@ -11,5 +11,6 @@
     planner_process.py the planner in a child process (off the step loop's GIL)
     ep_runner.py       the runner of an EP rank: every forward a step of the group, idle ranks serve
     settings.py        EpSettings, ExpertParallelSpec (EngineOptions.expert_parallel), build_ep_runner
-    rank_worker.py     one rank as a process; engine_group.py: N of them behind one EngineClient
+The processes of an EP group (one rank per process, N of them behind one EngineClient) are
+runtime/ep/: they speak the transport's wire, which this layer may not import.
 """

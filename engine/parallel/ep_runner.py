@@ -18,7 +18,7 @@ last on every rank, so nobody leaves a peer waiting in a collective.
 A dead peer is an error within the group's timeout, never a hang: the failing collective raises,
 the runner is broken from then on (``EpGroupError`` from every call, at once), and the engine's
 step loop fails the step's requests. Restarting the group is the launcher's job
-(``engine_group.py``): a broken group does not heal.
+(``runtime/ep/engine_group.py``): a broken group does not heal.
 """
 
 from __future__ import annotations

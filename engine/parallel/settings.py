@@ -2,7 +2,7 @@
 
 ``EpSettings``: the balancer and replica-rule knobs of one rank's ``ExpertParallel``.
 ``ExpertParallelSpec``: one rank's place in a group (``EngineOptions.expert_parallel``; the
-launcher, engine_group.py, gives every rank its own).
+launcher, runtime/ep/engine_group.py, gives every rank its own).
 """
 
 from __future__ import annotations

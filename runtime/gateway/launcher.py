@@ -34,7 +34,7 @@ class LaunchSpec:
     # host the SWA slot directory in this process at this address (tcp://HOST:PORT); the engine
     # here uses it, other engines join with --swa-directory (cache/swa_directory.py)
     swa_directory_bind: str | None = None
-    # expert parallel over this many rank processes (engine/parallel/engine_group.py); 1: in process
+    # expert parallel over this many rank processes (runtime/ep/engine_group.py); 1: in process
     ep_size: int = 1
     ep_settings: dict[str, Any] | None = None  # EpSettings fields (engine/parallel/settings.py)
 
@@ -82,7 +82,7 @@ async def _launch(spec: LaunchSpec, options: dict[str, Any], print_fn: Callable[
         t0 = time.monotonic()
         print_fn(f"Loading {spec.model_dir} ...")
         if spec.ep_size > 1:
-            from deepinfer.engine.parallel.engine_group import EpEngineGroup
+            from deepinfer.runtime.ep.engine_group import EpEngineGroup
 
             print_fn(f"Expert parallel over {spec.ep_size} rank processes")
             starting = asyncio.ensure_future(EpEngineGroup.start(str(spec.model_dir), ep_size=spec.ep_size,

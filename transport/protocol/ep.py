@@ -1,5 +1,5 @@
-"""Expert-parallel engine group: the front (``engine/parallel/engine_group.py``) and its rank
-processes (``engine/parallel/rank_worker.py``).
+"""Expert-parallel engine group: the front (``runtime/ep/engine_group.py``) and its rank
+processes (``runtime/ep/rank_worker.py``).
 
 Conventions (tags, array_like, defaults at the end, gc=False): transport/protocol/__init__.py.
 """

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from deepinfer import AsyncEngine, SamplingParams
-from deepinfer.engine.parallel.engine_group import EpEngineGroup, EpRankLostError
+from deepinfer.runtime.ep.engine_group import EpEngineGroup, EpRankLostError
 
 PROMPTS = [[5 + i, 17, 300 + i, 44, 99] * (i + 1) for i in range(6)]
 OPTIONS = dict(max_num_seqs=4, num_threads=1)

@@ -1,6 +1,6 @@
 """One rank of an expert-parallel engine group, as a process of its own:
 
-    python -m deepinfer.engine.parallel.rank_worker '{"model": DIR, "options": {...}, "rank": r,
+    python -m deepinfer.runtime.ep.rank_worker '{"model": DIR, "options": {...}, "rank": r,
         "size": n, "init_method": "tcp://127.0.0.1:P", "settings": {...}, "timeout_s": 30}'
 
 It runs an ``AsyncEngine`` whose runner is an ``EpRunner`` (``EngineOptions.expert_parallel``)

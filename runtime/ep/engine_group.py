@@ -38,7 +38,7 @@ from deepinfer.engine.api.protocol import (
     ModelInfo,
 )
 from deepinfer.engine.api.sampling_params import SamplingParams
-from deepinfer.engine.parallel.rank_worker import frame, read_frame
+from deepinfer.runtime.ep.rank_worker import frame, read_frame
 from deepinfer.engine.parallel.settings import EpSettings, EpSettingsError
 from deepinfer.transport.codec import Codec
 from deepinfer.transport.errors import TransportError
@@ -218,7 +218,7 @@ class EpEngineGroup:
         config = dict(model=self.model, options=self.options, rank=rank, size=self.size,
                       init_method=f"tcp://127.0.0.1:{port}", settings=asdict(self.settings), timeout_s=self.timeout_s)
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "deepinfer.engine.parallel.rank_worker", json.dumps(config),
+            sys.executable, "-m", "deepinfer.runtime.ep.rank_worker", json.dumps(config),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
         return _Rank(rank, proc)
 

@@ -1,0 +1,4 @@
+"""Expert-parallel engine groups as processes: ``engine_group.py`` (N rank processes behind one
+``EngineClient``, for ``deepinfer serve --ep N``) and ``rank_worker.py`` (one rank). The EP math
+itself (dispatch/combine, replicas, re-placement) is engine/parallel/; this room owns the
+processes and their wire (transport/protocol/ep.py), which the engine layer may not import."""
