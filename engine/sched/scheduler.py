@@ -22,9 +22,9 @@ sampling the previous step and before launching this one (see engine_core.py). A
 handed to a SeqStep never changes afterwards: growing copies it first (the runner may be reading it
 on the device thread), rollback and preemption replace it.
 
-This class owns the state (requests, queues, pools) and its bookkeeping; the two verbs are built by
+This class owns the state (requests, queues, pools), its bookkeeping and the commit of a step
+(``update_from_output``: accepted tokens in, rejected drafts rolled back, stops applied); beside it
   schedule.py   schedule(): priority preemption, running requests, admission, each request's SeqStep
-  commit.py     update_from_output()
   types.py      the values they pass around (config, the step's plan and budget, the waiting queue)
 """
 
@@ -37,9 +37,8 @@ from deepinfer.cache.block_hash import MultiModalSpan, extend_block_hashes, root
 from deepinfer.cache.block_pool import BlockPool
 from deepinfer.cache.slot_pool import SlotPool
 from deepinfer.engine.api.sampling_params import SamplingParams
-from deepinfer.engine.core.request import Request, RequestStatus
+from deepinfer.engine.core.request import Request, RequestStatus, check_token_stop
 from deepinfer.engine.kv.manager import KVManager
-from deepinfer.engine.sched.commit import commit_step
 from deepinfer.engine.sched.cost_model import CostModel
 from deepinfer.engine.sched.schedule import admit_waiting, preempt_for_priority, schedule_running
 from deepinfer.engine.sched.types import (
@@ -190,8 +189,76 @@ class Scheduler:
         request with sample rows: 1 + the number of accepted drafts (fewer than scheduled rolls
         ``num_computed_tokens`` back and frees blocks past the need). Requests finished or
         aborted since ``schedule()`` are skipped; a request preempted since then (stale epoch)
-        keeps the tokens it sampled (they were computed from valid state) and nothing else."""
-        return commit_step(self, output, sampled)
+        keeps the tokens it sampled (they were computed from valid state) and nothing else.
+        Rolling back is exact: every cache row is position-addressed, so rejected positions are
+        simply overwritten later (engine/core/batch.py)."""
+        bs = self.config.block_size
+        updates: list[RequestUpdate] = []
+        requests = self.requests
+        for s in output.scheduled:
+            req = requests.get(s.request_id)
+            if req is None:
+                continue
+            is_stale = req.num_preemptions != s.preemption_epoch
+            if s.num_sample_rows == 1 and not s.num_prompt_logprob_rows and not is_stale:
+                tokens = sampled.get(s.request_id)
+                if tokens is not None and len(tokens) == 1 and self._commit_one_token(req, s, tokens[0]):
+                    updates.append(RequestUpdate(req, [tokens[0]], 0, None))
+                    continue
+            tokens = sampled.get(s.request_id, ())
+            if s.num_prompt_logprob_rows:
+                end_row = s.first_prompt_logprob_row + s.num_prompt_logprob_rows
+                req.num_prompt_logprob_rows_done = max(req.num_prompt_logprob_rows_done, end_row)
+            num_rejected = 0
+            if s.num_sample_rows:
+                if not 1 <= len(tokens) <= s.num_sample_rows:
+                    raise ValueError(
+                        f"request {s.request_id!r}: {len(tokens)} accepted tokens for {s.num_sample_rows} sample rows"
+                    )
+                req.num_output_placeholders -= 1
+                req.is_awaiting_verification = False
+                num_rejected = s.num_sample_rows - len(tokens)
+            elif tokens:
+                raise ValueError(f"request {s.request_id!r}: tokens given for a step that samples nothing")
+            if num_rejected and not is_stale:
+                req.num_computed_tokens -= num_rejected
+            stop = check_token_stop(req, tokens)
+            kept = list(tokens[: stop.num_kept])
+            if kept:
+                req.append_output_tokens(kept, bs)
+            if not is_stale and req.status == RequestStatus.RUNNING:
+                self.kv.register_blocks(req, s.step.end_pos - num_rejected)
+                if num_rejected:
+                    self.kv.trim_blocks(req)
+            if stop.status is not None:
+                self.finish(req, stop.status, stop.stop_reason)
+            updates.append(RequestUpdate(req, kept, num_rejected, stop.status))
+        return updates
+
+    def _commit_one_token(self, req: Request, s: ScheduledSeq, tok: int) -> bool:
+        """Fast path of ``update_from_output`` for one sampled token that stops nothing; False
+        (nothing changed) sends the request down the general path."""
+        params = req.sampling_params
+        out_ids, all_ids = req.output_token_ids, req.all_token_ids
+        num_out = len(out_ids) + 1
+        if (
+            (num_out >= params.min_tokens and ((tok in req.eos_token_ids and not params.ignore_eos) or tok in params.stop_token_ids))
+            or (params.max_tokens is not None and num_out >= params.max_tokens)
+            or len(all_ids) + 1 >= req.max_model_len
+        ):
+            return False
+        bs = self.config.block_size
+        req.num_output_placeholders -= 1
+        req.is_awaiting_verification = False
+        out_ids.append(tok)
+        all_ids.append(tok)
+        if req.block_root and len(all_ids) // bs > len(req.block_hashes):
+            extend_block_hashes(req.block_hashes, all_ids, bs, req.block_root, req.mm_spans)
+        step = s.step
+        end_pos = step.start_pos + len(step.token_ids)
+        if req.status == RequestStatus.RUNNING and end_pos // bs > req.num_registered_blocks:
+            self.kv.register_blocks(req, end_pos)
+        return True
 
     # ---- block / slot bookkeeping (the step builders call these) ----------------------
     def preempt(self, req: Request, out: SchedulerOutput, budget: StepBudget) -> None:
