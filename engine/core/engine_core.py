@@ -1,8 +1,8 @@
 """One replica's engine core: requests in, steps as calls, output deltas out.
 
-``EngineCore`` owns the scheduler, the sampling preparer and the output processor of one
-replica and exposes a step as calls that the one step loop (step_loop.py) and the device chain
-(device_chain.py) interleave: ``schedule_step`` -> ``prepare_sampling`` -> (device thread)
+``EngineCore`` owns the scheduler, the sampling preparer, the sampler and the output processor
+of one replica and exposes a step as calls that the one step loop (step_loop.py) and the device
+chain (device_chain.py) interleave: ``schedule_step`` -> ``prepare_sampling`` -> (device thread)
 ``execute`` -> ``run_sampling`` [-> ``fill_placeholders`` of the next step] -> ``commit_step``.
 ``fill_placeholders``, ``execute`` and ``run_sampling`` run in order on ONE worker thread (the
 "device thread"); everything else runs on the loop's thread. Which call overlaps which, and why
@@ -37,7 +37,8 @@ from deepinfer.engine.api.sampling_params import SamplingParams, choice_params
 from deepinfer.engine.core.batch import ForwardBatch
 from deepinfer.engine.core.hooks import EngineHooks
 from deepinfer.engine.core.request import RequestStatus
-from deepinfer.engine.sample.prep import SampledStep, SamplingPrep, SamplingPreparer
+from deepinfer.engine.sample.metadata import SamplingPrep, SamplingPreparer
+from deepinfer.engine.sample.sampler import SampledStep, Sampler
 from deepinfer.engine.sample.structured_output import GrammarState, StructuredOutputBackend
 from deepinfer.engine.sched.cost_model import CostModel
 from deepinfer.engine.sched.scheduler import Scheduler, SchedulerConfig, SchedulerError, SchedulerOutput
@@ -111,9 +112,9 @@ class EngineCore:
         self.outputs = OutputProcessor(detokenizer_factory, decode_token)
         self.structured_output = structured_output
         self._grammars: dict[str, GrammarState] = {}
+        self.sampler = Sampler()
         self._sampling = SamplingPreparer(self.scheduler.requests, self._grammars, config.vocab_size, config.device,
-                                          structured_output)
-        self.sampler = self._sampling.sampler
+                                          structured_output, self.sampler)
         self._children: dict[str, list[str]] = {}  # parent id -> engine request ids
         self._parent_of: dict[str, str] = {}
         self._seed_rng = seed_rng or random.SystemRandom()
@@ -301,7 +302,7 @@ class EngineCore:
 
     def run_sampling(self, prep: SamplingPrep, logits: torch.Tensor) -> SampledStep:
         """Tensor work only (safe in the device thread): sample, verify drafts, logprobs."""
-        return self._sampling.run(prep, logits)
+        return self.sampler.sample_step(prep, logits)
 
     def commit_step(self, plan: StepPlan, sampled: SampledStep) -> list[RequestOutput]:
         self.num_steps += 1

@@ -1,19 +1,36 @@
-"""Per-step sampling inputs as batch tensors, built once per step from plain per-row values.
+"""A step's sampling inputs: request state (seeds, positions, penalty history, grammar bitmasks)
+to per-row values to batch tensors, on the caller's thread. The device thread's half, sampling
+from the logits, is sampler.py; ``EngineCore.prepare_sampling`` / ``run_sampling`` call the two.
 
 One row = one sampled position (a decode, a final prefill chunk, or one position of a
 speculative run). Everything the sampler needs is a function of the row alone, which is what
-makes sampling batch-invariant.
+makes sampling batch-invariant. ``SamplingPreparer.prepare`` reads request state and must run
+after the previous step is committed.
+
+Plain steps (the serving common case: every sampled sequence has one sample row, no drafts, no
+prompt logprobs, no penalties, no logprobs, no grammar, past min_tokens) take a fast path: each
+request's sampling constants are computed once (``RowSpec``, cached on the Request) and the
+step's tensors are built from them and the positions alone; keys are hashed vectorised. The
+general path builds one ``SampleRow`` per row. Both produce the same tensors for the same rows,
+so which path a step takes never changes a token.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from deepinfer.engine.api.sampling_params import SamplingParams
+from deepinfer.engine.core.request import Request
+from deepinfer.engine.sample.structured_output import GrammarState, StructuredOutputBackend
+from deepinfer.engine.sched.types import SchedulerOutput
 from deepinfer.kernels.counter_rng import row_key, row_keys, seed_key
+
+if TYPE_CHECKING:
+    from deepinfer.engine.sample.sampler import Sampler
 
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -222,3 +239,127 @@ def _build_penalties(rows: Sequence[SampleRow], vocab_size: int, device) -> Pena
         return host_tensor([float(getattr(r.params, name)) for r in rows], None, device).unsqueeze(1)
 
     return PenaltyTensors(counts, seen, col("repetition_penalty"), col("frequency_penalty"), col("presence_penalty"))
+
+
+@dataclass(slots=True)
+class SamplingPrep:
+    """What ``SamplingPreparer.prepare`` hands to ``Sampler.sample_step`` (built from request state)."""
+
+    meta: SamplingMetadata | None = None
+    row_index: torch.Tensor | None = None  # logit rows that are sampled (None: all, in order)
+    request_rows: dict[str, range] = field(default_factory=dict)
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # empty on plain steps
+    prompt_index: torch.Tensor | None = None  # logit rows scored for prompt logprobs
+    prompt_targets: torch.Tensor | None = None
+    prompt_rows: dict[str, range] = field(default_factory=dict)
+    max_prompt_top: int = 0
+    plain_ids: list[str] | None = None  # plain step: the request of each sample row, in order
+
+
+class SamplingPreparer:
+    def __init__(
+        self,
+        requests: Mapping[str, Request],
+        grammars: Mapping[str, GrammarState],
+        vocab_size: int,
+        device: str,
+        structured_output: StructuredOutputBackend | None,
+        sampler: Sampler,
+    ) -> None:
+        """``requests`` and ``grammars`` are the live maps (read at each prepare); ``sampler``
+        draws the rows' noise ahead (``Sampler.precompute_noise``)."""
+        self.requests = requests
+        self.grammars = grammars
+        self.vocab_size = vocab_size
+        self.device = device
+        self.structured_output = structured_output
+        self.sampler = sampler
+
+    def prepare(self, sched: SchedulerOutput) -> SamplingPrep:
+        prep = self._prepare_plain(sched)
+        return prep if prep is not None else self._prepare_general(sched)
+
+    def _prepare_plain(self, sched: SchedulerOutput) -> SamplingPrep | None:
+        """None when some sequence needs the general path."""
+        requests, grammars = self.requests, self.grammars
+        specs: list[RowSpec] = []
+        positions: list[int] = []
+        ids: list[str] = []
+        for s in sched.scheduled:
+            num_logits = s.step.num_logits
+            if not num_logits:
+                continue  # a middle prefill chunk
+            if num_logits != 1 or s.num_sample_rows != 1:
+                return None  # prompt logprobs or drafts
+            rid = s.request_id
+            req = requests.get(rid)
+            if req is None:
+                return None  # finished since it was scheduled: its row is skipped (general path)
+            spec = req.row_spec
+            if spec is None:
+                spec = req.row_spec = RowSpec.of(req.sampling_params, req.seed, self.vocab_size) or False
+            if spec is False or len(req.output_token_ids) < req.sampling_params.min_tokens or rid in grammars:
+                return None
+            specs.append(spec)
+            positions.append(len(req.all_token_ids))
+            ids.append(rid)
+        prep = SamplingPrep(plain_ids=ids)
+        if ids:
+            prep.meta = SamplingMetadata.from_plain(specs, positions, self.device)
+            self.sampler.precompute_noise(prep.meta, self.vocab_size)  # off the device thread
+            prep.request_rows = {rid: range(i, i + 1) for i, rid in enumerate(ids)}
+        return prep
+
+    def _prepare_general(self, sched: SchedulerOutput) -> SamplingPrep:
+        prep = SamplingPrep()
+        requests = self.requests
+        rows: list[SampleRow] = []
+        row_index: list[int] = []
+        grammar_rows: list[tuple[GrammarState, int, list[int]]] = []
+        prompt_index: list[int] = []
+        prompt_targets: list[int] = []
+        offset = 0
+        for s in sched.scheduled:
+            req = requests.get(s.request_id)
+            start, offset = offset, offset + s.step.num_logits
+            if req is None:
+                continue  # finished or aborted since it was scheduled
+            if s.num_prompt_logprob_rows:
+                first = s.first_prompt_logprob_row
+                prep.prompt_rows[s.request_id] = range(len(prompt_index), len(prompt_index) + s.num_prompt_logprob_rows)
+                prompt_index.extend(range(start, start + s.num_prompt_logprob_rows))
+                prompt_targets.extend(req.all_token_ids[first + 1 : first + 1 + s.num_prompt_logprob_rows])
+                prep.max_prompt_top = max(prep.max_prompt_top, req.sampling_params.prompt_logprobs)
+            if not s.num_sample_rows:
+                continue
+            drafts = list(s.step.token_ids[len(s.step.token_ids) - s.num_draft_tokens :]) if s.num_draft_tokens else []
+            params = req.sampling_params
+            prep.request_rows[s.request_id] = range(len(rows), len(rows) + s.num_sample_rows)
+            prep.drafts[s.request_id] = drafts
+            grammar = self.grammars.get(s.request_id)
+            if grammar is not None:
+                grammar_rows.append((grammar, len(rows), drafts))
+            num_tokens, num_out = req.num_tokens, req.num_output_tokens
+            penalized = has_penalties(params)
+            for k in range(s.num_sample_rows):
+                suppress = ()
+                if num_out + k < params.min_tokens:
+                    suppress = tuple(req.eos_token_ids) + tuple(params.stop_token_ids)
+                history = req.output_token_ids + drafts[:k] if penalized else ()
+                rows.append(SampleRow(params, req.seed, num_tokens + k, req.prompt_token_ids, history, suppress))
+                row_index.append(start + s.num_prompt_logprob_rows + k)
+        device = self.device
+        if rows:
+            bitmask = None
+            if grammar_rows:
+                bitmask = self.structured_output.allocate_bitmask(len(rows))
+                for grammar, first, drafts in grammar_rows:
+                    grammar.fill_bitmasks_for_drafts(bitmask, first, drafts)
+            prep.meta = SamplingMetadata.build(rows, self.vocab_size, device, bitmask)
+            self.sampler.precompute_noise(prep.meta, self.vocab_size)
+            if len(row_index) != offset or row_index[-1] != offset - 1:  # not simply every row
+                prep.row_index = host_tensor(row_index, torch.int64, device)
+        if prompt_index:
+            prep.prompt_index = host_tensor(prompt_index, torch.int64, device)
+            prep.prompt_targets = host_tensor(prompt_targets, torch.int64, device)
+        return prep

@@ -1,4 +1,6 @@
-"""Sampling from the runner's logits: vectorised over rows, deterministic, batch-invariant.
+"""Sampling from the runner's logits: vectorised over rows, deterministic, batch-invariant. The
+device thread's half of a step's sampling (``Sampler.sample_step``: tensor work only on what
+metadata.py prepared: sample, verify drafts, prompt logprobs).
 
 Order per row (each step is row-wise, so no row sees another):
   raw logprobs (returned to the user, vLLM's default "raw" mode)
@@ -11,12 +13,12 @@ Order per row (each step is row-wise, so no row sees another):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from deepinfer.engine.sample.metadata import PenaltyTensors, SamplingMetadata
+from deepinfer.engine.sample.metadata import PenaltyTensors, SamplingMetadata, SamplingPrep
 from deepinfer.kernels import gpu_sampling
 from deepinfer.kernels.counter_rng import GumbelNoise
 
@@ -40,6 +42,38 @@ class LogprobsTensors:
 class SamplerOutput:
     token_ids: torch.Tensor  # [B] int64 on CPU
     logprobs: LogprobsTensors | None
+
+
+@dataclass(slots=True)
+class SampledStep:
+    """One step's sampled tokens. The device thread stores only what the next step's forward
+    needs; on a plain step (one row per request) that is the row tokens in order
+    (``plain_tokens``, rows of ``plain_ids``), and the per-request maps ``last_tokens`` and
+    ``accepted`` are built when first read, normally by the caller's thread while the next
+    forward runs: the device thread's time between forwards cannot be hidden."""
+
+    sampler_output: SamplerOutput | None = None
+    request_rows: dict[str, range] = field(default_factory=dict)  # rows of sampler_output per request
+    prompt_logprobs: LogprobsTensors | None = None
+    prompt_rows: dict[str, range] = field(default_factory=dict)
+    plain_ids: list[str] | None = None  # plain step: the request of each row (SamplingPrep.plain_ids)
+    plain_tokens: list[int] | None = None  # plain step: the token sampled in each row
+    _last_tokens: dict[str, int] | None = None  # None on a plain step until asked for
+    _accepted: dict[str, list[int]] | None = None
+
+    @property
+    def last_tokens(self) -> dict[str, int]:
+        """request id -> last accepted token (what a placeholder of the next step stands for)."""
+        if self._last_tokens is None:
+            self._last_tokens = dict(zip(self.plain_ids or (), self.plain_tokens or ()))
+        return self._last_tokens
+
+    @property
+    def accepted(self) -> dict[str, list[int]]:
+        """request id -> accepted tokens (1 + accepted drafts)."""
+        if self._accepted is None:
+            self._accepted = {rid: [tok] for rid, tok in zip(self.plain_ids or (), self.plain_tokens or ())}
+        return self._accepted
 
 
 class Sampler:
@@ -132,6 +166,26 @@ class Sampler:
             out[rest] = argmax_rows(sub.add_(noise))  # (same bits as sub + noise)
         return out
 
+    def sample_step(self, prep: SamplingPrep, logits: torch.Tensor) -> SampledStep:
+        """One step's sampling, tensor work only (the device thread): sample, verify drafts, logprobs."""
+        out = SampledStep(request_rows=prep.request_rows, prompt_rows=prep.prompt_rows)
+        if prep.meta is not None:
+            sel = logits if prep.row_index is None else logits.index_select(0, prep.row_index)
+            out.sampler_output = self(sel, prep.meta)
+            sampled = out.sampler_output.token_ids.tolist()
+            if prep.plain_ids is not None:
+                out.plain_ids, out.plain_tokens = prep.plain_ids, sampled  # maps built on demand
+            else:
+                out._accepted = {rid: verify_drafts(sampled[r.start : r.stop], prep.drafts[rid])
+                                 for rid, r in prep.request_rows.items()}
+                out._last_tokens = {rid: toks[-1] for rid, toks in out._accepted.items()}
+        elif prep.plain_ids is not None:
+            out.plain_ids, out.plain_tokens = prep.plain_ids, []
+        if prep.prompt_index is not None:
+            lp = logits.index_select(0, prep.prompt_index).float().log_softmax(dim=-1)
+            out.prompt_logprobs = gather_logprobs(lp, prep.prompt_targets, prep.max_prompt_top)
+        return out
+
     def precompute_noise(self, meta: SamplingMetadata, vocab_size: int) -> None:
         """Draw the full-vocabulary Gumbel noise of ``meta``'s rows now (``meta.noise``): it
         depends only on (seed, position, token), so the caller's thread can make it while the
@@ -145,6 +199,18 @@ class Sampler:
             rows = rows[meta.top_k[rows] >= vocab_size]  # top-k rows draw at their candidates only
         if rows.numel():
             meta.noise = self.noise.gumbel(meta.keys[rows], vocab_size)
+
+
+def verify_drafts(sampled: list[int], drafts: list[int]) -> list[int]:
+    """Accept drafts while each equals the token the sampler draws at its position, then the
+    first differing (or bonus) token. With counter-based sampling the result is exactly what
+    non-speculative decoding produces: drafts change speed, never outputs."""
+    accepted = []
+    for k, tok in enumerate(sampled):
+        accepted.append(tok)
+        if k >= len(drafts) or tok != drafts[k]:
+            break
+    return accepted
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
