@@ -166,6 +166,10 @@ class BlockPool:
             self._free.append(block_id)
         return n
 
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every block hash cached now (a snapshot for a subscriber that missed events)."""
+        return list(self._hash2block)
+
     def drain_events(self) -> list[BlockEvent]:
         events, self._events = self._events, []
         return events

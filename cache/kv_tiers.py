@@ -52,6 +52,7 @@ class StoreWrite:
     num_ok: int
     num_failed: int
     first_error: str = ""
+    is_ok: tuple[bool, ...] = ()  # per item written, in order
 
 
 class KVTiers:
@@ -116,4 +117,5 @@ class KVTiers:
             [(self.store_key(h), data) for h, data in items], traffic_class=traffic_class, deadline=deadline
         )
         failed = [a for a in acks if not a.is_ok]
-        return StoreWrite(len(acks) - len(failed), len(failed), failed[0].message if failed else "")
+        return StoreWrite(len(acks) - len(failed), len(failed), failed[0].message if failed else "",
+                          tuple(a.is_ok for a in acks))

@@ -161,6 +161,14 @@ class AsyncEngine:
             swa_slots=dataclasses.asdict(self.swa_slots.stats) if self.swa_slots is not None else None,
         )
 
+    def metric_collectors(self) -> list:
+        """Collectors for the /metrics of the process serving this engine: the KV tier and store
+        client counters (``deepinfer_kv_*``, ``deepinfer_store_client_*``) when it has KV tiers."""
+        from deepinfer.engine.kv.tier_metrics import KVTierCollector
+
+        offload = self._parts.kv_offload
+        return [KVTierCollector(offload, self._parts.served_model_name)] if offload is not None else []
+
     async def check_health(self) -> None:
         if self._dead_reason is not None:
             raise EngineDeadError(self._dead_reason)

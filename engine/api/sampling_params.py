@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+_TRAFFIC_CLASS = re.compile(r"[a-z][a-z0-9_-]{0,31}")
 
 
 class SamplingParamsError(ValueError):
@@ -34,6 +37,9 @@ class SamplingParams:
     structured_outputs: dict[str, Any] | None = None
     priority: int = 0  # lower runs first among equals (FIFO within a priority)
     extra: dict[str, Any] = field(default_factory=dict)
+    # the KV store's TTL class of the blocks this request writes ("agent", "chat", ...; "" = the
+    # engine's default); set per request by the gateway, it travels with the request to every engine
+    traffic_class: str = ""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -84,6 +90,10 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or not 0 <= v <= 20):
                 bad(name, f"must be an integer in [0, 20], got {v!r}")
+        if not isinstance(self.traffic_class, str) or (
+                self.traffic_class and not _TRAFFIC_CLASS.fullmatch(self.traffic_class)):
+            bad("traffic_class", f"must be a class name like 'chat' or 'agent' (a-z, 0-9, _ or -, up to 32), "
+                                 f"got {self.traffic_class!r}")
         so = self.structured_outputs
         if so is not None:
             kinds = {"json", "regex", "grammar", "json_object"}

@@ -239,7 +239,7 @@ def admit_prefilled(core: EngineCore, pre: PrefilledRequest) -> RequestOutput | 
     req.num_cached_tokens = 0
     req.status = RequestStatus.RUNNING
     bisect.insort(sched.running, req, key=lambda r: r.sort_key)
-    sched.kv.register_blocks(req, n)
+    sched.kv.register_blocks(req, n, write_behind=False)  # the prefill wrote the prompt's blocks behind
     if delta is not None and pre.prompt_logprobs is not None:
         delta.prompt_logprobs = pre.prompt_logprobs
     return delta

@@ -113,8 +113,9 @@ class KVManager:
         req.block_ids.extend(self.pool.allocate(need))
         return True
 
-    def register_blocks(self, req: Request, computed_end: int) -> None:
-        """Publish full blocks whose positions are all computed with known tokens."""
+    def register_blocks(self, req: Request, computed_end: int, *, write_behind: bool = True) -> None:
+        """Publish full blocks whose positions are all computed with known tokens.
+        ``write_behind=False``: blocks imported from another engine, which wrote them already."""
         num_full = min(computed_end, req.num_tokens) // self.block_size
         if num_full <= req.num_registered_blocks:
             return
@@ -127,8 +128,9 @@ class KVManager:
             if self.pool.cache_block(req.block_ids[i], req.block_hashes[i], parent):
                 new_blocks.append((req.block_ids[i], req.block_hashes[i]))
         req.num_registered_blocks = max(req.num_registered_blocks, num_full)
-        if self.offload is not None and new_blocks:
-            self.offload.on_registered(new_blocks)  # written behind to the host tier / store
+        if self.offload is not None and new_blocks and write_behind:
+            # written behind to the host tier / store, under the request's TTL class
+            self.offload.on_registered(new_blocks, req.sampling_params.traffic_class)
 
     def trim_blocks(self, req: Request) -> None:
         """Free blocks past the known tokens (after speculative tokens were rejected)."""

@@ -289,8 +289,14 @@ class KVOffload:
             self._num_pending_loads -= 1
 
     # ---- write-behind (write_behind.py: engine thread queues, device thread copies, writer sends) ----
-    def on_registered(self, blocks: Sequence[tuple[int, BlockHash]]) -> None:
-        self.writes.on_registered(blocks)
+    def on_registered(self, blocks: Sequence[tuple[int, BlockHash]], traffic_class: str = "") -> None:
+        """Blocks just registered in the prefix cache: write them behind, under the store's TTL
+        class ``traffic_class`` ("" = the config's)."""
+        self.writes.on_registered(blocks, traffic_class or self.config.traffic_class)
+
+    def drain_store_written(self) -> list[BlockHash]:
+        """Hashes of blocks the store acknowledged since the last call (cache events)."""
+        return self.writes.drain_store_written()
 
     def take_device_io(self) -> Callable[[], None] | None:
         """The device work queued since the last call, to run right before the next forward."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -21,6 +22,8 @@ from deepinfer.cache.block_hash import BlockHash
 from deepinfer.cache.store.api import deadline_after
 
 log = logging.getLogger(__name__)
+
+MAX_UNREAD_STORED = 1 << 16  # acknowledged hashes kept for drain_store_written (oldest dropped)
 
 
 class WriteBehind:
@@ -34,9 +37,10 @@ class WriteBehind:
         self.stats = stats
         self.store_health = store_health
         self._run_io = run_io
-        self._copy_out: list[tuple[int, BlockHash]] = []  # registered, not yet read from the device
+        self._copy_out: list[tuple[int, BlockHash, str]] = []  # registered (+ TTL class), not yet read
         self._device_writes: dict[int, tuple[BlockHash, dict[str, torch.Tensor]]] = {}  # block id -> rows
-        self._store_writes: dict[Future, int] = {}  # write-behind in flight -> its number of blocks
+        self._store_writes: dict[Future, list[BlockHash]] = {}  # write-behind in flight -> its blocks
+        self._stored: deque[BlockHash] = deque(maxlen=MAX_UNREAD_STORED)  # acknowledged, not yet drained
         self._store_lock = threading.Lock()
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kv-write-behind")
         self._is_closed = False
@@ -45,8 +49,15 @@ class WriteBehind:
         """Rows of a block loaded from a tier, written into device block ``block_id`` before the next forward."""
         self._device_writes[block_id] = (block_hash, rows)
 
-    def on_registered(self, blocks: Sequence[tuple[int, BlockHash]]) -> None:
-        self._copy_out.extend(blocks)
+    def on_registered(self, blocks: Sequence[tuple[int, BlockHash]], traffic_class: str) -> None:
+        self._copy_out.extend((block_id, h, traffic_class) for block_id, h in blocks)
+
+    def drain_store_written(self) -> list[BlockHash]:
+        """Hashes the store acknowledged since the last call (any thread)."""
+        out = []
+        while self._stored:
+            out.append(self._stored.popleft())
+        return out
 
     def take_device_io(self) -> Callable[[], None] | None:
         """The device work queued since the last call, to run right before the next forward."""
@@ -77,36 +88,48 @@ class WriteBehind:
         except Exception:  # nobody awaits this job: say what went wrong
             log.exception("kv tiers: idle device I/O failed")
 
-    def _device_io(self, reads: list[tuple[int, BlockHash]], writes: dict[int, tuple[BlockHash, dict]]) -> None:
+    def _device_io(self, reads: list[tuple[int, BlockHash, str]], writes: dict[int, tuple[BlockHash, dict]]) -> None:
         if reads and not self._is_closed:  # first: a block registered before may be re-promoted below
-            stacked = self.runner.read_blocks([b for b, _ in reads])
+            stacked = self.runner.read_blocks([b for b, _, _ in reads])
             self.stats.num_copied_out += len(reads)
-            self._writer.submit(self._write_behind, [h for _, h in reads], stacked)
+            self._writer.submit(self._write_behind, [h for _, h, _ in reads], [c for _, _, c in reads], stacked)
         if writes:
             ids = list(writes)
             self.runner.write_blocks(ids, {s.key: torch.stack([writes[b][1][s.key] for b in ids]) for s in self.codec.specs})
 
-    def _write_behind(self, hashes: list[BlockHash], stacked: dict[str, torch.Tensor]) -> None:
+    def _write_behind(self, hashes: list[BlockHash], classes: list[str], stacked: dict[str, torch.Tensor]) -> None:
         payloads = self.codec.pack_many(stacked)
         if self.config.write_to_host:
             for h, data in zip(hashes, payloads):
                 self.tiers.host_put(h, data)
         if not (self.config.write_to_store and self.tiers.has_store):
             return
-        with self._store_lock:
-            if len(self._store_writes) >= self.config.max_store_writes_in_flight or not self.store_health.can_write():
-                self.stats.num_store_writes_dropped += len(hashes)
-                return
-            fut = self._run_io(self.tiers.write_store(list(zip(hashes, payloads)), traffic_class=self.config.traffic_class,
-                                                      deadline=deadline_after(self.config.write_deadline_s)))
-            self._store_writes[fut] = len(hashes)
-        fut.add_done_callback(self._on_store_written)
+        # one store write per TTL class (the class travels per write, not per block)
+        class2items: dict[str, list[tuple[BlockHash, bytes]]] = {}
+        for h, cls, data in zip(hashes, classes, payloads):
+            class2items.setdefault(cls, []).append((h, data))
+        for traffic_class, items in class2items.items():
+            with self._store_lock:
+                if len(self._store_writes) >= self.config.max_store_writes_in_flight or not self.store_health.can_write():
+                    self.stats.num_store_writes_dropped += len(items)
+                    continue
+                fut = self._run_io(self.tiers.write_store(items, traffic_class=traffic_class,
+                                                          deadline=deadline_after(self.config.write_deadline_s)))
+                self._store_writes[fut] = [h for h, _ in items]
+            fut.add_done_callback(self._on_store_written)
 
     def _on_store_written(self, fut: Future) -> None:
         with self._store_lock:
-            num_blocks = self._store_writes.pop(fut, 0)
+            block_hashes = self._store_writes.get(fut, [])
+        try:
+            self._account(fut, block_hashes)
+        finally:  # only now: wait_for_writes returns once the counters say what happened
+            with self._store_lock:
+                self._store_writes.pop(fut, None)
+
+    def _account(self, fut: Future, block_hashes: list[BlockHash]) -> None:
         if fut.cancelled():  # abandoned by close(): not written, and counted so
-            self.stats.num_store_writes_dropped += num_blocks
+            self.stats.num_store_writes_dropped += len(block_hashes)
             return
         exc = fut.exception()
         if exc is not None:
@@ -114,6 +137,7 @@ class WriteBehind:
             self.store_health.on_write_failure(f"a write-behind raised {type(exc).__name__}: {exc}")
             return
         res = fut.result()
+        self._stored.extend(h for h, ok in zip(block_hashes, res.is_ok) if ok)
         self.stats.num_written_store += res.num_ok
         self.stats.num_store_write_failures += res.num_failed
         if res.num_ok:
