@@ -7,14 +7,15 @@ input: the sandbox stops attribute escapes, and template errors surface as ``Cha
 
 Message text is untrusted too: ``render_chat_guarded`` (what the tokenizer encodes) swaps every
 control-token string inside messages and tools for a placeholder before rendering, so that the
-control tokens left in the rendered text are exactly the template's markup.
+control tokens left in the rendered text are exactly the template's markup; ``encode_guarded``
+tokenizes such a render, the placeholders' strings as text.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
@@ -22,6 +23,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
@@ -132,6 +134,50 @@ def render_chat_guarded(
     text = render_chat(source, guard(list(messages)), add_generation_prompt, special_tokens, guarded_tools, **kwargs)
     return GuardedChat(text, mark, controls)
 
+
+
+def encode_guarded(chat: GuardedChat, tok: tokenizers.Tokenizer, control_ids: frozenset[int],
+                   text_only: Callable[[], tokenizers.Tokenizer]) -> list[int]:
+    """Token ids of a guarded render: the control tokens (``control_ids``) found in ``chat.text``
+    are markup; each stretch between two of them that holds a placeholder is restored and
+    re-encoded as text by ``text_only()`` (``text_only_tokenizer``, asked for only then), the
+    others keep their ids, so a conversation without control-token strings tokenizes exactly as
+    its text does."""
+    encoding = tok.encode(chat.text, add_special_tokens=False)
+    if chat.mark is None:
+        return encoding.ids
+    ids: list[int] = []
+    stretch: list[int] = []
+    start = 0
+
+    def end_stretch(stop: int) -> None:
+        segment = chat.text[start:stop]
+        if chat.mark in segment:
+            ids.extend(text_only().encode(chat.restore(segment), add_special_tokens=False).ids)
+        else:
+            ids.extend(stretch)
+
+    for token_id, (begin, end) in zip(encoding.ids, encoding.offsets):
+        if token_id in control_ids:
+            end_stretch(begin)
+            ids.append(token_id)
+            stretch, start = [], end
+        else:
+            stretch.append(token_id)
+    end_stretch(len(chat.text))
+    return ids
+
+
+def text_only_tokenizer(tok: tokenizers.Tokenizer) -> tokenizers.Tokenizer:
+    """A copy of ``tok`` that tokenizes control-token strings as text (a copy: the flag is
+    tokenizer state, and prompts are encoded on several threads). Added tokens are marked special
+    in it, since ``encode_special_tokens`` leaves non-special ones matched."""
+    data = json.loads(tok.to_str())
+    for added in data.get("added_tokens", []):
+        added["special"] = True
+    text_only = tokenizers.Tokenizer.from_str(json.dumps(data))
+    text_only.encode_special_tokens = True
+    return text_only
 
 @lru_cache(maxsize=8)
 def _controls_pattern(controls: tuple[str, ...]) -> re.Pattern[str] | None:

@@ -8,7 +8,6 @@ from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from deepinfer.engine.text.chat_template import ChatTemplateError
-from deepinfer.engine.text.detokenizer import OffsetDetokenizer
 from deepinfer.engine.text.tiny_tokenizer import (
     ASSISTANT,
     BOS,
@@ -19,7 +18,7 @@ from deepinfer.engine.text.tiny_tokenizer import (
     build_tokenizer,
     write_tokenizer_files,
 )
-from deepinfer.engine.text.tokenizer import Tokenizer, TokenizerError
+from deepinfer.engine.text.tokenizer import OffsetDetokenizer, Tokenizer, TokenizerError
 
 TEXTS = [
     "Hello world, this is a plain ASCII sentence.",
