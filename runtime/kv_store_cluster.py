@@ -18,12 +18,30 @@ from deepinfer import envs
 from deepinfer.engine.core.options import EngineOptions, EngineOptionsError
 from deepinfer.engine.core.options import kv_store_cluster as engine_kv_store_cluster
 from deepinfer.engine.kv.store_cluster import StoreCluster, StoreClusterError, check_width
-from deepinfer.runtime.cluster_config import ClusterConfigError, NodeRole, load_cluster_config
+from deepinfer.runtime.cluster_config import ClusterConfig, ClusterConfigError, NodeRole, load_cluster_config
 
 
 def is_cluster_config(nodes: Any) -> bool:
     """``kv_store_nodes`` names a file that is not a storage membership record."""
     return isinstance(nodes, str) and "://" not in nodes and bool(nodes.strip()) and not nodes.strip().endswith(".json")
+
+
+def engine_store_of(config: ClusterConfig, source: str = "cluster.toml") -> dict[str, str]:
+    """EngineOptions fields (``kv_store_nodes``, ``kv_store_ec``) that put an engine on the storage
+    nodes of an already parsed cluster config: its membership file when ``[storage]`` names one
+    (the engine then follows membership changes), else the nodes' data addresses; {} when the
+    config lists no storage node or ``[engine] kv_store = false``."""
+    specs = config.nodes_with_role(NodeRole.STORAGE)
+    if not specs or not config.engine.kv_store:
+        return {}
+    if config.storage.membership_file:
+        return {"kv_store_nodes": config.storage.membership_file}
+    missing = [s.name for s in specs if not s.data]
+    if missing:
+        raise StoreClusterError(f"{source}: storage node {missing[0]} has no data address "
+                                "(the address it serves fragments on)")
+    return {"kv_store_nodes": ",".join(f"{s.name}={s.data}" for s in specs),
+            "kv_store_ec": f"{config.storage.ec_k}+{config.storage.ec_m}"}
 
 
 def store_cluster_from_config(path: str, ec: str | None = None) -> StoreCluster:

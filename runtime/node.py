@@ -14,6 +14,10 @@ see ``is_draining`` in its next heartbeat, sent at once), drains every role conc
 the deadline, then stops: roles in reverse order, heartbeats (with a ``Leave`` so peers mark us
 down at once), control channel, events socket. Every socket is closed with linger 0.
 
+With ``NodeSettings.metrics`` (``http://HOST:PORT``, the cluster file's ``metrics`` key) the
+node serves its Prometheus registry (its own gauges and whatever its roles registered: KV tier,
+store and handoff counters) on ``GET /metrics`` there, from start until stop.
+
 The node's control channel (ROUTER) answers ``Hello`` (-> ``Welcome`` with our instance id),
 ``StatusRequest`` (-> ``NodeStatus``) and ``Drain`` (-> ``DrainAck``, then drains and stops).
 ``instance_id`` is random per Node, so a restarted daemon is a new instance to its peers.
@@ -98,6 +102,7 @@ class NodeSettings:
     drain_deadline_s: float = 30.0
     curve_keypair: security.CurveKeyPair | None = None  # set: every socket of the node uses CURVE
     allowed_client_keys: tuple[bytes, ...] = ()  # with curve: peers' + operators' public keys
+    metrics: str = ""  # http://HOST:PORT for GET /metrics ("" = not served)
 
     @classmethod
     def from_cluster(cls, config: ClusterConfig, name: str) -> "NodeSettings":
@@ -116,7 +121,7 @@ class NodeSettings:
                    heartbeat_interval_s=c.heartbeat_interval_s, missed_beats=c.missed_beats,
                    min_silence_s=c.min_silence_s, suspect_phi=c.suspect_phi, max_silence_s=c.max_silence_s,
                    probe_timeout_s=c.probe_timeout_s, drain_deadline_s=c.drain_deadline_s, curve_keypair=keypair,
-                   allowed_client_keys=allowed if keypair else ())
+                   allowed_client_keys=allowed if keypair else (), metrics=spec.metrics)
 
     @property
     def detector(self) -> DetectorSettings:
@@ -145,6 +150,7 @@ class Node:
         self._allow_list = (security.ClientAllowList(self.ctx, settings.allowed_client_keys)
                             if settings.curve_keypair else None)
         self._started_roles: list[Role] = []
+        self._metrics_runner = None  # aiohttp runner of GET /metrics
         self._started_at = 0.0
         self._stopped = asyncio.Event()
         self._has_start_begun = False
@@ -171,6 +177,8 @@ class Node:
             await self.control.start()
             await self.events.start()
             await self.heartbeat.start()
+            if self.settings.metrics:
+                await self._serve_metrics(self.settings.metrics)
             for role in self.roles:
                 await role.start(self)
                 self._started_roles.append(role)
@@ -222,11 +230,20 @@ class Node:
                 log.exception("node %s: role %s failed to stop", self.name, type(role).__name__)
         self._started_roles.clear()
         await self.heartbeat.stop(say_goodbye=say_goodbye)
+        if self._metrics_runner is not None:
+            await self._metrics_runner.cleanup()
+            self._metrics_runner = None
         await self.control.close()
         await self.events.close()
         if self._allow_list is not None:
             self._allow_list.stop()
         self._stopped.set()
+
+    async def _serve_metrics(self, address: str) -> None:
+        from deepinfer.cache.store.metrics import serve_metrics
+
+        host, _, port = address.removeprefix("http://").rpartition(":")
+        self._metrics_runner = await serve_metrics(self.metrics.registry, host, int(port))
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()

@@ -10,7 +10,10 @@ Per request (``route``):
    bound keeps its cache). A tier with no engines at or above it borrows the nearest shorter one.
 2. For every candidate engine, the prefix it holds (``PrefixIndex``, fed by cache events) gives
    the tokens it would skip, and the quadratic cost model the seconds it would compute:
-   ``cost_e = t(L - hit_e, hit_e)``. The score is ``backlog_e + (1 + compute_weight) * cost_e``:
+   ``cost_e = t(L - hit_e, hit_e)``. The KV store is a holder every engine shares: when the
+   store holds a longer prefix (``num_store_blocks``) an engine loads the part past its own hit,
+   at ``store_read_s + store_load_s_per_token`` per token loaded, so a device hit still beats the
+   same prefix from the store. The score is ``backlog_e + (1 + compute_weight) * cost_e``:
    the request's expected finish time plus a charge for the compute it takes from everyone else
    (a hit saves capacity as well as latency).
 3. Explicit imbalance bound: an engine is eligible only if its backlog exceeds the least-loaded
@@ -46,10 +49,14 @@ class PrefillRouterConfig:
     compute_weight: float = 1.0
     is_adaptive_weight: bool = True  # scale compute_weight by rho / (1 - rho) of the last round
     descent_fraction: float = 0.5  # lower tiers accept work up to t(fraction x their bound, 0)
+    # loading a prefix from the KV store: V4.1's ~890 B/token at ~5 GB/s per GPU, plus a read's latency
+    store_load_s_per_token: float = 2e-7
+    store_read_s: float = 2e-3
 
     def __post_init__(self) -> None:
-        if self.imbalance_abs_s < 0 or self.imbalance_rel < 0 or self.compute_weight < 0:
-            raise ValueError(f"imbalance bounds and compute_weight must be >= 0, got {self}")
+        if min(self.imbalance_abs_s, self.imbalance_rel, self.compute_weight, self.store_load_s_per_token,
+               self.store_read_s) < 0:
+            raise ValueError(f"imbalance bounds, compute_weight and store costs must be >= 0, got {self}")
         if not 0 <= self.descent_fraction <= 1:
             raise ValueError(f"descent_fraction must be in [0, 1], got {self.descent_fraction}")
 
@@ -76,7 +83,9 @@ class TieredPrefillRouter:
         rho = min(0.95, self.planner.utilization)
         return self.config.compute_weight * max(0.25, rho / (1.0 - rho))
 
-    def route(self, req: RequestInfo, loads: Sequence[PrefillLoad], now: float) -> PrefillChoice:
+    def route(self, req: RequestInfo, loads: Sequence[PrefillLoad], now: float,
+              num_store_blocks: int = 0) -> PrefillChoice:
+        """``num_store_blocks``: leading blocks of ``req.block_hashes`` the KV store holds."""
         if not loads:
             raise ValueError("no prefill engine to route to: the load list is empty")
         planner = self.planner
@@ -101,12 +110,17 @@ class TieredPrefillRouter:
         min_backlog = min(load.backlog_s for load in candidates)
         max_backlog = min_backlog + self.config.imbalance_abs_s + self.config.imbalance_rel * miss_s
         charge = 1.0 + self.compute_weight()
+        cfg = self.config
         best_key, best = None, None
         for load in candidates:
             if load.backlog_s > max_backlog:
                 continue
-            cached = req.num_cached_tokens(engine2blocks.get(load.engine_id, 0))
+            num_device = engine2blocks.get(load.engine_id, 0)
+            cached = req.num_cached_tokens(max(num_device, num_store_blocks))
             cost_s = self.cost.seconds(num_tokens - cached, cached) if cached else miss_s
+            num_loaded = cached - req.num_cached_tokens(num_device)
+            if num_loaded > 0:  # the part past its own hit comes from the store
+                cost_s += cfg.store_read_s + cfg.store_load_s_per_token * num_loaded
             key = (load.backlog_s + charge * cost_s, load.backlog_s, load.engine_id)
             if best_key is None or key < best_key:
                 best_key, best = key, (load, cached, cost_s)

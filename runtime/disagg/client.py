@@ -1,10 +1,12 @@
 """The gateway's ``EngineClient`` for a disaggregated cluster (engine/api/protocol.py).
 
-``generate`` picks a prefill engine (``TieredPrefillRouter``) and a decode engine
-(``TwoDimDecodeBalancer``) up front from the engines' load reports, sends ``PdDispatch`` to the
-prefill and yields the deltas the decode engine streams back (or the prefill's final delta when
-the first token ends the request). Each try is an *attempt*; engine request ids are
-``<id>@<attempt>``, so outputs of an abandoned attempt are never mixed in.
+``generate`` picks a prefill and a decode engine together (routing.py: by default the tiered
+router over the prefix index the engines' cache events feed, with the KV store's presence, and
+the two-dimensional decode balancer; ``routing="round-robin" | "affinity-only"`` for the
+baselines) from the engines' load reports, sends ``PdDispatch`` to the prefill and yields the
+deltas the decode engine streams back (or the prefill's final delta when the first token ends
+the request), with the prompt tokens the prefill found cached. Each try is an *attempt*; engine
+request ids are ``<id>@<attempt>``, so outputs of an abandoned attempt are never mixed in.
 
 An attempt is lost when its prefill or decode instance goes down (heartbeats), when the
 prefill reports a failed handoff, or when the decode engine reports a failed request. Policy:
@@ -13,6 +15,9 @@ prefill reports a failed handoff, or when the decode engine reports a failed req
   tokens already streamed (``resume_token_ids``); sampling is counter-based (seed, position),
   so the continuation equals what the lost engine would have produced;
 - ``FAIL``: ``EngineLostError`` naming the lost engine (the gateway turns it into an error).
+
+An abort meant for an engine that is down (a cut link) waits until that engine is up again
+(``MAX_PENDING_ABORTS`` per engine), so an engine that rejoins drops the attempts it still runs.
 
 No request outlives ``request_timeout_s``: every wait is bounded by the request's deadline.
 A decode that acknowledged a handoff sends the request's first delta at once (before the ack),
@@ -24,6 +29,7 @@ alive): it is recomputed or failed by the same policy instead of hanging until t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import secrets
@@ -34,10 +40,9 @@ from deepinfer.engine.api.outputs import RequestOutput
 from deepinfer.engine.api.protocol import EngineStats, GatewayTokenizer, InvalidPromptError, ModelInfo, TokensPrompt
 from deepinfer.engine.api.sampling_params import SamplingParams
 from deepinfer.engine.kv.handoff import decode_output, encode_params
-from deepinfer.runtime.balance import RequestInfo, TieredPrefillRouter, TwoDimDecodeBalancer
-from deepinfer.runtime.balance.prefix_index import PrefixIndex
 from deepinfer.runtime.cluster_config import ClusterConfig, NodeRole
 from deepinfer.runtime.disagg.engine_directory import EngineDirectory, EngineEntry
+from deepinfer.runtime.disagg.routing import RouterCollector, Routing
 from deepinfer.transport.channels import StreamReceiver
 from deepinfer.transport.errors import RemoteError, TransportError
 from deepinfer.transport.protocol import (
@@ -49,6 +54,7 @@ from deepinfer.transport.protocol import (
     PdFailed,
     PdStream,
     PeerDown,
+    PeerUp,
 )
 
 log = logging.getLogger(__name__)
@@ -56,6 +62,7 @@ log = logging.getLogger(__name__)
 # the prefill engine's typed input errors, by name (the engine checks the prompt; RemoteError carries the name)
 _PROMPT_ERRORS = ("InvalidPromptError", "SchedulerError")
 _INPUT_ERRORS = ("ValueError", "SamplingParamsError", "StructuredOutputError", *_PROMPT_ERRORS)
+MAX_PENDING_ABORTS = 4096  # per engine that is down
 
 
 class EngineLostError(RuntimeError):
@@ -82,7 +89,8 @@ class PdEngineClient:
     def __init__(self, cluster: ClusterConfig, *, gateway_name: str, model_info: ModelInfo,
                  tokenizer: GatewayTokenizer | None = None, failure_policy: FailurePolicy = FailurePolicy.RECOMPUTE,
                  request_timeout_s: float = 300.0, max_attempts: int = 4, decode_silence_s: float = 15.0,
-                 ctx=None, seed: int | None = None):
+                 ctx=None, seed: int | None = None, routing: str = "tiered", default_traffic_class: str = ""):
+        """``default_traffic_class``: the KV store's TTL class of requests that name none ("" = the engines')."""
         spec = cluster.node(gateway_name)
         if not spec.data:
             raise ValueError(f"nodes.{gateway_name}.data: the gateway needs a data address for the engines' streams")
@@ -94,18 +102,30 @@ class PdEngineClient:
             raise ValueError(f"decode_silence_s must be > 0, got {decode_silence_s}")
         self.decode_silence_s = decode_silence_s
         self.max_attempts = max_attempts
+        self.default_traffic_class = default_traffic_class
         self._model_info = model_info
         self._tokenizer = tokenizer
         self.directory = EngineDirectory(cluster, ctx=ctx, name=gateway_name)
         self.directory.add_listener(self._on_engine_event)
-        self.router = TieredPrefillRouter(PrefixIndex())
-        self.balancer = TwoDimDecodeBalancer()
+        self.routing = Routing(routing, self.directory.cache)
+        self._pending_aborts: dict[str, list[PdAbort]] = {}  # engine down -> aborts to send when it is back
         self._receiver = StreamReceiver(spec.data, PdStream, ctx=ctx, name=f"{gateway_name}-streams")
         self._attempts: dict[tuple[str, int], _Attempt] = {}
         self._current: dict[str, _Attempt] = {}
         self._rng = random.Random(seed) if seed is not None else random.SystemRandom()
         self._tasks: list[asyncio.Task] = []
         self.num_attempts_lost = 0
+
+    def metric_collectors(self) -> list:
+        """Prometheus collectors the gateway registers on its /metrics (``deepinfer_router_*``)."""
+        names = {(e.role.value, e.engine_id): e.name for e in self.directory.engines.values()}
+        return [RouterCollector(self.routing, names, lambda: {role.value: len(self.directory.up(role))
+                                                             for role in (NodeRole.PREFILL, NodeRole.DECODE)})]
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests with an attempt running now."""
+        return len(self._current)
 
     @property
     def stream_address(self) -> str:
@@ -167,13 +187,15 @@ class PdEngineClient:
         deadline = loop.time() + self.request_timeout_s
         prompt_ids = list(prompt["prompt_token_ids"])
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        if not params.traffic_class and self.default_traffic_class:  # the class travels with the request
+            params = dataclasses.replace(params, traffic_class=self.default_traffic_class)
         sampling = encode_params(params)
         streamed: list[int] = []
         is_prompt_logprobs_sent = False
         excluded: set[str] = set()
         number = 0
         while True:
-            attempt = await self._choose(request_id, number, len(prompt_ids) + len(streamed), excluded, deadline)
+            attempt = await self._choose(request_id, number, prompt_ids + streamed, excluded, deadline)
             try:
                 async for out in self._run_attempt(attempt, prompt_ids, sampling, seed, streamed, deadline):
                     out.request_id = request_id
@@ -189,6 +211,7 @@ class PdEngineClient:
                 raise _AttemptLost("the stream ended before the request finished", attempt.decode.name)
             except _AttemptLost as lost:
                 self.num_attempts_lost += 1
+                self.routing.stats.num_attempts_lost += 1
                 excluded.add(lost.engine)
                 for entry in (attempt.prefill, attempt.decode):
                     asyncio.ensure_future(self._send_abort(entry, request_id, attempt.number, str(lost)))
@@ -205,7 +228,7 @@ class PdEngineClient:
                     del self._current[request_id]
 
     # ---- one attempt ----------------------------------------------------------------------------
-    async def _choose(self, request_id: str, number: int, num_tokens: int, excluded: set[str],
+    async def _choose(self, request_id: str, number: int, token_ids: list[int], excluded: set[str],
                       deadline: float) -> _Attempt:
         loop = asyncio.get_running_loop()
         while True:
@@ -218,11 +241,10 @@ class PdEngineClient:
                 missing = "prefill" if not prefill_loads else "decode"
                 raise EngineLostError(f"request {request_id}: no {missing} engine is up")
             await self.directory.wait_changed(min(0.2, deadline - now))
-        info = RequestInfo(request_id, max(1, num_tokens))
-        p = self.router.route(info, prefill_loads, now)
-        d = self.balancer.place(info, decode_loads)
+        info = self.routing.request_info(request_id, token_ids)
+        p, d = self.routing.choose(info, prefill_loads, decode_loads, now)
         self.directory.prefill_view.on_routed(now, p.engine_id, p.predicted_s)
-        self.directory.decode_view.on_routed(now, d.engine_id, num_tokens)
+        self.directory.decode_view.on_routed(now, d.engine_id, info.num_prompt_tokens)
         attempt = _Attempt(request_id, number, self.directory.by_id(NodeRole.PREFILL, p.engine_id),
                            self.directory.by_id(NodeRole.DECODE, d.engine_id))
         attempt.lost = loop.create_future()
@@ -259,8 +281,12 @@ class PdEngineClient:
         except TransportError as exc:
             raise _AttemptLost(f"prefill {prefill.name}: {exc}", prefill.name) from None
         if reply.status == HandoffStatus.FINISHED:
-            yield decode_output(reply.output)
+            out = decode_output(reply.output)
+            tiers = out.metrics.cached_tokens_by_tier if out.metrics is not None else {}
+            self.routing.on_prefilled(len(prompt_ids) + len(streamed), out.num_cached_tokens, tiers)
+            yield out
             return
+        self.routing.on_prefilled(len(prompt_ids) + len(streamed), reply.num_cached_tokens, reply.cached_tokens_by_tier)
         # until the decode's first message: alive engines that lost the request must not hang it
         silence_deadline: float | None = loop.time() + self.decode_silence_s
         while True:
@@ -278,6 +304,8 @@ class PdEngineClient:
                 if isinstance(msg, PdFailed):
                     raise _AttemptLost(f"decode {decode.name}: {msg.message}", decode.name)
                 out = decode_output(msg.output)
+                # the decode engine imported the prompt: what was cached is the prefill's to say
+                out.num_cached_tokens = max(out.num_cached_tokens, reply.num_cached_tokens)
                 yield out
                 if out.finished:
                     return
@@ -301,6 +329,15 @@ class PdEngineClient:
             attempt.queue.put_nowait(msg)
 
     def _on_engine_event(self, event) -> None:
+        if isinstance(event, PeerUp):
+            aborts = self._pending_aborts.pop(event.node_name, [])
+            entry = self.directory.engines.get(event.node_name)
+            if aborts and entry is not None:
+                log.info("%s: %s is back; aborting %d attempts it may still run", self.gateway_name,
+                         event.node_name, len(aborts))
+                for msg in aborts:
+                    asyncio.ensure_future(self._send_abort(entry, msg.request_id, msg.attempt, msg.reason))
+            return
         if not isinstance(event, PeerDown):
             return
         for attempt in list(self._attempts.values()):
@@ -310,7 +347,10 @@ class PdEngineClient:
                                             f"({event.reason.name.lower()})")
 
     async def _send_abort(self, entry: EngineEntry, request_id: str, number: int, reason: str) -> None:
-        if not entry.is_up:
+        if not entry.is_up:  # cut off or restarting: tell it when it is back (a new instance ignores it)
+            pending = self._pending_aborts.setdefault(entry.name, [])
+            if len(pending) < MAX_PENDING_ABORTS:
+                pending.append(PdAbort(request_id, number, reason))
             return
         try:
             await entry.rpc.request(PdAbort(request_id, number, reason), timeout_s=1.0)

@@ -103,6 +103,7 @@ class _GatewayStream:
 class DecodeService(DisaggEngineService):
     wire_role = WireRole.DECODE
     is_pipelined = True
+    publishes_cache = False  # it prefills nothing: only its store writes go into the gateways' view
 
     def __init__(self, parts, config):
         super().__init__(parts, config)

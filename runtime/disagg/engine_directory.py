@@ -1,6 +1,8 @@
-"""The gateway's picture of the disaggregated engines: liveness, instance, load, RPC client.
+"""The gateway's picture of the disaggregated engines: liveness, instance, load, caches, RPC client.
 
-Fed by the engines' events sockets (heartbeats + ``PdLoadReport``), judged by the pure
+Fed by the engines' events sockets (heartbeats, ``PdLoadReport``, ``KvCacheEvents`` into the
+``CacheView``: prefix index + store presence; a view found behind asks the engine RPC for a
+``PdCacheSnapshot``, at most one in flight per engine and one per ``SNAPSHOT_INTERVAL_S``), judged by the pure
 ``PeerTable`` (runtime/peer_table.py; a silent engine is probed on its node control channel
 before it is declared down, runtime/peer_monitor.py), and handed to the balancers as load snapshots
 (runtime/balance: ``PrefillLoadView`` / ``DecodeLoadView``). Engines are numbered in config
@@ -18,15 +20,20 @@ from dataclasses import dataclass
 
 from deepinfer.runtime.balance import DecodeLoad, DecodeLoadView, PrefillLoad, PrefillLoadView
 from deepinfer.runtime.cluster_config import ClusterConfig, NodeRole
+from deepinfer.runtime.disagg.cache_view import CacheView
 from deepinfer.runtime.peer_monitor import PeerMonitor
 from deepinfer.runtime.peer_table import PeerEventMsg, PeerTable
 from deepinfer.transport.channels import EventSubscriber, RequestClient
+from deepinfer.transport.errors import TransportError
 from deepinfer.transport.protocol import (
     TOPIC_HEARTBEAT,
+    TOPIC_KV_EVENTS,
     TOPIC_PD_LOAD,
     EngineRef,
     Heartbeat,
+    KvCacheEvents,
     Leave,
+    PdCacheSnapshot,
     PdEngineReply,
     PdLoadReport,
     PeerDown,
@@ -35,6 +42,9 @@ from deepinfer.transport.protocol import (
 )
 
 log = logging.getLogger(__name__)
+
+SNAPSHOT_INTERVAL_S = 0.5  # between two snapshot requests to one engine
+SNAPSHOT_TIMEOUT_S = 2.0
 
 
 @dataclass(slots=True)
@@ -49,6 +59,9 @@ class EngineEntry:
     instance_id: int = 0  # 0: not seen yet
     is_up: bool = False
     is_draining: bool = False
+    building: str = ""
+    snapshot_at: float = float("-inf")  # when a cache snapshot was last asked for
+    snapshot_task: asyncio.Task | None = None
 
     def ref(self) -> EngineRef:
         return EngineRef(self.name, self.instance_id, self.engine_address, self.data_address)
@@ -64,6 +77,7 @@ class EngineDirectory:
         self.table = self.monitor.table
         self.prefill_view = PrefillLoadView()
         self.decode_view = DecodeLoadView()
+        self.cache = CacheView()
         self.engines: dict[str, EngineEntry] = {}
         self._listeners: list[Callable[[PeerEventMsg], None]] = []
         self._changed = asyncio.Event()
@@ -72,10 +86,11 @@ class EngineDirectory:
             if spec.role in next_id and spec.engine:
                 rpc = RequestClient(spec.engine, PdEngineReply, ctx=ctx, name=f"{name}-to-{spec.name}")
                 self.engines[spec.name] = EngineEntry(spec.name, spec.role, next_id[spec.role], spec.engine,
-                                                      spec.data, spec.events, rpc)
+                                                      spec.data, spec.events, rpc, building=spec.building)
                 next_id[spec.role] += 1
                 self.monitor.add_peer(spec.name, spec.control)
-        self._subscriber = EventSubscriber(PeerEvent | PdLoadReport, topics=[TOPIC_HEARTBEAT, TOPIC_PD_LOAD],
+        self._subscriber = EventSubscriber(PeerEvent | PdLoadReport | KvCacheEvents,
+                                           topics=[TOPIC_HEARTBEAT, TOPIC_PD_LOAD, TOPIC_KV_EVENTS],
                                            ctx=ctx, name=f"{name}-engine-events")
         self._tasks: list[asyncio.Task] = []
 
@@ -91,6 +106,9 @@ class EngineDirectory:
         await self.monitor.start()
 
     async def close(self) -> None:
+        for entry in self.engines.values():
+            if entry.snapshot_task is not None:
+                entry.snapshot_task.cancel()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -132,6 +150,30 @@ class EngineDirectory:
                 await self.monitor.observe(msg)
             elif isinstance(msg, PdLoadReport):
                 self._on_load(msg, self._clock())
+            elif isinstance(msg, KvCacheEvents):
+                self.cache.on_events(msg)
+                self._refresh_stale()
+
+    def _refresh_stale(self) -> None:
+        """Ask every engine whose cache view fell behind for a snapshot (rate-limited)."""
+        now = self._clock()
+        for name in self.cache.stale_engines():
+            entry = self.engines.get(name)
+            if entry is None or not entry.is_up or now - entry.snapshot_at < SNAPSHOT_INTERVAL_S:
+                continue
+            if entry.snapshot_task is not None and not entry.snapshot_task.done():
+                continue
+            entry.snapshot_at = now
+            entry.snapshot_task = asyncio.ensure_future(self._snapshot(entry))
+
+    async def _snapshot(self, entry: EngineEntry) -> None:
+        try:
+            reply = await entry.rpc.request(PdCacheSnapshot(), timeout_s=SNAPSHOT_TIMEOUT_S)
+        except TransportError as exc:
+            log.debug("%s: cache snapshot of %s failed: %s", self.name, entry.name, exc)
+            return
+        if isinstance(reply, KvCacheEvents):
+            self.cache.on_events(reply)
 
     async def _emit_events(self, events: list[PeerEventMsg]) -> None:
         self._emit(events)
@@ -140,6 +182,8 @@ class EngineDirectory:
         entry = self.engines.get(report.node_name)
         if entry is None or not entry.is_up or report.instance_id != entry.instance_id:
             return  # a load report of an instance the heartbeats have not confirmed (or retired)
+        self.cache.on_load_seq(entry.name, report.instance_id, report.kv_events_seq)
+        self._refresh_stale()
         if entry.role == NodeRole.PREFILL:
             self.prefill_view.on_report(now, PrefillLoad(entry.engine_id, report.num_requests, report.backlog_s))
         else:
@@ -156,10 +200,13 @@ class EngineDirectory:
                 continue
             if isinstance(event, PeerUp):
                 entry.instance_id, entry.is_up = event.instance_id, True
+                self.cache.engine_up(entry.name, event.instance_id,
+                                     index_id=entry.engine_id if entry.role == NodeRole.PREFILL else None)
                 log.info("%s: %s engine %s up (instance %x)", self.name, entry.role.value, entry.name, event.instance_id)
             elif isinstance(event, PeerDown) and event.instance_id == entry.instance_id:
                 entry.is_up = False
                 (self.prefill_view if entry.role == NodeRole.PREFILL else self.decode_view).drop_engine(entry.engine_id)
+                self.cache.engine_down(entry.name)
                 log.warning("%s: %s engine %s down (%s)", self.name, entry.role.value, entry.name, event.reason.name)
             self._changed.set()
             for listener in self._listeners:

@@ -6,6 +6,12 @@ A disaggregated engine is a node role (``runtime.node.Role``) around one ``Engin
   subclass answers dispatch / ready / abort / lease messages, this class answers status;
 - load reports (``PdLoadReport`` under ``TOPIC_PD_LOAD`` on the node's events socket) every
   ``load_interval_s`` for the gateways' balancers;
+- cache events (``KvCacheEvents`` under ``TOPIC_KV_EVENTS``, same socket and period): block
+  hashes the prefix cache gained and lost, and those the KV store acknowledged, for the gateways'
+  prefix indexes; ``PdCacheSnapshot`` on the engine RPC answers every cached hash at once (a
+  gateway that lost events). A decode engine's own cache serves no prefill, so it publishes only
+  what it wrote to the store;
+- the KV tier and store client counters (``KVTierCollector``) on the node's /metrics;
 - links to peer engines (``PeerLinks``): one RPC client and one bulk sender per peer
   *instance*, closed on that instance's PeerDown so nothing is ever sent to a previous life.
 """
@@ -18,15 +24,19 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from deepinfer.engine.core.factory import EngineParts
+from deepinfer.engine.kv.tier_metrics import KVTierCollector
 from deepinfer.runtime.disagg.engine_loop import EngineLoop
 from deepinfer.runtime.disagg.handoff_metrics import HandoffMetrics
 from deepinfer.transport.channels import Incoming, RequestClient, RequestServer
 from deepinfer.transport.dataplane import BulkSender
 from deepinfer.transport.errors import TransportError, UnexpectedMessage
 from deepinfer.transport.protocol import (
+    TOPIC_KV_EVENTS,
     TOPIC_PD_LOAD,
     EngineRef,
     ErrorCode,
+    KvCacheEvents,
+    PdCacheSnapshot,
     PdEngineReply,
     PdEngineRequest,
     PdEngineStatus,
@@ -112,6 +122,8 @@ class DisaggEngineService:
     wire_role: WireRole
     # step overlap (engine_loop.py): a decode pipelines; a prefill keeps commit -> export adjacent
     is_pipelined: bool = False
+    # whether its prefix cache's blocks go into the gateways' prefix indexes (prefill engines)
+    publishes_cache: bool = True
 
     def __init__(self, parts: EngineParts, config: EngineServiceConfig):
         self.parts = parts
@@ -126,6 +138,7 @@ class DisaggEngineService:
         self.links: PeerLinks | None = None
         self._tasks: list[asyncio.Task] = []
         self.is_draining = False
+        self.num_kv_events = 0  # KvCacheEvents published (their seq)
 
     # ---- Role ---------------------------------------------------------------------------------
     async def start(self, node) -> None:
@@ -140,6 +153,11 @@ class DisaggEngineService:
                                     name=f"{node.name}-engine")
         await self.server.start()
         node.metrics.track_channel(f"{node.name}-engine", self.server.stats)
+        if self.parts.kv_offload is not None:
+            node.metrics.registry.register(KVTierCollector(self.parts.kv_offload, node.name))
+        node.metrics.gauge_function("kv_cached_blocks", "Blocks in the prefix cache (device)",
+                                    lambda: self.core.scheduler.pool.num_cached_blocks)
+        node.metrics.gauge_function("kv_events_published", "Cache event messages published", lambda: self.num_kv_events)
         node.add_peer_listener(self._on_peer_event)
         await self._start_extra()
         self._tasks.append(asyncio.create_task(self._report_load(), name=f"{node.name}-load"))
@@ -196,6 +214,8 @@ class DisaggEngineService:
         msg = incoming.msg
         if isinstance(msg, PdStatusRequest):
             return self.status()
+        if isinstance(msg, PdCacheSnapshot):
+            return self.cache_snapshot()
         return await self._handle_request(msg)
 
     def status(self) -> PdEngineStatus:
@@ -206,7 +226,45 @@ class DisaggEngineService:
             num_requests=self.num_in_flight, num_held_handoffs=held, held_bytes=held_bytes,
             num_pending_imports=pending, num_handoffs=m.num_handoffs, handoff_bytes=m.num_bytes,
             handoff_p50_s=m.latency_p50_s, handoff_p99_s=m.latency_p99_s, handoff_GBps=m.GBps,
-            failures=dict(m.failures), swa=asdict(swa.stats) if (swa := self.parts.swa_slots) is not None else {})
+            failures=dict(m.failures), swa=asdict(swa.stats) if (swa := self.parts.swa_slots) is not None else {},
+            kv=self.kv_counters())
+
+    def kv_counters(self) -> dict[str, int]:
+        """Prefix cache and KV tier counters (status, ``deepinfer cluster status``)."""
+        pool = self.core.scheduler.pool
+        out = {"num_cached_blocks": pool.num_cached_blocks, "num_blocks": pool.num_blocks,
+               "num_hit_blocks": pool.num_hits, "num_queried_blocks": pool.num_queries}
+        if self.parts.kv_offload is not None:
+            out.update(asdict(self.parts.kv_offload.stats))
+        return out
+
+    # ---- cache events -------------------------------------------------------------------------
+    def _events_header(self) -> dict:
+        sched = self.core.config.scheduler
+        return dict(node_name=self.node_name, instance_id=self.instance_id, model_id=sched.model_id,
+                    block_size=sched.block_size)
+
+    def kv_events(self) -> KvCacheEvents | None:
+        """What the prefix cache and the store gained and lost since the last call (None: nothing)."""
+        from deepinfer.cache.block_pool import BlockStored
+
+        stored, evicted = [], []
+        for event in self.core.drain_kv_events():  # always drained: the pool keeps events until then
+            (stored if isinstance(event, BlockStored) else evicted).append(event.block_hash)
+        if not self.publishes_cache:
+            stored, evicted = [], []
+        offload = self.parts.kv_offload
+        written = offload.drain_store_written() if offload is not None else []
+        if not (stored or evicted or written):
+            return None
+        self.num_kv_events += 1
+        return KvCacheEvents(**self._events_header(), seq=self.num_kv_events, stored=stored, evicted=evicted,
+                             store_written=written)
+
+    def cache_snapshot(self) -> KvCacheEvents:
+        """Every block cached now; events published after it (seq > its seq) apply on top."""
+        stored = self.core.scheduler.pool.cached_hashes() if self.publishes_cache else []
+        return KvCacheEvents(**self._events_header(), seq=self.num_kv_events, stored=stored, is_snapshot=True)
 
     def _on_peer_event(self, event) -> None:
         if isinstance(event, PeerDown):
@@ -222,11 +280,14 @@ class DisaggEngineService:
             num_requests=sched.num_unfinished, num_kv_tokens=num_kv, backlog_s=self._backlog_s(),
             max_requests=sched.config.max_num_seqs,
             kv_capacity_tokens=self.core.config.num_blocks * sched.config.block_size,
-            is_draining=self.is_draining)
+            is_draining=self.is_draining, kv_events_seq=self.num_kv_events)
 
     async def _report_load(self) -> None:
         while True:
             try:
+                events = self.kv_events()
+                if events is not None:
+                    await self.node.events.publish(TOPIC_KV_EVENTS, events)
                 await self.node.events.publish(TOPIC_PD_LOAD, self.load_report())
             except Exception as exc:  # the events socket closes during stop
                 log.debug("%s: load report not published: %s", self.node_name, exc)

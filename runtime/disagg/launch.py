@@ -42,7 +42,7 @@ _NODE_FLAGS = ("max_num_seqs", "num_blocks", "max_model_len", "block_size", "dty
                "swa_replay", "swa_replay_tokens", "swa_store_slots", "swa_fetch_deadline_s")
 
 
-def _model_info(model_dir: Path, options: Mapping[str, Any], name: str) -> tuple[ModelInfo, Any]:
+def load_model_info(model_dir: Path, options: Mapping[str, Any], name: str) -> tuple[ModelInfo, Any]:
     from deepinfer.engine.models.registry import read_model_config
     from deepinfer.engine.text.tokenizer import Tokenizer
 
@@ -120,7 +120,7 @@ class LocalPdCluster:
             self.supervisor = Supervisor([ChildSpec(n, self._argv(path, n), self.env) for n in self.engine_names()],
                                          log_dir=self.log_dir, cleanup_dir=self.root, on_exit=self._on_engine_exit)
             await self.supervisor.start()
-            info, tokenizer = _model_info(self.model_dir, self.engine_options, self.served_model_name)
+            info, tokenizer = load_model_info(self.model_dir, self.engine_options, self.served_model_name)
             self.client = PdEngineClient(self.config, gateway_name="gateway-0", model_info=info, tokenizer=tokenizer,
                                          failure_policy=self.failure_policy, request_timeout_s=self.request_timeout_s,
                                          decode_silence_s=self.decode_silence_s)

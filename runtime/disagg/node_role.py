@@ -1,8 +1,11 @@
 """``make_role`` for ``deepinfer node --role prefill|decode`` (registered in runtime/roles.py).
 
 The node's spec must name an engine RPC address (``engine = ...``); a decode node also its
-bulk data address (``data = ...``). The model comes from ``--model`` or DEEPINFER_HF_MODEL_DIR;
-engine knobs from ``engine_options`` (``deepinfer node --max-num-seqs ...``; a prefill node with
+bulk data address (``data = ...``). The model comes from ``--model``, the cluster file's
+``[engine] model`` or DEEPINFER_HF_MODEL_DIR; engine knobs from ``[engine]`` and then
+``engine_options`` (``deepinfer node --max-num-seqs ...``). Engines use the file's storage nodes
+as their KV store (prefill: prefix reads + write-behind; decode: write-behind of the blocks it
+generates) unless ``[engine] kv_store = false`` or the flags name another store; a prefill node with
 ``--swa-directory`` shares its SWA slots through it, a decode node keeps none). Prefill and
 decode engines of one cluster must load the same model with the same KV layout (checked on
 every import).
@@ -17,6 +20,15 @@ from typing import Any
 from deepinfer import envs
 from deepinfer.runtime.cluster_config import ClusterConfig, NodeRole
 from deepinfer.runtime.disagg.engine_service import DisaggEngineService, EngineServiceConfig
+from deepinfer.runtime.kv_store_cluster import engine_store_of
+
+
+def model_dir_of(config: ClusterConfig, model: str | None) -> str:
+    """--model, else the cluster file's [engine] model, else DEEPINFER_HF_MODEL_DIR."""
+    model_dir = model or config.engine.model or envs.get().hf_model_dir
+    if not model_dir:
+        raise ValueError("no model: pass --model DIR, set [engine] model in the cluster file or DEEPINFER_HF_MODEL_DIR")
+    return model_dir
 
 
 def make_role(*, role: NodeRole, config: ClusterConfig, node_name: str, model: str | None = None,
@@ -33,10 +45,13 @@ def make_role(*, role: NodeRole, config: ClusterConfig, node_name: str, model: s
         raise ValueError(f"nodes.{node_name}.engine: a {role.value} node needs an engine RPC address (tcp://HOST:PORT or ipc://PATH)")
     if role is NodeRole.DECODE and not spec.data:
         raise ValueError(f"nodes.{node_name}.data: a decode node needs a data address to receive KV")
-    model_dir = model or envs.get().hf_model_dir
-    if not model_dir:
-        raise ValueError("no model: pass --model DIR or set DEEPINFER_HF_MODEL_DIR")
-    options = EngineOptions.from_kwargs(**dict(engine_options or {}))
+    model_dir = model_dir_of(config, model)
+    # [engine] of the cluster file, then the node's flags; the storage nodes of the file unless
+    # the flags name a store of their own
+    given = {**config.engine.options(), **dict(engine_options or {})}
+    if "kv_store_nodes" not in given and not given.get("kv_store_dir"):
+        given.update(engine_store_of(config))
+    options = EngineOptions.from_kwargs(**given)
     if role is NodeRole.DECODE:
         # a decode engine continues handed-off requests (their SWA state comes with the KV): no
         # slot store of its own; the prefill engines own and share the slots

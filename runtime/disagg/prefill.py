@@ -194,7 +194,10 @@ class PrefillService(DisaggEngineService):
             lease_s=self.config.lease_s, first_logprobs=encode_logprobs(out.outputs[0].logprobs),
             prompt_logprobs=encode_logprobs(out.prompt_logprobs), window_start=kv.window_start,
             write_from=kv.write_from)
-        return await self._hand_off(msg.decode, push, payload)
+        reply = await self._hand_off(msg.decode, push, payload)
+        tiers = out.metrics.cached_tokens_by_tier if out.metrics is not None else {}
+        return msgspec.structs.replace(reply, num_cached_tokens=out.num_cached_tokens,
+                                       cached_tokens_by_tier=dict(tiers))
 
     async def _hand_off(self, decode: EngineRef, push: PdKvPush, payload) -> PdDispatchReply:
         t0 = time.perf_counter()

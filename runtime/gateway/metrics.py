@@ -81,6 +81,10 @@ class GatewayMetrics:
         self.http_responses = m.counter("http_responses", "HTTP responses by status code", ["code"])
         self.in_flight = m.gauge("gateway_requests_in_flight", "Generation requests the gateway is serving")
         m.registry.register(_EngineStatsCollector(engine))
+        # the engine's own collectors: KV tier and store counters of an in-process engine, routing
+        # counters of a disaggregated gateway (``metric_collectors()``, optional on an EngineClient)
+        for collector in getattr(engine, "metric_collectors", lambda: [])():
+            m.registry.register(collector)
 
     def observe_tokens(self, *, is_first: bool, seconds: float, num_tokens: int) -> None:
         """``seconds``: since arrival for the first delta, since the previous delta otherwise."""

@@ -100,6 +100,8 @@ class SamplingRequest(Struct, kw_only=True):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: Annotated[int, Meta(ge=-MAX_INT32, le=MAX_INT32)] = 0
+    # DeepInfer: the KV store's TTL class of this request's blocks ("agent", "chat"; None: the server's)
+    traffic_class: Annotated[str, Meta(max_length=32)] | None = None
     # defined by OpenAI, typed, not used: a wrong type is still a 400
     user: str | None = None
     store: bool | None = None

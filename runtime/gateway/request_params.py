@@ -171,6 +171,7 @@ def sampling_params(
             skip_special_tokens=req.skip_special_tokens,
             structured_outputs=None if structured is None else structured.spec,
             priority=req.priority,
+            traffic_class=req.traffic_class or "",
         )
     except SamplingParamsError as exc:
         field = str(exc).split(" ", 1)[0]

@@ -77,6 +77,7 @@ from deepinfer.transport.protocol.storage import (  # noqa: F401
 )
 from deepinfer.transport.protocol.pd import (  # noqa: F401
     TOPIC_PD_LOAD,
+    TOPIC_KV_EVENTS,
     FailurePolicy,
     HandoffStatus,
     EngineRef,
@@ -93,6 +94,8 @@ from deepinfer.transport.protocol.pd import (  # noqa: F401
     PdLoadReport,
     PdStatusRequest,
     PdEngineStatus,
+    KvCacheEvents,
+    PdCacheSnapshot,
     PdEngineRequest,
     PdEngineReply,
     PdStream,

@@ -20,12 +20,15 @@ from deepinfer.transport.protocol.common import ErrorCode, ErrorReply, Role, _Ho
 #               transfer's ``meta`` is an encoded PdKvPush, its buffers the KV (names in it)
 #   stream      decode (or prefill) PUSH -> gateway PULL (gateway NodeSpec.data): PdStream
 #   load        engine PUB (NodeSpec.events) topic TOPIC_PD_LOAD -> gateway SUB: PdLoadReport
+#   cache       engine PUB (NodeSpec.events) topic TOPIC_KV_EVENTS -> gateway SUB: KvCacheEvents
+#               (a gateway that missed one asks the engine RPC for a PdCacheSnapshot)
 # Opaque ``bytes`` fields (sampling, output, logprobs) hold msgpack of the engine layer's own
 # dataclasses (SamplingParams, RequestOutput, ...), encoded/decoded by msgspec with their types:
 # transport depends on nothing of ours, and no pickle crosses the wire.
 # =====================================================================================
 
 TOPIC_PD_LOAD = b"pdload"
+TOPIC_KV_EVENTS = b"kvevents"
 
 
 class FailurePolicy(enum.IntEnum):
@@ -134,6 +137,8 @@ class PdDispatchReply(_Message):
     output: bytes = b""  # FINISHED: msgpack of the final RequestOutput delta
     handoff_bytes: int = 0
     handoff_s: float = 0.0  # export + transfer + import + ack
+    num_cached_tokens: int = 0  # prompt tokens the prefill found cached (any tier)
+    cached_tokens_by_tier: dict[str, int] = {}  # "device" / "host" / "store" -> tokens
 
 
 class PdHandoffAck(_Message):
@@ -180,6 +185,7 @@ class PdLoadReport(_HotMessage):
     max_requests: int
     kv_capacity_tokens: int
     is_draining: bool = False
+    kv_events_seq: int = 0  # the last KvCacheEvents seq published: a gateway behind it lost some
 
 
 class PdStatusRequest(_Message):
@@ -203,9 +209,33 @@ class PdEngineStatus(_Message):
     handoff_GBps: float
     failures: dict[str, int] = {}
     swa: dict[str, int] = {}  # SWA slot counters (engine/kv/swa_slots.py SwaSlotStats); {} without slots
+    kv: dict[str, int] = {}  # prefix cache and KV tier counters (KVOffloadStats, cached blocks, hits)
 
 
-PdEngineRequest = PdDispatch | PdKvReady | PdAbort | PdLeaseRenew | PdStatusRequest
-PdEngineReply = PdDispatchReply | PdHandoffAck | PdDone | PdEngineStatus | ErrorReply
+class KvCacheEvents(_HotMessage):
+    """engine -> gateways (PUB, TOPIC_KV_EVENTS), and the reply to PdCacheSnapshot: block hashes
+    (cache/block_hash.py, over ``block_size``-token blocks rooted at ``model_id``) its prefix cache
+    gained (``stored``) and lost (``evicted``), and those the KV store acknowledged
+    (``store_written``). ``seq`` counts this instance's messages from 1; a subscriber that sees a
+    gap (or a load report's ``kv_events_seq`` ahead of it) lost events and asks for a snapshot:
+    ``is_snapshot`` messages list every block cached now in ``stored`` and replace what was known."""
+
+    node_name: str
+    instance_id: int
+    seq: int
+    model_id: str
+    block_size: int
+    stored: list[bytes] = []
+    evicted: list[bytes] = []
+    store_written: list[bytes] = []
+    is_snapshot: bool = False
+
+
+class PdCacheSnapshot(_Message):
+    """gateway -> engine RPC: every block hash cached now, as a KvCacheEvents with is_snapshot."""
+
+
+PdEngineRequest = PdDispatch | PdKvReady | PdAbort | PdLeaseRenew | PdStatusRequest | PdCacheSnapshot
+PdEngineReply = PdDispatchReply | PdHandoffAck | PdDone | PdEngineStatus | KvCacheEvents | ErrorReply
 PdStream = PdOutput | PdFailed
 PdLoadEvent = PdLoadReport
