@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "serve": "deepinfer.bin.serve",
     "node": "deepinfer.bin.node",
     "storage": "deepinfer.bin.storage",
+    "cluster": "deepinfer.bin.cluster",
     "bench": "deepinfer.bin.bench",
     "make-tiny-model": "deepinfer.bin.tiny_model",
     "train-tiny": "deepinfer.bin.train_tiny",

@@ -1,4 +1,10 @@
-"""`deepinfer node`: one long-lived daemon of a cluster, in one role."""
+"""`deepinfer node`: the long-lived daemons of a cluster, from its cluster file.
+
+    deepinfer node --cluster cluster.toml --host NAME      every node of host NAME, in this process
+    deepinfer node --cluster cluster.toml --role R [--name N]   one node (N: the only R node if left out)
+
+SIGTERM/SIGINT drain every node of the process gracefully; a second signal stops them at once.
+"""
 
 from __future__ import annotations
 
@@ -13,21 +19,26 @@ from deepinfer.runtime.disagg.cli_args import add_detector_arguments, detector_o
 _NODE_DETECTOR_FIELDS = {"interval_s": "heartbeat_interval_s", "suspect_phi": "suspect_phi",
                          "min_silence_s": "min_silence_s", "max_silence_s": "max_silence_s",
                          "probe_timeout_s": "probe_timeout_s"}
+_ROLES = ["gateway", "encoder", "prefill", "decode", "storage"]
 
 
 def add_parser(subparsers, name):
     p = subparsers.add_parser(
         name,
-        help="run one cluster node daemon in a role",
-        description="Run one node daemon (gateway, encoder, prefill, decode or storage) from a cluster config. "
-                    "SIGTERM/SIGINT drain it gracefully; a second signal stops it at once.",
+        help="run the node daemons of a cluster host, or one node in a role",
+        description="Run node daemons (gateway, encoder, prefill, decode, storage) from a cluster config: "
+                    "with --host every node the file places on that host, with --role one node. "
+                    "SIGTERM/SIGINT drain them gracefully; a second signal stops them at once.",
     )
-    p.add_argument("--role", required=True, choices=["gateway", "encoder", "prefill", "decode", "storage"])
     p.add_argument("--cluster", required=True, help="cluster config TOML file")
-    p.add_argument("--name", default=None, help="this node's name in the cluster config "
+    p.add_argument("--host", default=None, help="run every node the config places on this host (its nodes' "
+                                                "host key, or their names)")
+    p.add_argument("--role", default=None, choices=_ROLES, help="run one node in this role (without --host)")
+    p.add_argument("--name", default=None, help="with --role: this node's name in the cluster config "
                                                 "(default: the only node with --role)")
-    e = p.add_argument_group("prefill/decode engines")
-    e.add_argument("--model", default=None, help="HF-style model directory (default: DEEPINFER_HF_MODEL_DIR)")
+    e = p.add_argument_group("prefill/decode engines and gateways (override the config's [engine] section)")
+    e.add_argument("--model", default=None, help="HF-style model directory (default: [engine] model, "
+                                                 "else DEEPINFER_HF_MODEL_DIR)")
     e.add_argument("--max-num-seqs", type=int, default=None, help="sequences decoded together (default 8)")
     e.add_argument("--num-blocks", type=int, default=None, help="KV-cache blocks")
     e.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens (default: the model's)")
@@ -36,19 +47,33 @@ def add_parser(subparsers, name):
     e.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     e.add_argument("--lease-s", type=float, default=5.0,
                    help="prefill: seconds exported KV is held without an ack or renewal (default 5)")
+    e.add_argument("--kv-store-nodes", default=None, metavar="ADDRS|FILE",
+                   help="the engines' KV store: storage node addresses, a membership file or a cluster file "
+                        "(default: the storage nodes of --cluster, unless [engine] kv_store = false)")
+    e.add_argument("--kv-store-ec", default=None, metavar="K+M", help="erasure coding of a --kv-store-nodes list")
+    e.add_argument("--kv-load-deadline", dest="kv_load_deadline_s", type=float, default=None, metavar="S",
+                   help="seconds a prefix read from the store may take before the engine computes the rest")
+    e.add_argument("--kv-host-tier-bytes", type=int, default=None, metavar="BYTES", help="host memory KV tier")
+    e.add_argument("--served-model-name", default=None, help="gateway: the model name clients ask for "
+                                                             "(default: the model directory's name)")
     add_swa_arguments(p, is_node=True)  # swa-wire: SWA slot flags of prefill/decode engines
     add_detector_arguments(p)  # override the cluster config's [cluster] failure-detection keys
     return p
 
 
-_ENGINE_FLAGS = ("max_num_seqs", "num_blocks", "max_model_len", "block_size", "dtype", "num_threads", *NODE_SWA_FLAGS)
+_ENGINE_FLAGS = ("max_num_seqs", "num_blocks", "max_model_len", "block_size", "dtype", "num_threads",
+                 "kv_store_nodes", "kv_store_ec", "kv_load_deadline_s", "kv_host_tier_bytes", *NODE_SWA_FLAGS)
 
 
 def _role_kwargs(args, role) -> dict:
-    """Extra make_role arguments of the engine roles (prefill/decode): model and engine knobs."""
+    """Extra make_role arguments: model and engine knobs of engines and gateways."""
+    options = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k, None) is not None}
+    if role.value == "gateway":
+        if args.served_model_name:
+            options["served_model_name"] = args.served_model_name
+        return {"model": args.model, "engine_options": options}
     if role.value not in ("prefill", "decode"):
         return {}
-    options = {k: getattr(args, k) for k in _ENGINE_FLAGS if getattr(args, k, None) is not None}
     return {"model": args.model, "engine_options": options, "lease_s": args.lease_s}
 
 
@@ -70,27 +95,75 @@ def run(args) -> int:
 
 def _run(args, parent) -> int:
     import asyncio
-    from dataclasses import replace
 
     from deepinfer.runtime import loop
     from deepinfer.runtime.cluster_config import ClusterConfigError, NodeRole, load_cluster_config
-    from deepinfer.runtime.node import Node, NodeSettings
+    from deepinfer.runtime.host_nodes import HostNodes
+
+    if (args.host is None) == (args.role is None):
+        raise CliError("give --host NAME (every node of a host) or --role ROLE (one node)", code=2)
+    if args.host is not None and args.name is not None:
+        raise CliError("--name goes with --role; --host runs every node of the host", code=2)
+    if args.role is not None:
+        from deepinfer.runtime.roles import RoleNotBuilt, role_factory
+
+        try:  # before the config: an unbuilt role says so whatever the file
+            role_factory(NodeRole(args.role))
+        except RoleNotBuilt as exc:
+            raise NotBuiltError(str(exc)) from None
+    try:
+        config = load_cluster_config(args.cluster)
+    except ClusterConfigError as exc:
+        raise CliError(str(exc)) from None
+    if args.host is not None:
+        try:
+            names = [spec.name for spec in config.nodes_on_host(args.host)]
+        except KeyError as exc:
+            raise CliError(exc.args[0]) from None
+    else:
+        role = NodeRole(args.role)
+        name = args.name or _only_node_with_role(config, role)
+        try:
+            spec = config.node(name)
+        except KeyError as exc:
+            raise CliError(exc.args[0]) from None
+        if spec.role != role:
+            raise CliError(f"node {name!r} has role {spec.role.value} in {args.cluster}, not {role.value}")
+        names = [name]
+    nodes = [_node_plan(config, n, args) for n in names]
+    logging.basicConfig(level=envs.get().log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    async def serve() -> None:
+        host = HostNodes()
+        for name, settings, make_role, role in nodes:
+            try:
+                role_object = make_role(role=role, config=config, node_name=name, **_role_kwargs(args, role))
+            except (ValueError, FileNotFoundError) as exc:  # the role's own config checks
+                raise CliError(f"{args.cluster}: {exc}") from None
+            host.add(settings, role_object)
+        host.install_signal_handlers()
+        if parent is not None:  # the parent died: stop now, nobody is left to drain for
+            parent.watch(asyncio.get_running_loop(), lambda: asyncio.ensure_future(host.stop_when_started()))
+        await host.start()
+        await host.wait_stopped()
+
+    loop.run(serve())
+    return 0
+
+
+def _node_plan(config, name: str, args):
+    """(name, NodeSettings, make_role, role) of one node, every mistake a CliError."""
+    from dataclasses import replace
+
+    from deepinfer.runtime.node import NodeSettings
     from deepinfer.runtime.roles import RoleNotBuilt, role_factory
 
-    role = NodeRole(args.role)
+    role = config.node(name).role
     try:
         make_role = role_factory(role)
     except RoleNotBuilt as exc:
         raise NotBuiltError(str(exc)) from None
     try:
-        config = load_cluster_config(args.cluster)
-    except ClusterConfigError as exc:
-        raise CliError(str(exc)) from None
-    name = args.name or _only_node_with_role(config, role)
-    try:
-        spec = config.node(name)
-        if spec.role != role:
-            raise CliError(f"node {name!r} has role {spec.role.value} in {args.cluster}, not {role.value}")
         settings = NodeSettings.from_cluster(config, name)
     except (KeyError, ValueError, FileNotFoundError) as exc:
         raise CliError(exc.args[0] if isinstance(exc, KeyError) else str(exc)) from None
@@ -100,22 +173,7 @@ def _run(args, parent) -> int:
         settings.detector  # noqa: B018 -- flags contradicting each other (or the config) fail here
     except ValueError as exc:
         raise CliError(str(exc), code=2) from None
-    logging.basicConfig(level=envs.get().log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-    async def serve() -> None:
-        try:
-            role_object = make_role(role=role, config=config, node_name=name, **_role_kwargs(args, role))
-        except (ValueError, FileNotFoundError) as exc:  # the role's own config checks
-            raise CliError(f"{args.cluster}: {exc}") from None
-        node = Node(settings, [role_object])
-        node.install_signal_handlers()
-        if parent is not None:  # the parent died: stop now, nobody is left to drain for
-            parent.watch(asyncio.get_running_loop(), lambda: asyncio.ensure_future(node.stop_when_started()))
-        await node.start()
-        await node.wait_stopped()
-
-    loop.run(serve())
-    return 0
+    return name, settings, make_role, role
 
 
 def _only_node_with_role(config, role) -> str:
