@@ -98,8 +98,9 @@ class AsyncStepPipeline:
                 queued.set_prep_error(e)  # never leave the device thread waiting
             self._inflight = None
             raise
-        if queued is None and self.is_pipelined and self.core.kv_offload is not None:
-            # [kv-tiers hook] idle: write the last commit's blocks behind now (engine/kv/offload.py)
+        if queued is None and self.core.kv_offload is not None:
+            # [kv-tiers hook] idle (a serial loop always is between steps): write the last commit's
+            # blocks behind now (engine/kv/offload.py), not at a next step that may never come
             self.core.kv_offload.submit_idle_device_io(self.executor)
         return outputs
 
