@@ -1,0 +1,180 @@
+"""The DSpark drafter in serving: the target's features taken from its forward, a batch of drafts.
+
+engine/spec/ drafts through the ``DraftModel`` seam (engine/spec/draft_model.py); this is V4.1's:
+
+    capture   forward pre-hooks on the target layers ``dspark_target_layer_ids`` record the
+              mean over the 4 streams of the residual entering each (after Engram, as
+              dense_forward.py's training features), for every real row of the last forward;
+              no change to the model's forward, nothing recorded while the drafter is off
+    context   ``context_rows(features, positions)``: every stage's injected K=V row of those
+              positions (``DSparkDrafter.inject`` + ``context_kv``), for the engine's context ring
+    propose   ``propose(y, anchors, ctx_kv, ctx_valid)``: the block ``[y, noise x (K - 1)]`` at
+              positions anchor + 1 .. anchor + K through the stages, then the greedy Markov chain
+              with calibrated confidences (``DSparkDrafter.draft``'s math)
+
+The stages run on the serving modules (native mHC weights, the fused MoE, ``ops.linear``) rather
+than dense_ops' autograd functions: same math, several times faster on a CPU, where the drafter's
+pass is a cost every decode step pays. Attention stays dense_ops' (a K-token block over a window
+of context rows: no cache, no kernel to share). Numerics may differ from training's in the last
+bits; drafts only ever change speed, never outputs (verification is exact).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer.engine.models.deepseek_v4.mhc import HyperConnection
+from deepinfer.engine.models.deepseek_v41 import dense_ops as D
+from deepinfer.engine.models.deepseek_v41.dspark import CALIBRATION_FILE, DSparkDrafter, Drafts
+from deepinfer.kernels import ops
+
+
+class FeatureCapture:
+    """The DSpark target features of every real row of the model's last forward.
+
+    ``take()`` -> (rows, features): ``features [n, targets * hidden]`` float32; ``rows`` None when
+    they are the forward's rows 0..n-1, else the batch rows they belong to (a bounded decoder
+    replay runs the layers from the CED source on a sub-batch; rows outside it have none)."""
+
+    def __init__(self, model) -> None:
+        self.targets = tuple(model.config.dspark_target_layer_ids)
+        self.enabled = True
+        self._ctx = None
+        self._parts: list[tuple[torch.Tensor | None, torch.Tensor]] = []
+        self._handles = [model.register_forward_pre_hook(self._on_model)]
+        for layer in model.layers:
+            if layer.self_attn.layer in self.targets:
+                self._handles.append(layer.register_forward_pre_hook(self._on_layer))
+
+    def _on_model(self, module, args) -> None:
+        self._ctx = args[0] if self.enabled else None
+        self._parts = []
+
+    def _on_layer(self, module, args) -> None:
+        top = self._ctx
+        if top is None:
+            return
+        streams, _, here = args[0], args[1], args[2]
+        rows = None if here is top else top.decoder.rows
+        self._parts.append((rows, streams[: here.num_tokens].float().mean(dim=-2)))
+
+    def take(self) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+        """The last forward's features (None when nothing was captured); clears them."""
+        parts, self._parts = self._parts, []
+        if len(parts) != len(self.targets):
+            return None
+        sub = next((rows for rows, _ in parts if rows is not None), None)
+        if sub is None:
+            return None, torch.cat([f for _, f in parts], dim=-1)
+        # a target below the sub-batch's first layer saw every row: keep the sub-batch's
+        feats = [f if rows is not None else f.index_select(0, sub.to(f.device)) for rows, f in parts]
+        return sub, torch.cat(feats, dim=-1)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def load_calibration(model_dir: str | Path | None, block_size: int) -> torch.Tensor | None:
+    """Per-position confidence temperatures from ``dspark_calibration.json`` (None: absent, T = 1);
+    a file that does not fit the drafter is a one-line ValueError."""
+    if model_dir is None:
+        return None
+    path = Path(model_dir) / CALIBRATION_FILE
+    if not path.is_file():
+        return None
+    try:
+        temps = json.loads(path.read_text())["temperatures"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a DSpark calibration file ({type(e).__name__}: {e})") from None
+    if (not isinstance(temps, list) or len(temps) < block_size
+            or not all(isinstance(t, (int, float)) and t > 0 for t in temps)):
+        raise ValueError(f"{path}: temperatures must be {block_size} positive numbers, got {temps!r}")
+    return torch.tensor(temps[:block_size], dtype=torch.float32)
+
+
+class ServingDrafter:
+    """V4.1's ``DraftModel`` (engine/spec/draft_model.py) over a built target model."""
+
+    def __init__(self, model, *, model_dir: str | Path | None = None) -> None:
+        self.drafter = DSparkDrafter(model)  # raises when the model has no stages
+        c = model.config
+        self.config = c
+        self.block_size = c.dspark_block_size
+        self.num_stages = len(self.drafter.stages)
+        self.window = c.sliding_window
+        self.row_width = c.head_dim
+        self.vocab_size = c.vocab_size
+        self.device = model.embed_tokens.weight.device
+        self.dtype = model.embed_tokens.weight.dtype
+        self.drafter.temperatures = load_calibration(model_dir, self.block_size)
+        for stage in self.drafter.stages:
+            stage.finalize()  # the serving modules' fused weights (the model finalizes its layers only)
+        self.capture = FeatureCapture(model)
+
+    # ---- the target's features ------------------------------------------------------------
+    def take_features(self) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+        return self.capture.take()
+
+    @torch.inference_mode()
+    def context_rows(self, features: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``features [n, targets * D]`` at ``positions [n]`` -> injected rows ``[stages, n, hd]``."""
+        dr = self.drafter
+        return dr.context_kv(dr.inject(features), positions)
+
+    # ---- drafts -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def propose(self, y: torch.Tensor, anchors: torch.Tensor, ctx_kv: torch.Tensor, ctx_valid: torch.Tensor) -> Drafts:
+        """``y [N]`` the tokens just committed at ``anchors + 1``; ``ctx_kv [stages, N, C, hd]``
+        with ``ctx_valid [N, C]`` -> K greedy drafts per row and their calibrated confidences."""
+        dr = self.drafter
+        ids = dr.block_ids(y)
+        positions = anchors[:, None] + 1 + torch.arange(self.block_size, device=anchors.device)[None, :]
+        h = self.block(ids, positions, ctx_kv, ctx_valid)
+        base = ops.linear(ops.rms_norm(h.reshape(-1, h.shape[-1]), dr.stages[-1].norm.weight,
+                                        self.config.rms_norm_eps),
+                           dr.target.lm_head.weight, False).float().view(*h.shape[:2], -1)
+        markov = dr.stages[-1].markov_head
+        conf_w = dr.stages[-1].confidence_head.proj.weight
+        prev, drafts, logits = y, [], []
+        for k in range(self.block_size):
+            e = F.embedding(prev, markov.embed.weight)
+            logits.append((torch.cat([h[:, k], e.to(h.dtype)], dim=-1) @ conf_w.t()).float().squeeze(-1))
+            prev = (base[:, k] + (e @ markov.head.weight.t()).float()).argmax(dim=-1)
+            drafts.append(prev)
+        conf = torch.stack(logits, dim=1)
+        return Drafts(torch.stack(drafts, dim=1), conf, dr.calibrated(conf))
+
+    def block(self, ids: torch.Tensor, positions: torch.Tensor, ctx_kv: torch.Tensor,
+              ctx_valid: torch.Tensor) -> torch.Tensor:
+        """``DSparkDrafter.block`` on the serving modules: pre-norm ``h [N, K, D]``."""
+        c, dr = self.config, self.drafter
+        n, k = ids.shape
+        eps, bi = c.rms_norm_eps, False  # drafts need no batch invariance: they never change outputs
+        flat_ids = ids.reshape(-1)
+        streams = F.embedding(flat_ids, dr.target.embed_tokens.weight)[:, None, :].expand(-1, c.hc_mult, -1).contiguous()
+        pre = streams.new_zeros(n * k, c.hc_mult, dtype=torch.float32)
+        pre[:, 0] = 1.0
+        cos, sin = D.rope_tables(positions, dr.target.main_inv_freq)
+        allowed = torch.cat([ctx_valid[:, None, :].expand(n, k, -1),
+                             torch.ones(n, k, k, dtype=torch.bool, device=ids.device)], dim=-1)
+        for s, stage in enumerate(dr.stages):
+            attn = stage.self_attn
+            attn_pre, post, comb = stage.attn_hc.weights(streams, bi)
+            x = ops.rms_norm(HyperConnection.collapse(streams, pre, bi), stage.input_layernorm.weight, eps)
+            q, kv, _ = D.attention_inputs(attn, x.view(n, k, -1), cos, sin)
+            out = D.sink_attention(q, torch.cat([ctx_kv[s].to(kv.dtype), kv], dim=1), allowed, attn.sinks,
+                                   attn.head_dim**-0.5)
+            out = D.attention_output(attn, out, cos, sin).reshape(n * k, -1)
+            streams = HyperConnection.post(out, streams, post, comb, bi)
+            ffn_pre, post, comb = stage.ffn_hc.weights(streams, bi)
+            x = ops.rms_norm(HyperConnection.collapse(streams, attn_pre, bi), stage.post_attention_layernorm.weight, eps)
+            out = stage.mlp.forward(x, flat_ids, n * k, bi)
+            streams = HyperConnection.post(out, streams, post, comb, bi)
+            pre = ffn_pre
+        return HyperConnection.collapse(streams, pre, bi).view(n, k, -1)

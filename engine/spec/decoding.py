@@ -1,0 +1,192 @@
+"""DSpark speculative decoding in an engine: the part ``EngineHooks.spec`` gives the core.
+
+One step, and who does what (ARCHITECTURE.md, "The step timeline"; "DSpark"):
+
+    loop thread   plan_lengths   before schedule(): the requests holding fresh drafts (proposed
+                                 for their current position, nothing in flight) -> confidences
+                                 [R, D] -> the length policy picks each one's verify length L
+                                 across the batch (SPS(B) for R requests from the SpsTable) ->
+                                 req.spec_token_ids = its first L drafts; the scheduler lays
+                                 out [root, d_1 .. d_L] with 1 + L sample rows
+    device thread (forward, sampling: verification is the sampler's, engine/sample/)
+                  propose        the drafter reads the step's target features, keeps the
+                                 accepted positions' rows in its context ring and drafts D
+                                 tokens after each request's last accepted token
+    loop thread   commit         counts drafted / verified / accepted per request and in total;
+                                 keeps the new drafts for the next plan_lengths
+
+Verification is exact: a draft is accepted when it equals the token the target's sampler draws
+at its position (greedy: the argmax; sampled: the counter-based draw of (seed, position), see
+engine/sample/sampler.py), and the first mismatch or the token after the last draft is the
+target's own. For a deterministic proposal this is standard speculative rejection sampling
+(accept d with probability min(1, p(d) / 1) = p(d), else draw from p without d, renormalised),
+realised with the same noise as a non-speculative run: outputs with speculation on equal those
+with it off, token for token, for every seed, whatever the batch. Rejected positions are rolled
+back by the scheduler (num_computed_tokens, blocks past the need); every cache row, the SWA
+rings, Engram's history ring and the drafter's context ring are position-addressed, and the
+grammar advances only over committed tokens.
+
+Async scheduling: a step whose requests will draft cannot have its successor scheduled before
+its own sampling (the successor's tokens are the drafts, its positions depend on how many were
+accepted), so the pipelined loop runs such steps one at a time (``must_commit_first``); steps
+without sample rows (middle prefill chunks) still overlap.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from deepinfer.engine.core.request import RequestStatus
+from deepinfer.engine.spec.length_policy import SCHEDULES, make_length_policy
+from deepinfer.engine.spec.proposer import DraftProposer, StepDrafts
+from deepinfer.engine.spec.sps_table import SpsTable
+
+
+@dataclass(frozen=True, slots=True)
+class SpecConfig:
+    num_draft_tokens: int = 5  # D: drafts a request may verify per step (<= the drafter's block)
+    schedule: str = "confidence"  # "confidence" | "fixed" (every request verifies D)
+    budget_delay: int = 0  # confidence schedule: size the budget from confidences this many steps old
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown spec schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        if self.num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
+        if self.budget_delay < 0:
+            raise ValueError(f"budget_delay must be >= 0 steps, got {self.budget_delay}")
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Lifetime counters (EngineStats.spec, /metrics)."""
+
+    num_steps: int = 0  # steps that verified at least one draft
+    num_proposals: int = 0  # drafter proposals (one per request and step)
+    num_drafted: int = 0  # drafts proposed (D per proposal)
+    num_verified: int = 0  # drafts sent to the target
+    num_accepted: int = 0  # drafts the target accepted
+    draft_seconds: float = 0.0  # device time of the drafter
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+@dataclass(slots=True)
+class _Fresh:
+    anchor: int
+    tokens: list[int]
+    confidence: np.ndarray  # [D]
+
+
+class SpecDecoding:
+    def __init__(self, proposer: DraftProposer, sps: SpsTable, config: SpecConfig = SpecConfig(), *,
+                 max_verify_tokens: int | None = None) -> None:
+        if config.num_draft_tokens > proposer.model.block_size:
+            raise ValueError(f"num_draft_tokens {config.num_draft_tokens} exceeds the drafter's block of "
+                             f"{proposer.model.block_size}")
+        self.proposer = proposer
+        self.sps = sps
+        self.config = config
+        self.policy = make_length_policy(config.schedule, sps.profile(1), num_drafts=config.num_draft_tokens,
+                                         delay=config.budget_delay, max_verify_tokens=max_verify_tokens)
+        self.stats = SpecStats()
+        self._fresh: dict[str, _Fresh] = {}
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.config.num_draft_tokens
+
+    # ---- loop thread: before schedule() ------------------------------------------------------
+    def plan_lengths(self, requests, running) -> None:
+        """Set ``spec_token_ids`` of the running requests with fresh drafts to the policy's lengths."""
+        fresh = self._fresh
+        if not fresh:
+            return
+        picked, confs, caps = [], [], []
+        for req in running:
+            f = fresh.get(req.request_id)
+            if f is None:
+                continue
+            if (req.status != RequestStatus.RUNNING or req.num_output_placeholders or req.is_awaiting_verification
+                    or req.num_computed_tokens != f.anchor + 1 or req.num_tokens != f.anchor + 2):
+                req.spec_token_ids = []
+                continue  # stale (preempted, rolled over) or with a step in flight: no drafts now
+            picked.append((req, f))
+            confs.append(f.confidence)
+            caps.append(_length_cap(req, len(f.tokens)))
+        for rid in [rid for rid in fresh if rid not in requests]:
+            del fresh[rid]
+        if not picked:
+            return
+        self.policy.sps = self.sps.profile(len(picked))
+        schedule = self.policy(np.stack(confs), max_lengths=np.asarray(caps, dtype=np.int64))
+        for (req, f), length in zip(picked, schedule.lengths.tolist()):
+            req.spec_token_ids = f.tokens[:length]
+
+    # ---- loop thread: can the next step be scheduled before this one is sampled? -------------
+    @staticmethod
+    def must_commit_first(plan) -> bool:
+        """True when ``plan`` samples anything: its requests draft after sampling, and the next
+        step needs those drafts (ARCHITECTURE.md, "The step timeline")."""
+        return plan.sched.num_logits > 0
+
+    # ---- device thread: after sampling -------------------------------------------------------
+    def propose(self, plan, accepted: dict[str, list[int]]) -> StepDrafts:
+        t0 = time.perf_counter()
+        drafts = self.proposer.propose(plan.sched.scheduled, accepted)
+        drafts.seconds = time.perf_counter() - t0
+        return drafts
+
+    # ---- loop thread: at commit --------------------------------------------------------------
+    def commit(self, plan, accepted: dict[str, list[int]], drafts: StepDrafts | None, requests) -> None:
+        """Count the step's verification and keep its proposals (``requests``: the live map)."""
+        st = self.stats
+        verified_step = False
+        for s in plan.sched.scheduled:
+            if not s.num_draft_tokens:
+                continue
+            toks = accepted.get(s.request_id)
+            req = requests.get(s.request_id)
+            if toks is None:
+                continue
+            num_accepted = len(toks) - 1
+            verified_step = True
+            st.num_verified += s.num_draft_tokens
+            st.num_accepted += num_accepted
+            if req is not None:
+                req.spec_verified += s.num_draft_tokens
+                req.spec_accepted += num_accepted
+        st.num_steps += verified_step
+        if drafts is None:
+            return
+        st.draft_seconds += drafts.seconds
+        d = self.config.num_draft_tokens
+        fresh = self._fresh
+        for i, rid in enumerate(drafts.request_ids):
+            req = requests.get(rid)
+            if req is None or req.status != RequestStatus.RUNNING:
+                fresh.pop(rid, None)
+                continue
+            tokens = drafts.tokens[i][:d]
+            fresh[rid] = _Fresh(drafts.anchors[i], tokens, drafts.confidence[i, :d])
+            req.spec_drafted += len(tokens)
+            st.num_proposals += 1
+            st.num_drafted += len(tokens)
+
+    def forget(self, request_id: str) -> None:
+        self._fresh.pop(request_id, None)
+
+
+def _length_cap(req, num_drafts: int) -> int:
+    """Drafts worth verifying: a request can commit at most its remaining tokens (max_tokens,
+    the model length), and a step commits accepted drafts + 1."""
+    cap = num_drafts
+    max_tokens = req.sampling_params.max_tokens
+    if max_tokens is not None:
+        cap = min(cap, max_tokens - req.num_output_tokens - 1)
+    cap = min(cap, req.max_model_len - req.num_tokens - 1)
+    return max(cap, 0)
