@@ -199,7 +199,9 @@ async def test_the_loop_answers_pings_during_a_long_real_step(model_dir):
                 lags.append(time.perf_counter() - t - 0.001)
 
         pinger = asyncio.create_task(ping())
-        long_prompt = [(13 * i) % 4000 + 10 for i in range(1500)]
+        # long enough that one prefill step takes well over 0.3 s on the CPU kernels (1,500 tokens
+        # took 0.24 s once the indexer skipped contexts it keeps whole)
+        long_prompt = [(13 * i) % 4000 + 10 for i in range(3500)]
         await collect(eng, {"prompt_token_ids": long_prompt}, SamplingParams(max_tokens=2, temperature=0.0), "long")
         done = True
         await pinger
