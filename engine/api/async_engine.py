@@ -9,8 +9,8 @@ One background task runs the engine's ``StepLoop`` (engine/core/step_loop.py), p
 forwards run on one device thread while the loop schedules the next step and commits the
 previous one, and between those awaits the loop serves everything else (HTTP, new requests,
 aborts). All EngineCore calls happen on the loop's thread, so no locks are needed. Each request
-has a ``DeltaQueue`` (streams.py) the step loop's ``deliver`` hook pushes deltas into;
-``generate`` yields them (coalesced when the consumer lags).
+has a ``RequestStream`` the step loop's ``deliver`` hook pushes deltas into; ``generate`` yields
+them (coalesced when the consumer lags).
 
 SWA slots: with ``swa_directory`` set, ``start`` also starts this engine's ``SwaPeer`` (it shares
 its slot store with other engines); each new request then first runs the slot prefetch for the
@@ -22,11 +22,10 @@ Failures: bad input raises a one-line ValueError (``InvalidPromptError``, ``Samp
 ``StructuredOutputError``) from ``generate``'s first ``__anext__``; the facts are checked by the
 component that owns them (EngineCore, the scheduler, SamplingParams), this class only checks
 that it accepts requests at all (alive, open); a full waiting queue is EngineCore's to refuse
-(``EngineOverloadedError``). A step that raises fails every
-request that was running (its stream raises ``EngineStepError``), the prefix cache is dropped
-(blocks of a failed step may hold garbage) and the engine serves on; after
-``max_consecutive_failures`` failing steps in a row it is dead: ``check_health`` raises and new
-requests are refused.
+(``EngineOverloadedError``). A step that raises fails every request that was running (its
+stream raises ``EngineStepError``), the prefix cache is dropped (blocks of a failed step may hold
+garbage) and the engine serves on; after ``max_consecutive_failures`` failing steps in a row it is
+dead: ``check_health`` raises and new requests are refused.
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ import dataclasses
 import logging
 import threading
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -53,18 +53,72 @@ from deepinfer.engine.api.protocol import (
     ModelInfo,
 )
 from deepinfer.engine.api.sampling_params import SamplingParams
-from deepinfer.engine.api.streams import DeltaQueue, RequestStream
 from deepinfer.engine.core.engine_core import EngineCore
 from deepinfer.engine.core.factory import EngineParts, build_engine
 from deepinfer.engine.core.options import EngineOptions
 from deepinfer.engine.core.step_loop import FailurePolicy, FailureScope, StepHooks, StepLoop, tune_interpreter
 from deepinfer.engine.kv.swa_slots import SwaSlotManager, SwaSlotRunner
 from deepinfer.engine.models.registry import FamilyConfig
+from deepinfer.engine.text.output_processor import merge_output
 from deepinfer.engine.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 PromptType = str | Mapping[str, Any]
+
+
+class RequestStream:
+    """One queued request's deltas (``AsyncEngine.submit``): the step loop's ``deliver`` hook puts
+    them in, the caller iterates them (deltas that piled up meanwhile come merged into one);
+    ``close()`` aborts the request unless it has finished."""
+
+    __slots__ = ("request_id", "items", "ready", "is_done", "_release", "_is_closed")
+
+    def __init__(self, request_id: str, release: Callable[[RequestStream], None]) -> None:
+        self.request_id = request_id
+        self.items: deque[RequestOutput | BaseException] = deque()
+        self.ready = asyncio.Event()
+        self.is_done = False  # the last delta (or an error) is in
+        self._release = release  # the engine forgets the stream (and aborts the request if unfinished)
+        self._is_closed = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.items.append(item)
+        self.ready.set()
+
+    def fail(self, error: BaseException) -> None:
+        """End the stream with ``error`` unless it has ended."""
+        if not self.is_done:
+            self.is_done = True
+            self.put(error)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._is_closed:
+            raise StopAsyncIteration
+        try:
+            while not self.items:
+                self.ready.clear()
+                await self.ready.wait()
+            out = self.items.popleft()
+            if isinstance(out, BaseException):
+                raise out
+            # coalesce deltas that piled up while the consumer was busy (an error stays queued)
+            while self.items and not out.finished and isinstance(self.items[0], RequestOutput):
+                out = merge_output(merge_output(None, out), self.items.popleft())
+        except BaseException:
+            self.close()
+            raise
+        if out.finished:
+            self.close()
+        return out
+
+    def close(self) -> None:
+        if not self._is_closed:
+            self._is_closed = True
+            self._release(self)
 
 
 class AsyncEngine:
@@ -78,7 +132,7 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._device = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-device")
         self._compile = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-grammar")
-        self._queues: dict[str, DeltaQueue] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._is_closed = False  # no new requests; the step loop ends once idle
         self._shutdown_task: asyncio.Task | None = None
         self._dead_reason: str | None = None
@@ -170,10 +224,7 @@ class AsyncEngine:
         return [KVTierCollector(offload, self._parts.served_model_name)] if offload is not None else []
 
     async def check_health(self) -> None:
-        if self._dead_reason is not None:
-            raise EngineDeadError(self._dead_reason)
-        if self._is_closed:
-            raise EngineDeadError("the engine is shut down")
+        self._check_accepting()
 
     async def generate(
         self, prompt: PromptType, params: SamplingParams | None = None, *, request_id: str | None = None
@@ -193,8 +244,7 @@ class AsyncEngine:
         """``generate`` in two stages: validate and queue now (raising for bad input), stream
         later. Iterate the result to the end or ``close()`` it (that aborts the request)."""
         rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
-        queue = await self._add_request(rid, prompt, params or SamplingParams())
-        return RequestStream(rid, queue, self._release)
+        return await self._add_request(rid, prompt, params or SamplingParams())
 
     async def abort(self, request_id: str) -> None:
         """Finish ``request_id`` with "abort" and free its blocks and slot at once (the step in
@@ -209,9 +259,9 @@ class AsyncEngine:
 
     async def _shutdown(self) -> None:
         self._is_closed = True
-        self._deliver(self.core.abort(list(self._queues)))
-        for queue in self._queues.values():  # streams whose request never reached the core
-            queue.fail(EngineDeadError("the engine is shut down"))
+        self._deliver(self.core.abort(list(self._streams)))
+        for stream in self._streams.values():  # streams whose request never reached the core
+            stream.fail(EngineDeadError("the engine is shut down"))
         self._steps.close()
         try:
             await self._task
@@ -233,7 +283,7 @@ class AsyncEngine:
             offload.close()
 
     # ---- requests -----------------------------------------------------------------------
-    async def _add_request(self, rid: str, prompt: PromptType, params: SamplingParams) -> DeltaQueue:
+    async def _add_request(self, rid: str, prompt: PromptType, params: SamplingParams) -> RequestStream:
         self._check_accepting()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
@@ -251,10 +301,10 @@ class AsyncEngine:
             await swa.prefetch_for(self.core.scheduler.kv, ids)
             self._check_accepting()
         self.core.add_request(rid, ids, params, prompt=text, grammar=grammar)
-        queue = DeltaQueue()
-        self._queues[rid] = queue
+        stream = RequestStream(rid, self._release)
+        self._streams[rid] = stream
         self._steps.wake()
-        return queue
+        return stream
 
     def _check_accepting(self) -> None:
         """Alive and open (checked again after every await: the engine may die meanwhile)."""
@@ -282,26 +332,27 @@ class AsyncEngine:
                 return self._prompt_ids(prompt["prompt"])
         raise InvalidPromptError("a prompt must be a string or a dict with 'prompt_token_ids' or 'prompt'")
 
-    def _release(self, rid: str, queue: DeltaQueue) -> None:
-        if self._queues.get(rid) is queue:
-            del self._queues[rid]
-            if not queue.is_done:  # the caller left early (cancelled, closed, error)
+    def _release(self, stream: RequestStream) -> None:
+        rid = stream.request_id
+        if self._streams.get(rid) is stream:
+            del self._streams[rid]
+            if not stream.is_done:  # the caller left early (cancelled, closed, error)
                 self.core.abort([rid])
 
     # ---- step loop hooks ------------------------------------------------------------------
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
-            queue = self._queues.get(out.request_id)
-            if queue is not None and not queue.is_done:
-                queue.is_done = out.finished
-                queue.put(out)
+            stream = self._streams.get(out.request_id)
+            if stream is not None and not stream.is_done:
+                stream.is_done = out.finished
+                stream.put(out)
 
     def _fail_requests(self, request_ids: list[str], error: Exception) -> None:
         message = f"the model step failed ({type(error).__name__}: {_one_line(error)})"
         for rid in {self.core.parent_id(rid) for rid in request_ids}:
-            queue = self._queues.get(rid)
-            if queue is not None:
-                queue.fail(EngineStepError(message))
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.fail(EngineStepError(message))
         if self._steps.num_failures_in_row >= self._max_failures:
             self._die(f"the engine stopped after {self._steps.num_failures_in_row} failed steps in a row: {message}")
 
@@ -321,11 +372,11 @@ class AsyncEngine:
         self._is_closed = True
         self._steps.close()
         try:
-            self.core.abort(list(self._queues))
+            self.core.abort(list(self._streams))
         except Exception:  # noqa: BLE001 - the core may be what broke; the streams still end
             log.exception("abort after an engine failure")
-        for queue in list(self._queues.values()):
-            queue.fail(EngineDeadError(self._dead_reason))
+        for stream in list(self._streams.values()):
+            stream.fail(EngineDeadError(self._dead_reason))
 
 
 async def _run_in_new_thread(fn: Callable[[], object], *, name: str) -> None:

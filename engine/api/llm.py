@@ -20,10 +20,9 @@ from typing import Any
 
 import torch
 
-from deepinfer.engine.api.async_engine import AsyncEngine
+from deepinfer.engine.api.async_engine import AsyncEngine, RequestStream
 from deepinfer.engine.api.outputs import RequestOutput
 from deepinfer.engine.api.sampling_params import SamplingParams
-from deepinfer.engine.api.streams import RequestStream
 from deepinfer.engine.core.options import EngineOptionsError
 from deepinfer.engine.text.output_processor import merge_output
 from deepinfer.engine.text.tokenizer import Tokenizer
