@@ -57,6 +57,10 @@ log = logging.getLogger(__name__)
 _INPUT_ERRORS = ("ValueError", "SamplingParamsError", "StructuredOutputError")
 
 
+# how long a rank that reports a broken group waits for the rank that broke it to exit
+BROKEN_GRACE_S = 2.0
+
+
 class EpRankLostError(EngineStepError):
     """An EP rank died (or the group broke) while this request ran; the group restarts."""
 
@@ -89,6 +93,7 @@ class EpEngineGroup:
         self._closed = False
         self._supervisor: asyncio.Task | None = None
         self._lost = asyncio.Queue()
+        self._broken_generations: set[int] = set()
         self.num_restarts = 0
         self.last_loss: str | None = None
 
@@ -244,6 +249,10 @@ class EpEngineGroup:
                 msg = self._codec_in.decode(raw)
                 if isinstance(msg, EpOutput):
                     self._put(msg.request_id, decode_output(msg.output))
+                elif isinstance(msg, EpRequestFailed) and msg.error == "EpGroupError":
+                    # the group broke under this rank: which rank caused it is known only once a
+                    # process exits; every request in flight is failed then, with that cause
+                    self._on_group_broken(rank, generation, msg.message)
                 elif isinstance(msg, EpRequestFailed):
                     self._put(msg.request_id, _error(msg))
         except (TransportError, asyncio.IncompleteReadError, ConnectionError) as exc:
@@ -253,6 +262,28 @@ class EpEngineGroup:
         code = await rank.proc.wait() if why is None else None
         why = why or f"exited with status {code}"
         self._lost.put_nowait((generation, f"EP rank {rank.index} (pid {rank.proc.pid}) {why}"))
+
+    def _on_group_broken(self, rank: _Rank, generation: int, message: str) -> None:
+        """A surviving rank says the group broke (a peer vanished mid-collective). Give a rank
+        that died ``BROKEN_GRACE_S`` to exit so the loss names it; if none exits, the group broke
+        for another reason (a timeout): report what the rank said."""
+        if generation != self._generation or generation in self._broken_generations:
+            return
+        self._broken_generations.add(generation)
+        ranks = list(self._ranks)
+
+        async def name_the_cause() -> None:
+            exits = [asyncio.ensure_future(r.proc.wait()) for r in ranks]
+            try:
+                await asyncio.wait(exits, timeout=BROKEN_GRACE_S, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for e in exits:
+                    e.cancel()
+            if not any(r.proc.returncode is not None for r in ranks):  # a dead rank's reader reports itself
+                self._lost.put_nowait((generation, f"EP rank {rank.index} (pid {rank.proc.pid}) lost the group: "
+                                                   f"{message}"))
+
+        asyncio.get_running_loop().create_task(name_the_cause(), name=f"ep-broken{generation}")
 
     async def _supervise(self) -> None:
         """On a lost rank: fail everything in flight, stop the group, start a new one."""

@@ -79,7 +79,12 @@ class RankServer:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - every failure goes back to the front, typed by name
-            self.send(EpRequestFailed(msg.request_id, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else ""))
+            runner = self.engine.core.runner
+            if _group_broken(runner):  # the step failed because the group broke: say so, not "a step failed"
+                self.send(EpRequestFailed(msg.request_id, "EpGroupError", _reason(runner)))
+            else:
+                self.send(EpRequestFailed(msg.request_id, type(exc).__name__,
+                                          str(exc).splitlines()[0] if str(exc) else ""))
         finally:
             self.tasks.pop(msg.request_id, None)
             await self.writer.drain()
