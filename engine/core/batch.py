@@ -23,6 +23,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from deepinfer.engine.mm.inputs import MultiModalInput
 
 
 @dataclass(slots=True)
@@ -41,6 +45,10 @@ class SeqStep:
     position are *read* from the block cache and never recomputed or written; the compressors'
     carry-over state is still rebuilt from the replayed tokens. 0 in normal operation; the hit
     length when replaying over prefix-cache blocks.
+
+    ``mm_inputs``: the sequence's images (engine/mm/inputs.py ``MultiModalInput``, absolute
+    prompt positions); a step computing positions inside one takes their embeddings from it
+    instead of the token embedding table.
     """
 
     seq_id: int
@@ -51,6 +59,7 @@ class SeqStep:
     num_logits: int = 1
     window_start: int = 0
     write_from: int = 0
+    mm_inputs: Sequence[MultiModalInput] = ()
 
     @property
     def num_tokens(self) -> int:

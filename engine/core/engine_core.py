@@ -28,7 +28,6 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from deepinfer.cache.block_hash import MultiModalSpan
 from deepinfer.cache.block_pool import BlockEvent, BlockPool
 from deepinfer.cache.slot_pool import SlotPool
 from deepinfer.engine.api.outputs import RequestOutput
@@ -37,6 +36,8 @@ from deepinfer.engine.api.sampling_params import SamplingParams, choice_params
 from deepinfer.engine.core.batch import ForwardBatch
 from deepinfer.engine.core.hooks import EngineHooks
 from deepinfer.engine.core.request import RequestStatus
+from deepinfer.engine.mm.inputs import MultiModalInput
+from deepinfer.engine.mm.placement import check_image_positions
 from deepinfer.engine.sample.metadata import SamplingPrep, SamplingPreparer
 from deepinfer.engine.sample.sampler import SampledStep, Sampler
 from deepinfer.engine.sample.structured_output import GrammarState, StructuredOutputBackend
@@ -59,9 +60,10 @@ class EngineCoreConfig:
     eos_token_ids: tuple[int, ...] = ()
     device: str = "cpu"  # where the logits live / sampling runs
     max_num_waiting: int | None = None  # queue capacity: beyond it add_request raises EngineOverloadedError
-    # the token that stands for an image (a model with a vision tower, V4.1); images are not
-    # served yet, so prompts holding it are refused
+    # the token every image-span position holds (a model with a vision tower, V4.1): a prompt
+    # holds it exactly at its images' spans; None: the model takes no images
     image_token_id: int | None = None
+    hidden_size: int | None = None  # the width of image embeddings (checked at arrival)
 
 
 @dataclass(slots=True)
@@ -134,13 +136,15 @@ class EngineCore:
         *,
         prompt: str | None = None,
         arrival_time: float | None = None,
-        mm_spans: Sequence[MultiModalSpan] = (),
+        mm_inputs: Sequence[MultiModalInput] = (),
         cache_salt: str = "",
         grammar=None,
     ) -> None:
         """Queue a request (``n`` completions become ``n`` engine requests sharing the prompt).
         Raises ``InvalidPromptError`` (one line) for bad input, ``EngineOverloadedError`` when the
         waiting queue is full, and changes nothing then.
+        ``mm_inputs``: the prompt's images, their spans of image-token positions and embeddings
+        (engine/mm/placement.py says what must hold).
         ``grammar``: ``params.structured_outputs`` already compiled (``compile_grammar``, off the
         loop's thread: a big schema never stalls it); compiled here when not given."""
         if request_id in self._children:
@@ -153,9 +157,8 @@ class EngineCore:
         if bad is not None:
             raise InvalidPromptError(f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
         image = self.config.image_token_id
-        if image is not None and image in prompt_token_ids:
-            raise InvalidPromptError(f"the prompt holds the image token {image}; this engine serves text only "
-                                     "(the vision tower is not served yet)")
+        if mm_inputs or (image is not None and image in prompt_token_ids):  # a text prompt passes as is
+            check_image_positions(prompt_token_ids, image, mm_inputs, self.config.hidden_size)
         if params.structured_outputs is not None and grammar is None:
             grammar = self.compile_grammar(params.structured_outputs)
         arrival = self._clock() if arrival_time is None else arrival_time
@@ -166,7 +169,7 @@ class EngineCore:
             for cid, child_params in zip(child_ids, children):
                 seed = child_params.seed if child_params.seed is not None else self._seed_rng.getrandbits(63)
                 self.scheduler.add_request(cid, prompt_token_ids, child_params, seed=seed, arrival_time=arrival,
-                                           eos_token_ids=self.config.eos_token_ids, mm_spans=mm_spans,
+                                           eos_token_ids=self.config.eos_token_ids, mm_inputs=mm_inputs,
                                            cache_salt=cache_salt)
                 added.append(cid)
             for i, (cid, child_params) in enumerate(zip(child_ids, children)):

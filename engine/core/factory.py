@@ -24,6 +24,7 @@ from deepinfer.engine.core.options import EngineOptions, EngineOptionsError, kv_
 from deepinfer.engine.kv.offload import KVOffload, KVOffloadConfig
 from deepinfer.engine.kv.swa_slots import SwaSlotManager, build_swa_slots
 from deepinfer.engine.loader.weights import resolve_dtype
+from deepinfer.engine.mm.encoder import VisionEncoder
 from deepinfer.engine.models.registry import FamilyConfig, family, read_model_config
 from deepinfer.engine.sample.structured_output import StructuredOutputBackend
 from deepinfer.engine.sched.scheduler import SchedulerConfig
@@ -43,6 +44,7 @@ class EngineParts:
     created: int
     swa_slots: SwaSlotManager | None = None  # SWA slot store / replay policy (given to the core at construction)
     kv_offload: KVOffload | None = None  # KV tiers built by build_engine (closed by whoever owns the parts)
+    vision: VisionEncoder | None = None  # a vision model's preprocessing + tower (options.load_vision)
 
 
 def resolve_device(device: str) -> str:
@@ -109,7 +111,9 @@ def build_engine(model_dir: str | Path, options: EngineOptions) -> EngineParts:
     image_token = getattr(cfg, "image_token_id", None) if getattr(cfg, "vision", None) is not None else None
     core_cfg = EngineCoreConfig(sched, num_blocks=num_blocks, vocab_size=cfg.vocab_size, eos_token_ids=eos_ids,
                                 device=str(runner.device), image_token_id=image_token,
+                                hidden_size=getattr(cfg, "hidden_size", None) if image_token is not None else None,
                                 max_num_waiting=options.max_num_waiting)
+    vision = VisionEncoder.load(model_dir, cfg, dtype=compute, device=device) if options.load_vision else None
     detok_factory = tokenizer.detokenizer_for if tokenizer is not None else None
     decode_token = tokenizer.decode_token if tokenizer is not None else None
 
@@ -134,7 +138,7 @@ def build_engine(model_dir: str | Path, options: EngineOptions) -> EngineParts:
         if offload is not None:
             offload.close()
         raise
-    return EngineParts(core, cfg, tokenizer, backend, max_model_len, name, int(time.time()), swa, offload)
+    return EngineParts(core, cfg, tokenizer, backend, max_model_len, name, int(time.time()), swa, offload, vision)
 
 
 def _build_kv_offload(runner: ModelRunner, options: EngineOptions) -> KVOffload | None:

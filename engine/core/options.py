@@ -54,6 +54,9 @@ class EngineOptions:
     # between torch ops; a short interval lets the loop thread in promptly. None: leave it.
     switch_interval_s: float | None = 0.0005
     check_integrity_every_step: bool = False  # debug: EngineCore.check_integrity() after each step
+    # a model with a vision tower loads it and encodes the images of its own requests; False: the
+    # engine takes image embeddings made elsewhere only (a prefill engine behind encoder nodes)
+    load_vision: bool = True
     # SWA slots (engine/kv/swa_slots.py, ARCHITECTURE.md, "Caches"). A prefix hit whose sliding-window state
     # is not in a slot is rebuilt by replay: "exact" replays sliding_window x layers tokens (the
     # state equals a full prefill's), "bounded" only the last swa_replay_tokens (constant cost,

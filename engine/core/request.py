@@ -21,6 +21,7 @@ from deepinfer.cache.block_hash import BlockHash, MultiModalSpan, extend_block_h
 from deepinfer.engine.api.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from deepinfer.engine.mm.inputs import MultiModalInput
     from deepinfer.engine.sample.metadata import RowSpec
 
 
@@ -60,6 +61,9 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     max_model_len: int = 1 << 30
     mm_spans: Sequence[MultiModalSpan] = ()
+    # the prompt's images (engine/mm/inputs.py): their spans salt the block hashes (mm_spans),
+    # their embeddings replace the token embeddings when a step computes those positions
+    mm_inputs: Sequence[MultiModalInput] = ()
     block_root: BlockHash = b""
 
     status: RequestStatus = RequestStatus.WAITING

@@ -20,7 +20,10 @@ What a family supplies:
 - ``forward_context() -> (validate, build_context)``: ``validate(batch, geometry, num_slots)``
   raises for a batch the model cannot run, ``build_context(batch, geometry, device=, batch_invariant=)``
   turns a ``ForwardBatch`` into the model's per-forward index plans;
-- ``accepts_untyped(raw)``: whether a config.json without ``model_type`` is this family's.
+- ``accepts_untyped(raw)``: whether a config.json without ``model_type`` is this family's;
+- for a family that reads images: ``image_processor(config)`` (the preprocessing, from the config
+  alone, None when the checkpoint has no vision tower) and ``load_vision_tower(model_dir, config,
+  *, dtype, device)`` (the tower's weights); engine/mm/encoder.py wraps the two.
 """
 
 from __future__ import annotations
@@ -64,6 +67,9 @@ class ModelFamily:
     accepts_untyped: Callable[[Mapping[str, Any]], bool] = lambda raw: False
     # the tensor naming loader/weights.py reads checkpoints with (None: the family loads its own way)
     checkpoint_names: Callable[[], Any] | None = None
+    # images (engine/mm/): None for a text-only family
+    image_processor: Callable[[Any], Any] | None = None
+    load_vision_tower: Callable[..., Any] | None = None
 
 
 _families: dict[str, ModelFamily] = {}

@@ -158,7 +158,8 @@ def _schedule_decodes(sched: Scheduler, decodes: list[Request], out: SchedulerOu
             placeholders.append((req.request_id, token_ids, 0))
         else:
             token_ids = [all_ids[start]]
-        step = SeqStep(req.seq_id, req.slot, req.block_ids, start, token_ids, 1, req.window_start, req.write_from)
+        step = SeqStep(req.seq_id, req.slot, req.block_ids, start, token_ids, 1, req.window_start, req.write_from,
+                       req.mm_inputs)
         scheduled.append(ScheduledSeq(req.request_id, step, 0, 0, 1, start, 0, has_placeholder, req.num_preemptions))
         req.num_computed_tokens = start + 1
         req.num_output_placeholders = num_placeholders + 1
@@ -213,7 +214,8 @@ def emit_decode(req: Request, out: SchedulerOutput, budget: StepBudget) -> None:
     token_ids = [PLACEHOLDER_TOKEN_ID] if has_placeholder else [req.all_token_ids[start]]
     if has_placeholder:
         out.placeholders.append((req.request_id, token_ids, 0))
-    step = SeqStep(req.seq_id, req.slot, req.block_ids, start, token_ids, 1, req.window_start, req.write_from)
+    step = SeqStep(req.seq_id, req.slot, req.block_ids, start, token_ids, 1, req.window_start, req.write_from,
+                       req.mm_inputs)
     out.scheduled.append(ScheduledSeq(req.request_id, step, 0, 0, 1, start, 0, has_placeholder, req.num_preemptions))
     out.num_logits += 1
     req.num_computed_tokens = start + 1
@@ -255,6 +257,7 @@ def emit_chunk(req: Request, n: int, drafts: list[int], out: SchedulerOutput, bu
         num_logits=num_prompt_rows + num_sample_rows,
         window_start=req.window_start,
         write_from=req.write_from,
+        mm_inputs=req.mm_inputs,
     )
     out.scheduled.append(
         ScheduledSeq(

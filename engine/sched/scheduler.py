@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from deepinfer.cache.block_hash import MultiModalSpan, extend_block_hashes, root_hash
+from deepinfer.cache.block_hash import extend_block_hashes, root_hash
 from deepinfer.cache.block_pool import BlockPool
 from deepinfer.cache.slot_pool import SlotPool
 from deepinfer.engine.api.sampling_params import SamplingParams
@@ -54,6 +54,7 @@ from deepinfer.engine.sched.types import (
 
 if TYPE_CHECKING:
     from deepinfer.engine.kv.offload import KVOffload
+    from deepinfer.engine.mm.inputs import MultiModalInput
     from deepinfer.engine.kv.swa_slots import SwaSlotManager
 
 __all__ = [
@@ -108,7 +109,7 @@ class Scheduler:
         seed: int,
         arrival_time: float = 0.0,
         eos_token_ids: Iterable[int] = (),
-        mm_spans: Sequence[MultiModalSpan] = (),
+        mm_inputs: Sequence[MultiModalInput] = (),
         cache_salt: str = "",
     ) -> Request:
         if request_id in self.requests:
@@ -131,7 +132,8 @@ class Scheduler:
             arrival_time=arrival_time,
             eos_token_ids=frozenset(eos_token_ids),
             max_model_len=cfg.max_model_len,
-            mm_spans=tuple(mm_spans),
+            mm_spans=tuple(mm.span for mm in mm_inputs),
+            mm_inputs=tuple(mm_inputs),
             block_root=root_hash(cfg.model_id, cache_salt) if cfg.enable_prefix_caching else b"",
         )
         if req.block_root:

@@ -6,6 +6,7 @@ reasoning and tool-call parsers read them back out of generated text.
     <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{"json": "arguments"}<｜tool▁call▁end｜>
         ... more calls, no separator ...<｜tool▁calls▁end｜>
     <｜tool▁output▁begin｜>result text<｜tool▁output▁end｜>      (one per tool message)
+    <｜deepseek_image｜>                                         (one per image; the engine expands it)
 """
 
 BOS = "<｜begin▁of▁sentence｜>"
@@ -22,3 +23,4 @@ TOOL_CALL_END = "<｜tool▁call▁end｜>"
 TOOL_SEP = "<｜tool▁sep｜>"
 TOOL_OUTPUT_BEGIN = "<｜tool▁output▁begin｜>"
 TOOL_OUTPUT_END = "<｜tool▁output▁end｜>"
+IMAGE = "<｜deepseek_image｜>"  # V4.1: one per image in the prompt (a special token)

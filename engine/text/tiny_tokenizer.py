@@ -30,6 +30,7 @@ from deepinfer.engine.text.markup import (
     BOS,
     END_THINK,
     EOS,
+    IMAGE,
     PAD,
     THINK,
     TOOL_CALL_BEGIN,
@@ -70,17 +71,25 @@ _ASSISTANT_TOOL_CALLS = (
     "{%- endfor %}" + TOOL_CALLS_END + "{%- endif %}"
 )
 
+# a message's content: a string, or a list of parts ({"type": "text", "text": ...} or
+# {"type": "image"}, each image one IMAGE marker that the engine expands to the image's span)
+_CONTENT = (
+    "{%- macro content(value) %}{%- if value is string %}{{ value }}{%- else %}"
+    "{%- for part in value %}{%- if part['type'] == 'image' %}" + IMAGE + "{%- else %}{{ part['text'] }}{%- endif %}"
+    "{%- endfor %}{%- endif %}{%- endmacro %}"
+)
+
 # DeepSeek-style chat: system prompts (and the tools) first, no marker, then role-marked turns; an
 # assistant turn ends with EOS. Non-thinking generation opens the answer with </think>. Tool
 # results follow the call that asked for them, and the assistant's turn continues after them
 # without a new marker (DeepSeek-V3.1's layout).
 CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{%- for message in messages if message['role'] == 'system' %}{{ message['content'] }}{%- endfor %}"
+    _CONTENT + "{{ bos_token }}"
+    "{%- for message in messages if message['role'] == 'system' %}{{ content(message['content']) }}{%- endfor %}"
     + _TOOLS_SECTION +
     "{%- set ns = namespace(after_tool=false) %}"
     "{%- for message in messages %}"
-    "{%- if message['role'] == 'user' %}" + USER + "{{ message['content'] }}{%- set ns.after_tool = false %}"
+    "{%- if message['role'] == 'user' %}" + USER + "{{ content(message['content']) }}{%- set ns.after_tool = false %}"
     "{%- elif message['role'] == 'assistant' %}"
     "{%- if not ns.after_tool %}" + ASSISTANT + END_THINK + "{%- endif %}"
     "{{ message['content'] if message['content'] is not none else '' }}" + _ASSISTANT_TOOL_CALLS + EOS +

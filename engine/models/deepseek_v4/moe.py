@@ -54,11 +54,16 @@ class DispatchPlan:
 
 
 class Router(nn.Module):
-    """``gate``: learned scores; expert choice by top-k of score + bias, or by the hash table."""
+    """``gate``: learned scores; expert choice by top-k of score + bias, or by the hash table.
 
-    def __init__(self, config: ModelConfig, is_hash: bool, device=None, dtype=None):
+    With ``image_token_id`` (V4.1 with a vision tower) tokens holding that id (image spans) choose
+    their experts with their own bias ``bias_vl``; the weights stay the unbiased scores."""
+
+    def __init__(self, config: ModelConfig, is_hash: bool, device=None, dtype=None,
+                 image_token_id: int | None = None):
         super().__init__()
         self.is_hash = is_hash
+        self.image_token_id = image_token_id
         self.top_k = config.num_experts_per_tok
         self.scoring_func = config.scoring_func
         self.routed_scaling_factor = config.routed_scaling_factor
@@ -73,6 +78,18 @@ class Router(nn.Module):
             self.register_buffer(
                 "e_score_correction_bias", torch.zeros(config.n_routed_experts, dtype=torch.float32, device=device)
             )
+        if image_token_id is not None:
+            self.register_buffer("bias_vl", torch.zeros(config.n_routed_experts, dtype=torch.float32, device=device))
+
+    def image_rows(self, token_ids: torch.Tensor, num_tokens: int) -> torch.Tensor | None:
+        """``[T]`` mask of image-span tokens, or None when they route like text. On the CPU a batch
+        without image tokens gives None (checked here, no device to wait for)."""
+        if self.image_token_id is None:
+            return None
+        mask = token_ids[:num_tokens] == self.image_token_id
+        if mask.device.type == "cpu" and not bool(mask.any()):
+            return None
+        return mask
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor, num_tokens: int, batch_invariant: bool) -> RoutePlan:
         """Route the first ``num_tokens`` rows of ``x``."""
@@ -82,6 +99,13 @@ class Router(nn.Module):
         ids, weights = ops.moe_route(
             logits, bias, hashed, self.top_k, self.scoring_func, self.routed_scaling_factor, batch_invariant
         )
+        image = self.image_rows(token_ids, num_tokens)
+        if image is not None:  # routing is per row: each token takes the choice under its own bias
+            ids_vl, weights_vl = ops.moe_route(
+                logits, self.bias_vl, None, self.top_k, self.scoring_func, self.routed_scaling_factor, batch_invariant
+            )
+            ids = torch.where(image[:, None], ids_vl, ids)
+            weights = torch.where(image[:, None], weights_vl, weights)
         return RoutePlan(expert_ids=ids, weights=weights)
 
 
@@ -125,10 +149,10 @@ class SharedExpert(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, device=None, dtype=None):
+    def __init__(self, config: ModelConfig, layer: int, device=None, dtype=None, image_token_id: int | None = None):
         super().__init__()
         self.top_k = config.num_experts_per_tok
-        self.gate = Router(config, config.is_hash_layer(layer), device, dtype)
+        self.gate = Router(config, config.is_hash_layer(layer), device, dtype, image_token_id)
         self.experts = Experts(config, device, dtype)
         self.shared_experts = SharedExpert(config, device, dtype)
 
@@ -139,8 +163,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor, num_tokens: int, batch_invariant: bool) -> torch.Tensor:
         """``x [R, H]``; rows >= ``num_tokens`` are padding: routed nowhere, shared expert only."""
         ex, gate, shared = self.experts, self.gate, self.shared_experts
-        # CPU: the whole block in one native call, bitwise the native stages below
-        out = cpu_gemm.moe_forward(
+        # CPU: the whole block in one native call, bitwise the native stages below (its one
+        # bias serves text tokens only)
+        out = None if gate.image_rows(token_ids, num_tokens) is not None else cpu_gemm.moe_forward(
             x, num_tokens, gate.weight, None if gate.is_hash else gate.e_score_correction_bias,
             gate.tid2eid if gate.is_hash else None, token_ids, self.top_k, gate.scoring_func,
             gate.routed_scaling_factor, ex.gate_up_proj, ex.down_proj, ex.limit, shared.gate_up, shared.down_proj.weight,

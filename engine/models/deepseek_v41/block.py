@@ -34,7 +34,9 @@ class V41Block(nn.Module):
         self.eps = c.rms_norm_eps
         numerics = numerics or Numerics()
         self.self_attn = V41Attention(c, role, device, dtype, numerics)
-        self.mlp = (OfficialMoE if numerics.official else MoE)(moe_config or c, role.layer, device, dtype)
+        # image-span tokens of the backbone choose experts with their own bias (the drafts are text)
+        image = c.image_token_id if c.vision is not None and role.layer < c.num_hidden_layers else None
+        self.mlp = (OfficialMoE if numerics.official else MoE)(moe_config or c, role.layer, device, dtype, image)
         self.input_layernorm = Norm(c.hidden_size, device)
         self.post_attention_layernorm = Norm(c.hidden_size, device)
         self.attn_hc = HyperConnection(c.hc_mult, c.hidden_size, **hc)

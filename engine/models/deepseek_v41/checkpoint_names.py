@@ -7,8 +7,10 @@ with the same block tensors plus stage extras. Canonical names are V4's module n
 (``layers.L.self_attn.q_a_proj.weight``, merged ``layers.L.mlp.experts.gate_up_proj``; V4's
 checkpoint_names.py maps the shared ones) with V4.1's indexer, Engram and stage tensors.
 
-The vision tower (``vision.*``, ``aligner.*``, ``image_start|end|newline``) and the routers'
-image bias (``ffn.gate.bias_vl``) are recognised and left to the vision tower ([vision]).
+The vision tower (``vision.*``, ``aligner.*``, ``image_start|end|newline``) is recognised and
+left to vision_weights.py. The backbone routers' image bias (``layers.L.ffn.gate.bias_vl``) is
+the text model's (``mlp.gate.bias_vl``) when the config has a vision tower; the DSpark stages'
+is recognised and unused (drafts are text).
 """
 
 from __future__ import annotations
@@ -32,24 +34,36 @@ _LAYER_NAMES = {
     "engram.wkv.weight": "engram.wkv.weight",
     "engram.q_weight": "engram.q_weight",
     "engram.k_weight": "engram.k_weight",
+    "ffn.gate.bias_vl": "mlp.gate.bias_vl",
 }
 _STAGE_NAMES = ("main_proj.weight", "main_norm.weight", "norm.weight", "markov_head.embed.weight",
                 "markov_head.head.weight", "confidence_head.proj.weight")
 _PREFIX = re.compile(r"^(layers|mtp)\.(\d+)\.(.+)$")
-_VISION = re.compile(r"^(vision\.|aligner\.|image_(start|end|newline)$)|\.ffn\.gate\.bias_vl$")
+_VISION_TOWER = re.compile(r"^(vision\.|aligner\.|image_(start|end|newline)$)")
+_IMAGE_BIAS = re.compile(r"^(layers|mtp)\.\d+\.ffn\.gate\.bias_vl$")
 # canonical linears stored as FP8 E4M3 with [32, 32] UE8M0 block scales in the official layout
 _FP8 = re.compile(
     r"\.self_attn\.(q_a_proj|q_b_proj|kv_proj|o_a_proj|o_b_proj|indexer\.q_b_proj)\.weight$"
     r"|\.mlp\.shared_experts\.(gate_proj|up_proj|down_proj)\.weight$|\.engram\.wkv\.weight$|^mtp\.0\.main_proj\.weight$"
 )
-_FP32 = re.compile(r"\.engram\.(q_weight|k_weight|embed_scale)$")
+_FP32 = re.compile(r"\.engram\.(q_weight|k_weight|embed_scale)$|\.mlp\.gate\.bias_vl$")
 ENGRAM_TABLE = re.compile(r"\.engram\.embed$")
 TOKEN_MAP = "engram_hash.token_map"
 
 
-def is_vision(name: str) -> bool:
-    """A tensor of the vision tower or the image routing bias (recognised, not loaded yet)."""
-    return bool(_VISION.search(name))
+def is_vision_tower(name: str) -> bool:
+    """A tensor of the vision tower (vision_weights.py loads it)."""
+    return bool(_VISION_TOWER.search(name))
+
+
+def is_vision(name: str, config: V41Config | None = None) -> bool:
+    """A stored tensor the text model leaves alone: the tower's, a DSpark stage's image bias, and
+    every image bias of a config without a vision tower."""
+    if _VISION_TOWER.search(name):
+        return True
+    if _IMAGE_BIAS.search(name):
+        return name.startswith("mtp.") or config is None or config.vision is None
+    return False
 
 
 def to_canonical(name: str) -> str | ExpertSlice:

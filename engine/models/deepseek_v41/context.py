@@ -14,6 +14,8 @@ token. V4.1 adds
   (the CED source and above) see only the tokens from ``write_from - decoder_replay_tokens``
   on, windows truncated there. ``decoder`` then holds a second V4 context over that sub-batch
   and the rows of the full batch it takes (None when every decoder layer sees every token).
+- ``embeds``: the rows of the batch inside image spans (``SeqStep.mm_inputs``) and their
+  embeddings, which replace the token embeddings there (None when the batch has none).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from deepinfer.engine.core.batch import ForwardBatch, SeqStep
 from deepinfer.engine.models.deepseek_v4 import context as v4
 from deepinfer.engine.models.deepseek_v4.context import BatchError, ForwardContext, Geometry
 
-__all__ = ["BatchError", "DecoderBatch", "EngramPlan", "V41ForwardContext", "V41Geometry", "build_context", "validate"]
+__all__ = ["BatchError", "DecoderBatch", "EmbedRows", "EngramPlan", "V41ForwardContext", "V41Geometry", "build_context",
+           "validate"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,9 +59,16 @@ class DecoderBatch:
 
 
 @dataclass(slots=True)
+class EmbedRows:
+    rows: torch.Tensor  # [N] batch rows inside image spans
+    values: torch.Tensor  # [N, hidden] their embeddings (the vision tower's)
+
+
+@dataclass(slots=True)
 class V41ForwardContext(ForwardContext):
     engram: EngramPlan | None = None
     decoder: DecoderBatch | None = None
+    embeds: EmbedRows | None = None
 
 
 def validate(batch: ForwardBatch, geo: V41Geometry, num_slots: int) -> None:
@@ -73,7 +83,33 @@ def build_context(batch: ForwardBatch, geo: V41Geometry, *, device: torch.device
         ctx.engram = _engram_plan(batch, geo)
     if geo.decoder_replay_tokens is not None:
         ctx.decoder = _decoder_batch(batch, geo, batch_invariant)
+    ctx.embeds = _embed_rows(batch)
     return _to_device(ctx, device) if torch.device(device).type != "cpu" else ctx
+
+
+def _embed_rows(batch: ForwardBatch) -> EmbedRows | None:
+    """The batch rows each step computes inside its image spans, with those positions' embeddings:
+
+        step:   start_pos .................. end_pos          (rows offset .. offset + n)
+        span:        mm.start ......... mm.end                (embeds rows 0 .. length)
+        taken:       max(start, mm.start) .. min(end, mm.end)
+    """
+    rows, values, offset = [], [], 0
+    for s in batch.steps:
+        for mm in s.mm_inputs:
+            lo, hi = max(mm.start, s.start_pos), min(mm.end, s.end_pos)
+            if lo >= hi:
+                continue
+            if mm.embeds is None:
+                raise BatchError(f"sequence {s.seq_id} computes positions {lo}..{hi - 1} of an image span that came "
+                                 "without its embeddings")
+            rows.append(torch.arange(offset + lo - s.start_pos, offset + hi - s.start_pos))
+            values.append(mm.embeds[lo - mm.start : hi - mm.start])
+        offset += s.num_tokens
+    if not rows:
+        return None
+    device = values[0].device
+    return EmbedRows(torch.cat(rows).to(device), torch.cat([v.to(device) for v in values]))
 
 
 def _engram_plan(batch: ForwardBatch, geo: V41Geometry) -> EngramPlan:
@@ -145,4 +181,6 @@ def _to_device(ctx: V41ForwardContext, device: torch.device) -> V41ForwardContex
                                   v4.RingWrite(e.ring_write.rows.to(device), e.ring_write.src.to(device)))
     if ctx.decoder is not None:
         moved.decoder = DecoderBatch(ctx.decoder.rows.to(device), v4._to_device(ctx.decoder.ctx, device))
+    if ctx.embeds is not None:
+        moved.embeds = EmbedRows(ctx.embeds.rows.to(device), ctx.embeds.values.to(device))
     return moved

@@ -217,9 +217,10 @@ class Engram(nn.Module):
         scale = self.embed_scale.index_select(0, flat)
         return (values * scale[:, :, None]).view(t, cols * self.head_dim).to(dtype)
 
-    def forward(self, streams: torch.Tensor, rows: torch.Tensor, num_tokens: int, batch_invariant: bool) -> torch.Tensor:
+    def forward(self, streams: torch.Tensor, rows: torch.Tensor, num_tokens: int, batch_invariant: bool,
+                dead: torch.Tensor | None = None) -> torch.Tensor:
         """``streams [R, hc, D]``; ``rows [T, columns]`` this layer's table rows for the first T
-        rows of ``streams`` (padding rows pass through)."""
+        rows of ``streams`` (padding rows pass through); ``dead [T]``: image tokens, whose gate is 0."""
         t, d = num_tokens, self.hidden
         kv = ops.linear(self.act(self.lookup(rows, streams.dtype)), self.wkv.weight, batch_invariant)
         key = kv[:, : self.hc_mult * d].float().view(t, self.hc_mult, d)
@@ -230,6 +231,8 @@ class Engram(nn.Module):
         rstd = torch.rsqrt(x.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
         dot = (x * weight * key).sum(-1) * rstd * d**-0.5
         gate = ops.sigmoid(torch.copysign(dot.abs().clamp_min(GATE_FLOOR).sqrt(), dot), batch_invariant)
+        if dead is not None:
+            gate = gate.masked_fill(dead[:, None], 0.0)
         out = streams.clone()
         out[:t] = (x + gate[..., None] * value[:, None, :]).to(streams.dtype)
         return out

@@ -33,6 +33,20 @@ def _forward_context():
     return validate, build_context
 
 
+def _image_processor(config: V41Config):
+    from deepinfer.engine.models.deepseek_v41.image_processor import V41ImageProcessor
+    from deepinfer.engine.models.deepseek_v41.vision_weights import vision_config_of
+
+    vision = vision_config_of(config)
+    return None if vision is None else V41ImageProcessor(vision, config.image_token_id)
+
+
+def _load_vision_tower(model_dir, config: V41Config, *, dtype, device):
+    from deepinfer.engine.models.deepseek_v41.vision_weights import load_vision_tower
+
+    return load_vision_tower(model_dir, config, dtype=dtype, device=device)
+
+
 FAMILY = ModelFamily(
     model_type=MODEL_TYPE,
     architecture=ARCHITECTURE,
@@ -40,4 +54,6 @@ FAMILY = ModelFamily(
     load_checkpoint=_load_checkpoint,
     build_model=_build_model,
     forward_context=_forward_context,
+    image_processor=_image_processor,
+    load_vision_tower=_load_vision_tower,
 )

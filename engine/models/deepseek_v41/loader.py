@@ -9,7 +9,8 @@ FP8 E4M3 linears (``X.weight`` + ``X.scale``, one UE8M0 scale per [32, 32] block
 ``quantization_config.weight_block_size``) and MXFP4 experts (int8 pairs + one scale per 32) are
 dequantised exactly to the compute dtype. The Engram table stays as stored (FP8 rows with one
 scale per 32 values, dequantised on lookup; its scale comes back as float32 multipliers).
-Vision tensors are recognised and skipped (``LoadedV41.num_vision_tensors``). Names, shapes,
+The vision tower's tensors are recognised and left to vision_weights.py
+(``LoadedV41.num_vision_tensors``); the routers' image biases load with the text model. Names, shapes,
 scales and coverage are checked from the headers before any data is read; every failure is a
 one-line ``CheckpointError`` naming the tensor.
 """
@@ -98,7 +99,7 @@ def _plan(stored: dict[str, _Stored], expected: dict[str, tuple[int, ...]], cfg:
         if key.startswith("model."):
             raise CheckpointError(f"tensor {key!r} in {model_dir} has a 'model.' prefix; official V4.1 checkpoints "
                                   "name tensors without it")
-        if names.is_vision(key):
+        if names.is_vision(key, cfg):
             num_vision += 1
             continue
         if key in scales:

@@ -120,10 +120,14 @@ class DeepseekV41ForCausalLM(nn.Module):
     def forward(self, ctx: V41ForwardContext, blocks: BlockCache, swa: SwaArena) -> torch.Tensor:
         """Final hidden states ``[num_logits, hidden]`` of the rows in ``ctx.logit_index``."""
         c, bi = self.config, ctx.batch_invariant
-        streams = F.embedding(ctx.token_ids, self.embed_tokens.weight)[:, None, :].expand(-1, c.hc_mult, -1).contiguous()
+        embedded = F.embedding(ctx.token_ids, self.embed_tokens.weight)
+        if ctx.embeds is not None:  # image spans: the vision tower's rows replace the table's
+            embedded = embedded.index_copy(0, ctx.embeds.rows, ctx.embeds.values.to(embedded.dtype))
+        streams = embedded[:, None, :].expand(-1, c.hc_mult, -1).contiguous()
         pre = streams.new_zeros(streams.shape[0], c.hc_mult, dtype=torch.float32)
         pre[:, 0] = 1.0  # layer 0's attention reads stream 0: the embedding
-        engram_rows = self._engram_rows(ctx, swa)
+        dead = self._image_tokens(ctx)
+        engram_rows = self._engram_rows(ctx, swa, dead)
         shared, here = SharedPicks(), ctx
         for layer in self.layers:
             if here is ctx and ctx.decoder is not None and layer.self_attn.layer == self.decoder_from:
@@ -131,20 +135,30 @@ class DeepseekV41ForCausalLM(nn.Module):
                 here, shared = ctx.decoder.ctx, SharedPicks()
                 streams, pre = _rows(streams, ctx.decoder.rows, here.num_rows), _rows(pre, ctx.decoder.rows, here.num_rows)
                 engram_rows = None if engram_rows is None else engram_rows.index_select(0, ctx.decoder.rows)
+                dead = None if dead is None else dead.index_select(0, ctx.decoder.rows)
             if layer.engram is not None:
-                streams = layer.engram(streams, engram_rows[:, layer.engram.index], here.num_tokens, bi)
+                streams = layer.engram(streams, engram_rows[:, layer.engram.index], here.num_tokens, bi, dead)
             streams, pre = layer(streams, pre, here, blocks, swa, shared)
         index = here.logit_index
         hidden = HyperConnection.collapse(streams.index_select(0, index), pre.index_select(0, index), bi)
         return ops.rms_norm(hidden, self.norm.weight, c.rms_norm_eps)
 
-    def _engram_rows(self, ctx: V41ForwardContext, swa: SwaArena) -> torch.Tensor | None:
-        """Table rows ``[T, engram layers, columns]`` of every token; updates the history ring."""
+    def _image_tokens(self, ctx: V41ForwardContext) -> torch.Tensor | None:
+        """``[T]`` mask of image-span tokens (dead for Engram), None without a vision tower."""
+        if self.config.vision is None or self.engram_hash is None:
+            return None
+        return ctx.token_ids[: ctx.num_tokens] == self.config.image_token_id
+
+    def _engram_rows(self, ctx: V41ForwardContext, swa: SwaArena, dead: torch.Tensor | None) -> torch.Tensor | None:
+        """Table rows ``[T, engram layers, columns]`` of every token; updates the history ring. An
+        image token is dead: it ends every n-gram that reaches it (id -1, as history is)."""
         plan = ctx.engram
         if plan is None:
             return None
         ring = swa.flat(self.config.engram_layer_ids[0], ENGRAM_RING)
         fresh = self.engram_hash.token_map.index_select(0, ctx.token_ids[: ctx.num_tokens])
+        if dead is not None:
+            fresh = fresh.masked_fill(dead, -1)
         history = digits_to_ids(ring.index_select(0, plan.ring_rows))
         pool = torch.cat([history, fresh, fresh.new_full((1,), -1)])
         ring.index_copy_(0, plan.ring_write.rows, ids_to_digits(fresh.index_select(0, plan.ring_write.src), ring.dtype))

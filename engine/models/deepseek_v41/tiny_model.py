@@ -7,11 +7,13 @@
 W window only, E Engram; layers 2-5 are the "encoder" (ratio 2, kv sources 2 and 4), 6-9 the
 "decoder" (ratio 1, kv source 6 projects its one-row-per-token cache from layer 5's output);
 layer 6 publishes the candidate pool that layer 8 scores inside; layers 2, 4, 6, 8 index. Two
-DSpark stages (``mtp.0``, ``mtp.1``) read layers 7-9; a one-layer vision tower and the routers'
-image biases are stored as the official checkpoint has them. Weights are stored as DeepSeek
+DSpark stages (``mtp.0``, ``mtp.1``) read layers 7-9; a two-layer vision tower (ViT of width 32,
+patch 14, 3x3 aligner, at most 64 image tokens per image) and the routers' image biases are
+stored as the official checkpoint has them. Weights are stored as DeepSeek
 ships them (FP8 E4M3 linears with [32, 32] UE8M0 block scales, MXFP4 experts, FP8 Engram
 tables) unless ``quantize=False``. The tokenizer is the tiny byte-level BPE with ``vocab_size -
-16`` tokens (the last 16 ids are padding; the image token is one of them); Engram's normalised
+16`` tokens plus the image placeholder ``<｜deepseek_image｜>`` as a special token at the first
+padding id (the config's ``image_token_id``; the other 15 ids are padding); Engram's normalised
 vocabulary is counted from it. Same seed, same bytes.
 """
 
@@ -28,10 +30,11 @@ from deepinfer.engine.models.deepseek_v41 import checkpoint_names as names
 from deepinfer.engine.models.deepseek_v41.checkpoint_writer import save_v41_checkpoint
 from deepinfer.engine.models.deepseek_v41.config import V41Config
 from deepinfer.engine.models.deepseek_v41.engram import compressed_token_map, hash_primes
+from deepinfer.engine.text.markup import IMAGE
 from deepinfer.engine.text.tiny_tokenizer import build_tokenizer, write_tokenizer_files
 
 PADDED_IDS = 16
-STORED_FP32 = re.compile(r"(attn_hc|ffn_hc)\.(fn|base|scale)$|\.sinks$|\.e_score_correction_bias$")
+STORED_FP32 = re.compile(r"(attn_hc|ffn_hc)\.(fn|base|scale)$|\.sinks$|\.e_score_correction_bias$|\.bias_vl$")
 LAYOUT = dict(
     compress_ratios=(0, 0, 2, 2, 2, 2, 1, 1, 1, 1),
     stage_compress_ratios=(0, 0),
@@ -56,7 +59,7 @@ TEST_SIZES = dict(
     candidate_topk_blocks=3, candidate_block_size=4, engram_vocab_size=101, dspark_markov_rank=16,
     dspark_n_routed_experts=4, max_position_embeddings=4096,
 )
-TINY_VISION = {"model_type": "deepseek_v41_vision", "num_hidden_layers": 1, "hidden_size": 32,
+TINY_VISION = {"model_type": "deepseek_v41_vision", "num_hidden_layers": 2, "hidden_size": 32,
                "num_attention_heads": 2, "intermediate_size": 64, "patch_size": 14, "rope_theta": 10000.0,
                "downsample_ratio": 3, "max_image_tokens": 64, "min_pixels": 3136, "max_wh_ratio": None}
 
@@ -100,7 +103,7 @@ def init_weights(cfg: V41Config, seed: int) -> dict[str, torch.Tensor]:
             t = 1.0 + 0.1 * noise
         elif name.endswith(".sinks"):
             t = noise
-        elif name.endswith((".base", "e_score_correction_bias")):
+        elif name.endswith((".base", "e_score_correction_bias", ".bias_vl")):
             t = 0.2 * noise
         elif name.endswith(".engram.embed") or name == "embed_tokens.weight":
             t = noise
@@ -113,7 +116,8 @@ def init_weights(cfg: V41Config, seed: int) -> dict[str, torch.Tensor]:
 
 
 def vision_tensors(cfg: V41Config, seed: int) -> dict[str, torch.Tensor]:
-    """The vision tower, aligner, image span embeddings and routers' image biases (bfloat16)."""
+    """The vision tower, aligner and image span embeddings (bfloat16) under their official names,
+    and the DSpark stages' image biases (float32; the backbone's are the text model's)."""
     v = cfg.vision
     vd, inter, p, d = v["hidden_size"], v["intermediate_size"], v["patch_size"], cfg.hidden_size
     k = v["downsample_ratio"] ** 2 * vd
@@ -126,20 +130,32 @@ def vision_tensors(cfg: V41Config, seed: int) -> dict[str, torch.Tensor]:
         shapes.update({x + "norm1.weight": (vd,), x + "norm2.weight": (vd,), x + "attn.wqkv.weight": (3 * vd, vd),
                        x + "attn.wqkv.bias": (3 * vd,), x + "attn.wo.weight": (vd, vd), x + "attn.wo.bias": (vd,),
                        x + "mlp.w1.weight": (2 * inter, vd), x + "mlp.w2.weight": (vd, inter)})
-    for layer in range(cfg.num_hidden_layers):
-        shapes[f"layers.{layer}.ffn.gate.bias_vl"] = (cfg.n_routed_experts,)
-    for stage in range(cfg.num_stages):
-        shapes[f"mtp.{stage}.ffn.gate.bias_vl"] = (cfg.dspark_n_routed_experts,)
     g = torch.Generator().manual_seed(seed + 1)
-    return {k: (torch.randn(s, generator=g) * 0.1).to(torch.bfloat16) for k, s in shapes.items()}
+    out = {}
+    for name, shape in shapes.items():
+        noise = torch.randn(shape, generator=g)
+        if name.endswith("norm.weight") or ".norm" in name:
+            t = 1.0 + 0.1 * noise
+        elif name.startswith("image_"):
+            t = noise  # O(1), like the token embeddings they stand beside
+        elif name.endswith(".bias"):
+            t = 0.02 * noise
+        else:
+            t = noise / math.sqrt(shape[-1])
+        out[name] = t.to(torch.bfloat16)
+    for stage in range(cfg.num_stages):
+        out[f"mtp.{stage}.ffn.gate.bias_vl"] = 0.2 * torch.randn(cfg.dspark_n_routed_experts, generator=g)
+    return out
 
 
 def write_tiny_v41(out_dir: str | Path, seed: int = 0, *, quantize: bool = True, **sizes) -> V41Config:
     """config.json, model.safetensors, tokenizer.json and tokenizer_config.json in ``out_dir``."""
     sizes = {**DEFAULT_SIZES, **sizes}
     tokenizer = build_tokenizer(sizes["vocab_size"] - PADDED_IDS)
+    tokenizer.add_special_tokens([IMAGE])  # id vocab_size - PADDED_IDS: the config's image_token_id
     _, compressed = compressed_token_map(tokenizer, sizes["vocab_size"])
     cfg = tiny_v41_config(compressed, **sizes)
+    assert tokenizer.token_to_id(IMAGE) == cfg.image_token_id, "the image placeholder must be the image token"
     tensors = init_weights(cfg, seed)
     if quantize:  # bfloat16 as released, except the mHC weights, sinks and router biases (float32)
         tensors = {k: t if STORED_FP32.search(k) else t.to(torch.bfloat16) for k, t in tensors.items()}

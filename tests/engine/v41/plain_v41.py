@@ -4,7 +4,9 @@ Written from the model's public description (v41 facts), independent of the serv
 reads the official checkpoint itself (official tensor names, FP8/FP4 dequantised with the
 project's dequant functions), builds the Engram vocabulary and hashes with its own loops, and
 computes every position in one pass with explicit per-token loops where that is clearer.
-float32 throughout. ``logits(ids)`` -> ``[T, vocab]``.
+float32 throughout. ``logits(ids)`` -> ``[T, vocab]``; ``logits(ids, embeds={position: vector})``
+puts image embeddings at those positions (positions holding the image token are image-span
+tokens: they route with ``gate.bias_vl`` and are dead for Engram, their gate 0).
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ class PlainV41:
                     t = dequant_fp8(t, f.get_tensor(sk), block, torch.float32)
                 self.w[k] = t.float()
         self.layers = c["num_hidden_layers"]
+        self.image_token_id = raw.get("image_token_id") if raw.get("vision_config") is not None else None
         self.ratios = c["compress_ratios"][: self.layers]
         self.eps = c["rms_norm_eps"]
         rd = c["qk_rope_head_dim"]
@@ -150,7 +153,10 @@ class PlainV41:
         heads = self.c["engram_n_heads"]
         out = []
         for p in range(len(ids)):
-            toks = [self.cmap[ids[p - s]] if p - s >= 0 else self.pad for s in range(n)]
+            toks, blocked = [], False
+            for s in range(n):  # history before the sequence or at an image token: the pad, from there on
+                blocked = blocked or p - s < 0 or ids[p - s] == self.image_token_id
+                toks.append(self.pad if blocked else self.cmap[ids[p - s]])
             rolling = toks[0] * mult[0]
             row = []
             for order in range(1, n):
@@ -173,6 +179,8 @@ class PlainV41:
         rstd = torch.rsqrt(R.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
         dot = (R * wt * key).sum(-1) * rstd / math.sqrt(d)
         gate = torch.sigmoid(torch.sign(dot) * dot.abs().clamp_min(1e-6).sqrt())
+        image = torch.tensor([t == self.image_token_id for t in ids])
+        gate = torch.where(image[:, None], 0.0, gate)
         return R + gate[..., None] * value[:, None, :]
 
     # ---- mHC ------------------------------------------------------------------------------
@@ -277,13 +285,17 @@ class PlainV41:
         return picks
 
     # ---- MoE ------------------------------------------------------------------------------
-    def _moe(self, x, prefix):
+    def _moe(self, x, prefix, ids):
         c, w = self.c, self.w
         p = prefix + "ffn."
         lim = c["swiglu_limit"]
         scores = torch.sqrt(F.softplus(x @ w[p + "gate.weight"].T))
         k = c["num_experts_per_tok"]
-        idx = torch.topk(scores + w[p + "gate.bias"], k, dim=-1).indices
+        bias = w[p + "gate.bias"].expand(len(ids), -1)
+        if self.image_token_id is not None:
+            image = torch.tensor([t == self.image_token_id for t in ids])
+            bias = torch.where(image[:, None], w[p + "gate.bias_vl"], bias)
+        idx = torch.topk(scores + bias, k, dim=-1).indices
         weights = scores.gather(1, idx)
         weights = weights / weights.sum(-1, keepdim=True) * c["routed_scaling_factor"]
 
@@ -300,12 +312,15 @@ class PlainV41:
 
     # ---- whole forward ----------------------------------------------------------------------
     @torch.no_grad()
-    def logits(self, ids: list[int]) -> torch.Tensor:
+    def logits(self, ids: list[int], embeds: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
         c, w = self.c, self.w
         hc = c["hc_mult"]
         T = len(ids)
         pos = torch.arange(T)
-        R = w["embed.weight"][torch.tensor(ids)][:, None, :].repeat(1, hc, 1)
+        x0 = w["embed.weight"][torch.tensor(ids)].clone()
+        for position, vector in (embeds or {}).items():
+            x0[position] = vector.float()
+        R = x0[:, None, :].repeat(1, hc, 1)
         pre = torch.zeros(T, hc)
         pre[:, 0] = 1
         state = {}
@@ -319,7 +334,7 @@ class PlainV41:
             R = post[:, :, None] * out[:, None, :] + torch.einsum("tij,tid->tjd", comb, R)
             ffn_pre, post, comb = self._mixes(R, p + "hc_ffn")
             x = _rms((attn_pre[:, :, None] * R).sum(1), w[p + "ffn_norm.weight"], self.eps)
-            out = self._moe(x, p)
+            out = self._moe(x, p, ids)
             R = post[:, :, None] * out[:, None, :] + torch.einsum("tij,tid->tjd", comb, R)
             pre = ffn_pre
         h = _rms((pre[:, :, None] * R).sum(1), w["norm.weight"], self.eps)

@@ -8,6 +8,7 @@ import torch
 
 from deepinfer.engine.models.deepseek_v41 import checkpoint_names as names
 from deepinfer.engine.models.deepseek_v41.attention import candidate_pool
+from deepinfer.engine.models.deepseek_v41.config import V41Config
 from deepinfer.engine.models.deepseek_v41.engram import (
     compressed_token_map,
     digits_to_ids,
@@ -108,5 +109,9 @@ def test_official_names_map_both_ways():
         assert names.to_official(canonical) == official
     expert = names.to_canonical("mtp.1.ffn.experts.3.w2.weight")
     assert (expert.target, expert.expert, expert.part) == ("mtp.1.mlp.experts.down_proj", 3, "down")
-    assert names.is_vision("aligner.w1.bias") and names.is_vision("layers.5.ffn.gate.bias_vl")
+    assert names.to_canonical("layers.5.ffn.gate.bias_vl") == "layers.5.mlp.gate.bias_vl"  # the text model's
+    assert names.to_official("layers.5.mlp.gate.bias_vl") == "layers.5.ffn.gate.bias_vl"
+    assert names.is_vision("aligner.w1.bias") and names.is_vision("image_newline")
+    assert names.is_vision("mtp.1.ffn.gate.bias_vl")  # drafts are text: recognised, unused
+    assert not names.is_vision("layers.5.ffn.gate.bias_vl", V41Config()) and names.is_vision("layers.5.ffn.gate.bias_vl")
     assert not names.is_vision("layers.5.ffn.gate.bias")

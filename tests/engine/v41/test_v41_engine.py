@@ -188,13 +188,12 @@ def test_slot_store_restores_a_continued_conversation(tiny_dir):
         [{t: lp.logprob for t, lp in p.items()} for p in want.logprobs]  # bit for bit
 
 
-def test_a_prompt_with_the_image_token_is_refused(llm, tiny_dir):
-    """V4.1's vision tower is not served yet: a prompt holding its image token is a one-line error
-    (a generated image-token id is just a token)."""
+def test_a_prompt_with_the_image_token_but_no_image_is_refused(llm, tiny_dir):
+    """Image tokens come only from images: a prompt holding one without an image is a one-line error."""
     from deepinfer.engine.api.llm import LLMError
     from deepinfer.engine.models.deepseek_v41.config import V41Config
 
     image = V41Config.from_dir(tiny_dir).image_token_id
-    with pytest.raises(LLMError, match=f"image token {image}; this engine serves text only"):
+    with pytest.raises(LLMError, match=f"holds the image token {image} but no image"):
         llm.generate({"prompt_token_ids": [5, 6, image, 7]}, SamplingParams(max_tokens=2))
     assert llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2))[0].outputs[0].token_ids
