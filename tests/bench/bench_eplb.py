@@ -37,7 +37,9 @@ Settings (ARCHITECTURE.md, "Balancers": prefill 4 spare experts per GPU, 100-ste
         (one expert owned per GPU)
 
 ``--traces steps`` (not in the default set) runs a real 2-rank EP group on the tiny V4 and reports
-step times around its re-placements (``deepinfer_bench.eplb.replacement_steps``: ``steps_*``).
+step times around its re-placements (``deepinfer_bench.eplb.replacement_steps``: ``steps_*``),
+next to a control run of the same group with no re-placement over the same steps (``--steps-rounds``
+pairs, alternated): on a shared machine the longest of a dozen steps is mostly the machine's noise.
 
 ``--trace PATH.npy`` replays your own float array [steps, layers, experts] instead, with
 ``--gpus --redundant-per-gpu --window --period [--nodes]``. Size: ``--traces``, ``--layers``,
@@ -94,6 +96,7 @@ def build_parser():
         ("--tiny-prefill-steps", 150, "tiny: prefill steps recorded"),
         ("--tiny-decode-steps", 300, "tiny: decode steps recorded"),
         ("--steps-decode", 240, "steps: decode steps of the EP group run"),
+        ("--steps-rounds", 2, "steps: pairs of runs (re-placing, control without re-placement)"),
         ("--seed", 0, "trace seed"),
     ):
         p.add_argument(flag, type=int, default=default, help=f"{text} (default %(default)s)")
@@ -174,7 +177,7 @@ def _measure_steps(report: Report, args) -> None:
     """``--traces steps``: step times around re-placements in a real 2-rank EP group."""
     from deepinfer_bench.eplb.replacement_steps import measure
 
-    for name, value in measure(steps=args.steps_decode).items():
+    for name, value in measure(steps=args.steps_decode, rounds=args.steps_rounds).items():
         report.figure(f"steps_{name}", value)
 
 

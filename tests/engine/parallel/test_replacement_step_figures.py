@@ -1,0 +1,46 @@
+"""The step-time figures of ``deepinfer bench eplb --traces steps`` on made-up step times: a
+re-placement's stretch, the control over the same steps, and the means over the control."""
+
+import numpy as np
+
+from tests.conftest import load_bench_package
+
+
+def run_of(step_ms, swaps, in_flight, control_ms):
+    load_bench_package()
+    from deepinfer_bench.eplb.replacement_steps import Run
+
+    n = len(step_ms)
+    return Run(np.asarray(step_ms, float), np.asarray(swaps), np.zeros(n), np.asarray(in_flight, bool), 1,
+               np.asarray(control_ms, float))
+
+
+def test_a_stretch_runs_from_three_steps_before_the_first_swap_to_one_after_the_last():
+    swaps, flight = np.zeros(40, int), np.zeros(40, bool)
+    flight[10:20] = True
+    swaps[[13, 16, 19]] = 1  # not at consecutive boundaries: still one re-placement
+    flight[30:34] = True
+    swaps[33] = 1
+    run = run_of(np.ones(40), swaps, flight, np.ones(40))
+    assert run.stretches() == [(10, 21), (30, 35)]
+
+
+def test_a_stall_at_a_swap_shows_over_the_control_and_noise_shows_in_both():
+    from deepinfer_bench.eplb.replacement_steps import figures
+
+    rng = np.random.default_rng(0)
+    base = 10 + rng.random(120)
+    swaps, flight = np.zeros(120, int), np.zeros(120, bool)
+    flight[40:50] = True
+    swaps[[44, 46, 48]] = 1
+    noise = base.copy()
+    noise[45] = 30  # the machine, in the measured run and at the same step of the control
+    quiet = figures([run_of(noise, swaps, flight, noise)])
+    assert quiet["replacement_max_over_median"] > 2.5
+    assert abs(quiet["replacement_max_over_median"] - quiet["control_max_over_median"]) < 0.1
+    stalled = base.copy()
+    stalled[46] = 25  # the step after a swap, in the measured run only
+    got = figures([run_of(stalled, swaps, flight, base)])
+    assert got["replacement_max_over_median"] > 2.2 and got["control_max_over_median"] < 1.2
+    assert got["swap_step_mean_over_control"] > 1.4
+    assert got["replacement_mean_over_control"] > 1.1
