@@ -58,6 +58,8 @@ from deepinfer.engine.core.factory import EngineParts, build_engine
 from deepinfer.engine.core.options import EngineOptions
 from deepinfer.engine.core.step_loop import FailurePolicy, FailureScope, StepHooks, StepLoop, tune_interpreter
 from deepinfer.engine.kv.swa_slots import SwaSlotManager, SwaSlotRunner
+from deepinfer.engine.mm.encoder import VisionEncoder
+from deepinfer.engine.mm.prompt import encode_prompt_images
 from deepinfer.engine.models.registry import FamilyConfig
 from deepinfer.engine.text.output_processor import merge_output
 from deepinfer.engine.text.tokenizer import Tokenizer
@@ -200,6 +202,11 @@ class AsyncEngine:
         return self._parts.model_config
 
     @property
+    def vision(self) -> VisionEncoder | None:
+        """The model's image preprocessing (and tower, unless load_vision=False); None: text only."""
+        return self._parts.vision
+
+    @property
     def num_failed_steps(self) -> int:
         return self._steps.num_failed_steps
 
@@ -288,6 +295,10 @@ class AsyncEngine:
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self._prompt_ids(prompt)
+        mm_inputs = ()
+        if isinstance(prompt, Mapping) and prompt.get("multi_modal_data") is not None:  # images (engine/mm)
+            ids, mm_inputs = await encode_prompt_images(self._parts.vision, prompt, ids, self._device)
+            self._check_accepting()
         grammar = None
         if params.structured_outputs is not None:
             # compiled (and cached) on a worker thread: a big schema never stalls the loop
@@ -300,7 +311,7 @@ class AsyncEngine:
             # by swa_fetch_deadline_s; never raises for a remote failure: a miss replays)
             await swa.prefetch_for(self.core.scheduler.kv, ids)
             self._check_accepting()
-        self.core.add_request(rid, ids, params, prompt=text, grammar=grammar)
+        self.core.add_request(rid, ids, params, prompt=text, grammar=grammar, mm_inputs=mm_inputs)
         stream = RequestStream(rid, self._release)
         self._streams[rid] = stream
         self._steps.wake()

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypedDict, runtime_checkable
+from typing import Any, NotRequired, Protocol, TypedDict, runtime_checkable
 
 from deepinfer.engine.api.outputs import RequestOutput
 from deepinfer.engine.api.sampling_params import SamplingParams
@@ -54,9 +54,12 @@ class EngineOverloadedError(RuntimeError):
 
 
 class TokensPrompt(TypedDict):
-    """vLLM's token-id prompt shape: the engine must use these ids as they are."""
+    """vLLM's token-id prompt shape: the engine must use these ids as they are. With images,
+    ``multi_modal_data`` = ``{"image": [...]}`` (engine/mm/prompt.py): one placeholder per image
+    in the ids, or the ids already expanded to the images' spans."""
 
     prompt_token_ids: list[int]
+    multi_modal_data: NotRequired[Mapping[str, Any]]
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,8 +20,12 @@ from deepinfer.engine.mm.inputs import ImageInputError, MultiModalInput, Prepare
 
 def expand_image_tokens(prompt_ids: Sequence[int], image_token_id: int, images: Sequence[PreparedImage],
                         placeholder: str) -> tuple[list[int], list[MultiModalSpan]]:
-    """(expanded ids, one span per image in prompt order); one placeholder token per image."""
+    """(expanded ids, one span per image in prompt order) from one placeholder token per image,
+    or from a prompt already expanded (a gateway that priced the images): each image's run of
+    ``num_tokens`` image tokens in order. A span has at least 4 positions, so the two never mix."""
     positions = [i for i, t in enumerate(prompt_ids) if t == image_token_id]
+    if images and len(positions) == sum(im.num_tokens for im in images) != len(images):
+        return list(prompt_ids), _expanded_spans(prompt_ids, image_token_id, images)
     if len(positions) != len(images):
         raise ImageInputError(f"the prompt has {len(positions)} image placeholder(s) ({placeholder}) for "
                               f"{len(images)} image(s); put one placeholder where each image goes")
@@ -35,6 +39,20 @@ def expand_image_tokens(prompt_ids: Sequence[int], image_token_id: int, images: 
         last = pos + 1
     ids.extend(prompt_ids[last:])
     return ids, spans
+
+
+def _expanded_spans(prompt_ids: Sequence[int], image_token_id: int,
+                    images: Sequence[PreparedImage]) -> list[MultiModalSpan]:
+    spans, at = [], 0
+    for i, image in enumerate(images):
+        at = next(p for p in range(at, len(prompt_ids)) if prompt_ids[p] == image_token_id)
+        run = prompt_ids[at:at + image.num_tokens]
+        if len(run) != image.num_tokens or any(t != image_token_id for t in run):
+            raise ImageInputError(f"image {i} needs {image.num_tokens} image tokens from position {at}; the expanded "
+                                  "prompt has another run there")
+        spans.append(MultiModalSpan(at, image.num_tokens, image.content_hash))
+        at += image.num_tokens
+    return spans
 
 
 def check_image_positions(prompt_ids: Sequence[int], image_token_id: int | None,

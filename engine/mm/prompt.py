@@ -10,7 +10,9 @@ preparing them and expanding the placeholders, before or after encoding.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,3 +80,20 @@ class ImagePrompt:
 
     def inputs(self, embeds: Sequence[torch.Tensor | None]) -> list[MultiModalInput]:
         return [MultiModalInput(span, e) for span, e in zip(self.spans, embeds, strict=True)]
+
+
+async def encode_prompt_images(vision: VisionEncoder | None, prompt: Any, token_ids: Sequence[int],
+                               device: Executor) -> tuple[list[int], list[MultiModalInput]]:
+    """A prompt's ``multi_modal_data`` made into (expanded ids, inputs) by the engine's own tower:
+    Pillow on a worker thread, the tower on ``device`` (the engine's device thread, between
+    forwards). No images: the ids as given and no inputs."""
+    images = prompt_images(prompt)
+    if not images:
+        return list(token_ids), []
+    loop = asyncio.get_running_loop()
+    built = await loop.run_in_executor(None, ImagePrompt.build, vision, token_ids, images)
+    if vision.tower is None:
+        raise ImageInputError("this engine has no vision tower loaded (load_vision=False); its images are encoded "
+                              "by encoder nodes")
+    embeds = await loop.run_in_executor(device, lambda: [vision.encode(p) for p in built.images])
+    return built.token_ids, built.inputs(embeds)

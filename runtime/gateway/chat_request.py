@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from deepinfer.runtime.gateway.chat_images import expand_chat_prompt, image_refs, load_images
 from deepinfer.runtime.gateway.chat_output import ChatOutputMode
 from deepinfer.runtime.gateway.config import GatewayState
 from deepinfer.runtime.gateway.errors import bad_request
@@ -35,8 +36,9 @@ THREAD_THRESHOLD_TOOLS = 8
 @dataclass(slots=True)
 class PreparedChat:
     request: ChatCompletionRequest  # the request as the engine path reads it (a tool grammar filled in)
-    prompt_token_ids: list[int]
+    prompt_token_ids: list[int]  # image placeholders expanded to their spans
     mode: ChatOutputMode
+    multi_modal_data: dict[str, Any] | None = None  # {"image": [PreparedImage, ...]} in prompt order
 
 
 def _tool_choice(req: ChatCompletionRequest) -> tuple[str, str | None]:
@@ -82,8 +84,19 @@ async def prepare_chat(state: GatewayState, req: ChatCompletionRequest) -> Prepa
     _check_tools(req, choice, forced)
     tokenizer = state.engine.tokenizer
     tools = template_tools(req.tools) if req.tools else None
+    refs = image_refs(req.messages)  # read (and refused) before anything is rendered
+    vision = getattr(state.engine, "vision", None)
+    if refs and vision is None:
+        param = refs[0].param.removesuffix(".image_url") + ".type"
+        raise bad_request(f"{param}: this model reads no images; send text content only", param)
+    config = state.config
+    images = await load_images(refs, allow_urls=config.allow_image_urls, max_bytes=config.max_image_bytes)
     prompt = await chat_prompt(req.messages, tokenizer, add_generation_prompt=req.add_generation_prompt,
                                template_kwargs=_template_kwargs(req), tools=tools)
+    multi_modal_data = None
+    if images:
+        expanded = await expand_chat_prompt(vision, prompt, images, refs[0].param)
+        prompt, multi_modal_data = expanded.token_ids, {"image": expanded.images}
     mode = ChatOutputMode.for_prompt(tokenizer, prompt, parse_tools=choice != "none" and bool(req.tools),
                                      forced_tool=forced)
     if choice in ("required", "named"):
@@ -99,4 +112,4 @@ async def prepare_chat(state: GatewayState, req: ChatCompletionRequest) -> Prepa
         except ToolGrammarError as exc:
             raise bad_request(str(exc), "tools", code="invalid_tool_schema") from None
         req = msgspec.structs.replace(req, structured_outputs=StructuredOutputsRequest(grammar=grammar))
-    return PreparedChat(req, prompt, mode)
+    return PreparedChat(req, prompt, mode, multi_modal_data)

@@ -40,6 +40,10 @@ class GatewayConfig:
     body_timeout_s: float = 60.0
     keepalive_timeout_s: float = 75.0
     max_connections: int = 1000
+    # chat image_url parts (chat_images.py): data URLs always; http(s) URLs fetched only when
+    # allowed; one image's encoded bytes at most max_image_bytes (a 400 beyond)
+    allow_image_urls: bool = False
+    max_image_bytes: int = 2 * 1024 * 1024
 
     def __post_init__(self) -> None:
         if self.max_body_bytes < 1024:
@@ -52,6 +56,8 @@ class GatewayConfig:
             value = getattr(self, name)
             if not (0 < value and math.isfinite(value)):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+        if self.max_image_bytes < 1:
+            raise ValueError(f"max_image_bytes must be >= 1, got {self.max_image_bytes}")
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
         if self.api_key is not None and not self.api_key.strip():

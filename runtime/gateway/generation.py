@@ -14,8 +14,9 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from deepinfer.engine.api.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from deepinfer.engine.api.protocol import EngineClient, TokensPrompt
@@ -35,6 +36,7 @@ class EngineRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    multi_modal_data: Mapping[str, Any] | None = None  # a chat's images (chat_images.py), prompt already expanded
 
 
 @dataclass(slots=True)
@@ -97,6 +99,8 @@ class Generation:
         """Submit every engine request; wait for each one's first output (or its error)."""
         for slot, r in enumerate(self.requests):
             prompt: TokensPrompt = {"prompt_token_ids": r.prompt_token_ids}
+            if r.multi_modal_data:
+                prompt["multi_modal_data"] = r.multi_modal_data
             stream = self.engine.generate(prompt, r.params, request_id=r.request_id)
             self._pumps.append(asyncio.create_task(self._pump(slot, stream), name=f"gateway-pump-{r.request_id}"))
         pending = set(range(len(self.requests)))

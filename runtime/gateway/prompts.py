@@ -13,7 +13,7 @@ from typing import Any
 
 from deepinfer.engine.api.protocol import GatewayTokenizer
 from deepinfer.runtime.gateway.errors import GatewayError, bad_request
-from deepinfer.runtime.gateway.openai_protocol import ChatMessage, RefusalPart, TextPart
+from deepinfer.runtime.gateway.openai_protocol import ChatMessage, ImageUrlPart, RefusalPart, TextPart
 from deepinfer.runtime.gateway.tool_calls import template_tool_calls
 
 # chat_template_kwargs may not override what the gateway itself passes to the template
@@ -77,7 +77,9 @@ async def completion_prompts(
     return out
 
 
-def _message_text(i: int, message: ChatMessage) -> str | None:
+def _message_text(i: int, message: ChatMessage) -> str | list[dict[str, str]] | None:
+    """The text of a message; with images, the template's parts (text and ``{"type": "image"}``,
+    one image marker each: chat_images.py expands them)."""
     content = message.content
     if content is None:
         if message.role == "assistant" and message.tool_calls:
@@ -85,16 +87,20 @@ def _message_text(i: int, message: ChatMessage) -> str | None:
         raise bad_request(f"messages[{i}].content is required", f"messages[{i}].content")
     if isinstance(content, str):
         return content
-    parts = []
+    parts: list[str | None] = []  # None: an image
     for j, part in enumerate(content):
         if isinstance(part, TextPart):
             parts.append(part.text)
         elif isinstance(part, RefusalPart):
             parts.append(part.refusal)
+        elif isinstance(part, ImageUrlPart):
+            parts.append(None)
         else:
-            raise bad_request(f"messages[{i}].content[{j}]: only text content is supported by this model",
+            raise bad_request(f"messages[{i}].content[{j}]: only text and image_url content are supported",
                               f"messages[{i}].content[{j}].type")
-    return "\n".join(parts)
+    if None not in parts:
+        return "\n".join(parts)
+    return [{"type": "image"} if p is None else {"type": "text", "text": p} for p in parts]
 
 
 def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:

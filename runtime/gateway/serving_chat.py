@@ -54,6 +54,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     requests, structured = engine_requests(state, prepared.request, request_id, [prepared.prompt_token_ids],
                                            logprobs=num_top, default_max_tokens=None, prompt_param="messages",
                                            client_request_id=client_request_id(request))
+    for r in requests:
+        r.multi_modal_data = prepared.multi_modal_data
     async with admitted(state):
         gen = Generation(state.engine, requests, state.metrics, arrival_time=arrival,
                          structured_param=structured.param if structured else None, prompt_param="messages")

@@ -1,6 +1,6 @@
 """``deepinfer serve`` on a V4.1 checkpoint: the OpenAI completions of the co-located server and of
 ``--disaggregated`` (a prefill and a decode process, KV handed off between them) equal the
-offline LLM's tokens; an image in a chat message is a clear 400."""
+offline LLM's tokens; an unreadable image in a chat message is a clear 400."""
 
 from __future__ import annotations
 
@@ -52,4 +52,4 @@ def test_serve_and_disaggregated_serve_equal_offline(tiny_dir, tmp_path):
                     "model": tiny_dir.name, "max_tokens": 4, "messages": [{"role": "user", "content": [
                         {"type": "text", "text": "what is this?"},
                         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]})
-                assert status == 400 and "only text content" in body["error"]["message"]
+                assert status == 400 and "is not a readable image" in body["error"]["message"]
