@@ -23,7 +23,7 @@ from deepinfer.runtime.gateway.config import STATE_KEY, GatewayConfig, GatewaySt
 from deepinfer.runtime.gateway.errors import GatewayError, clip, echo, error_response, malformed_http_error
 from deepinfer.runtime.gateway.metrics import GatewayMetrics
 from deepinfer.runtime.gateway.openai_responses import ModelCard, ModelList, encoder
-from deepinfer.runtime.gateway.request_ids import add_request_id
+from deepinfer.runtime.gateway.response_wire import add_request_id
 from deepinfer.runtime.gateway.serving_chat import create_chat_completion
 from deepinfer.runtime.gateway.serving_completion import create_completion
 from deepinfer.runtime.gateway.serving_responses import create_response

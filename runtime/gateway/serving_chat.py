@@ -25,7 +25,8 @@ from deepinfer.runtime.gateway.openai_responses import (
     encoder,
     make_usage,
 )
-from deepinfer.runtime.gateway.request_ids import request_id as client_request_id
+from deepinfer.runtime.gateway.response_wire import ClientGone, SSEWriter
+from deepinfer.runtime.gateway.response_wire import request_id as client_request_id
 from deepinfer.runtime.gateway.serving_common import (
     admitted,
     decode_body,
@@ -36,7 +37,6 @@ from deepinfer.runtime.gateway.serving_common import (
     token_byte_namer,
     token_namer,
 )
-from deepinfer.runtime.gateway.sse import ClientGone, SSEWriter
 
 log = logging.getLogger(__name__)
 

@@ -94,7 +94,7 @@ def engine_requests(
     client_request_id: str | None = None,
 ) -> tuple[list[EngineRequest], StructuredSpec | None]:
     """One engine request per (prompt, choice); choice index = prompt * n + i, seed = seed + i.
-    Engine ids are ``[client_request_id.]request_id-index`` (request_ids.py: the client's id leads)."""
+    Engine ids are ``[client_request_id.]request_id-index`` (response_wire.py: the client's id leads)."""
     check_n(state, req.n, len(prompts))
     structured = structured_spec(req)
     stop = stop_strings(req, state.config.max_stop_strings)

@@ -45,7 +45,8 @@ from deepinfer.runtime.gateway.openai_responses import (
     make_usage,
 )
 from deepinfer.runtime.gateway.prompts import completion_prompts, num_prompts
-from deepinfer.runtime.gateway.request_ids import request_id as client_request_id
+from deepinfer.runtime.gateway.response_wire import ClientGone, SSEWriter
+from deepinfer.runtime.gateway.response_wire import request_id as client_request_id
 from deepinfer.runtime.gateway.serving_common import (
     admitted,
     check_n,
@@ -56,7 +57,6 @@ from deepinfer.runtime.gateway.serving_common import (
     served_model,
     token_namer,
 )
-from deepinfer.runtime.gateway.sse import ClientGone, SSEWriter
 
 log = logging.getLogger(__name__)
 

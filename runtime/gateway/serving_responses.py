@@ -16,7 +16,8 @@ from deepinfer.runtime.gateway.generation import Generation
 from deepinfer.runtime.gateway.openai_protocol import decode_request
 from deepinfer.runtime.gateway.openai_responses import encoder
 from deepinfer.runtime.gateway.reasoning import think_tokens
-from deepinfer.runtime.gateway.request_ids import request_id as client_request_id
+from deepinfer.runtime.gateway.response_wire import ClientGone, SSEWriter
+from deepinfer.runtime.gateway.response_wire import request_id as client_request_id
 from deepinfer.runtime.gateway.responses_api import (
     ResponseBuilder,
     make_response_usage,
@@ -24,7 +25,6 @@ from deepinfer.runtime.gateway.responses_api import (
 )
 from deepinfer.runtime.gateway.responses_request import ResponsesRequest, to_chat_request
 from deepinfer.runtime.gateway.serving_common import admitted, engine_requests, served_model
-from deepinfer.runtime.gateway.sse import ClientGone, SSEWriter
 
 log = logging.getLogger(__name__)
 
