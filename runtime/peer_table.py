@@ -10,7 +10,8 @@ A peer is *up* from its first heartbeat. Then:
 - a heartbeat (or probe answer) with a different ``instance_id`` means the process restarted:
   PeerDown of the old instance with ``RESTARTED``, and the new one comes up with its first
   heartbeat — never confused with its previous life;
-- ``Leave`` (a graceful stop) marks it down at once (``LEFT``).
+- ``Leave`` (a graceful stop) marks it down at once (``LEFT``), and so does ``exited`` (its
+  local supervisor saw the process exit: ``EXITED``, no probe needed).
 
 Beats from an instance that was replaced or left are ignored, so a delayed packet cannot
 resurrect a dead instance. No sockets, no asyncio: ``runtime.peer_monitor`` drives it.
@@ -95,6 +96,15 @@ class PeerTable:
         self._retire(state)
         del self._peers[msg.node_name]
         return [_down(state, DownReason.LEFT)] if state.is_up else []
+
+    def exited(self, name: str) -> list[PeerEventMsg]:
+        """The process of ``name`` exited (its supervisor saw it): the instance up now is dead for good."""
+        state = self._peers.get(name)
+        if state is None or not state.is_up:
+            return []
+        self._retire(state)
+        del self._peers[name]
+        return [_down(state, DownReason.EXITED)]
 
     def sweep(self, now: float) -> Sweep:
         """Suspects to probe (or, without probes, to declare down) as of ``now``."""

@@ -8,9 +8,11 @@
 A child that exits while the supervisor runs is restarted after ``restart_delay_s`` (at most
 ``max_restarts`` times in a row without staying up ``stable_after_s``); its new process is a
 new node instance to its peers. ``kill(name)`` / ``restart(name)`` exist for operators and
-failure tests. Children inherit stdout/stderr unless ``log_dir`` is given (then
-``<log_dir>/<name>.log``). ``on_exit(name, status)`` hears of every exit while it runs (the
-launcher tells the gateway's failure detector: a local death is known, not guessed).
+failure tests: ``kill`` returns once ``on_exit`` has heard of the exit, and a ``restart`` never
+races the watcher of the process it replaces (one process per child, whatever the timing).
+Children inherit stdout/stderr unless ``log_dir`` is given (then ``<log_dir>/<name>.log``).
+``on_exit(name, status)`` hears of every exit while it runs (the launcher tells the gateway's
+failure detector: a local death is known, not guessed).
 
 Children never outlive the supervisor: each gets the read end of its lifeline pipe and the
 parent's pid (runtime/lifeline.py); a ``deepinfer node`` child stops when the supervising
@@ -49,6 +51,7 @@ class _Child:
     num_quick_exits: int = 0
     is_held: bool = False  # killed on purpose: do not restart until restart()
     watcher: asyncio.Task | None = None
+    exit_heard: asyncio.Event | None = None  # set once the current process's exit went to on_exit
 
 
 class Supervisor:
@@ -88,9 +91,12 @@ class Supervisor:
         if child.process is not None and child.process.returncode is None:
             child.process.send_signal(sig)
             await child.process.wait()
+            await child.exit_heard.wait()  # on_exit heard of it before the caller goes on (restart())
 
     async def restart(self, name: str) -> None:
         child = self.children[name]
+        if child.process is not None and child.process.returncode is not None and child.exit_heard is not None:
+            await child.exit_heard.wait()  # still held: the exit is reported, never followed by a respawn
         child.is_held = False
         if child.process is None or child.process.returncode is not None:
             await self._spawn(child)
@@ -133,19 +139,24 @@ class Supervisor:
             if out is not None:
                 out.close()
         child.num_starts += 1
+        child.exit_heard = asyncio.Event()
         log.info("supervisor: started %s (pid %d)", child.spec.name, child.process.pid)
-        child.watcher = asyncio.create_task(self._watch(child, child.process), name=f"watch-{child.spec.name}")
+        child.watcher = asyncio.create_task(self._watch(child, child.process, child.exit_heard),
+                                            name=f"watch-{child.spec.name}")
 
-    async def _watch(self, child: _Child, process: asyncio.subprocess.Process) -> None:
+    async def _watch(self, child: _Child, process: asyncio.subprocess.Process, exit_heard: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
         started = loop.time()
-        code = await process.wait()
-        if self._on_exit is not None and not self._is_stopping:
-            try:
-                self._on_exit(child.spec.name, code)
-            except Exception:
-                log.exception("supervisor: exit hook failed for %s", child.spec.name)
-        if self._is_stopping or child.is_held or not child.spec.restart:
+        try:
+            code = await process.wait()
+            if self._on_exit is not None and not self._is_stopping:
+                try:
+                    self._on_exit(child.spec.name, code)
+                except Exception:
+                    log.exception("supervisor: exit hook failed for %s", child.spec.name)
+        finally:
+            exit_heard.set()  # cancelled by stop() too: a kill() waiting on it never hangs
+        if self._is_stopping or child.is_held or not child.spec.restart or child.process is not process:
             return
         child.num_quick_exits = 0 if loop.time() - started > self.stable_after_s else child.num_quick_exits + 1
         if child.num_quick_exits > self.max_restarts:
@@ -155,5 +166,5 @@ class Supervisor:
         log.warning("supervisor: %s exited with status %d; restarting in %gs", child.spec.name, code,
                     self.restart_delay_s)
         await asyncio.sleep(self.restart_delay_s)
-        if not self._is_stopping and not child.is_held:
+        if not self._is_stopping and not child.is_held and child.process is process:  # restart() may have run
             await self._spawn(child)

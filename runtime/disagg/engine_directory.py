@@ -175,6 +175,11 @@ class EngineDirectory:
         if isinstance(reply, KvCacheEvents):
             self.cache.on_events(reply)
 
+    def process_exited(self, name: str) -> None:
+        """``name``'s process exited (its local supervisor saw it): its instance is down now, with
+        no probe to wait out, so a restart is never mistaken for the old instance still up."""
+        self._emit(self.table.exited(name))
+
     async def _emit_events(self, events: list[PeerEventMsg]) -> None:
         self._emit(events)
 

@@ -325,6 +325,28 @@ def test_sigkill_a_prefill_mid_handoff_then_restart_serves_new_work(cluster, mod
     assert not st.failures, st.failures
 
 
+def test_an_idle_engine_killed_and_restarted_at_once_is_a_new_instance_that_serves(cluster, model_dir):
+    """No request notices the death, and the restart follows the kill at once: the gateway must
+    still see the old instance down (its supervisor saw it exit) and wait for the new one."""
+    pd, loop = cluster
+    old_instance = pd.client.directory.engines["prefill-1"].instance_id
+
+    async def go():
+        await pd.supervisor.kill("prefill-1")
+        assert not pd.client.directory.engines["prefill-1"].is_up  # known dead before any restart
+        await pd.supervisor.restart("prefill-1")
+        await pd.wait_engines_up(120, ["prefill-1"])
+
+    loop.run_until_complete(go())
+    assert pd.client.directory.engines["prefill-1"].instance_id != old_instance
+    reqs = _requests(4, seed=8, max_tokens=4)
+    want = _colocated(model_dir, reqs)
+    got = loop.run_until_complete(asyncio.gather(*loop.run_until_complete(_run_all(pd, reqs))))
+    assert dict(zip([r[0] for r in reqs], got)) == want
+    st = loop.run_until_complete(_status(pd, "prefill-1"))
+    assert st.instance_id != old_instance and not st.failures, st.failures
+
+
 class _SilenceFirstAttemptOf(dict):
     """The gateway's attempt table with the decode streams of ``request_id``'s first attempt
     going nowhere: a decode that acknowledged the handoff and then never reached the gateway."""

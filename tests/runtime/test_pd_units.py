@@ -103,3 +103,40 @@ async def test_supervisor_restarts_a_killed_child_unless_held():
     assert sup.pid("a") is None
     with pytest.raises(ValueError, match="unique"):
         Supervisor([ChildSpec("x", sleeper), ChildSpec("x", sleeper)])
+
+
+async def test_supervisor_kill_reports_the_exit_before_returning_and_an_instant_restart_spawns_once():
+    """kill() then restart() at once: the exit hook heard of the death first (the gateway marks
+    the instance down before the new one exists) and the old process's watcher never spawns a
+    second child after restart_delay_s."""
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    exits = []
+    sup = Supervisor([ChildSpec("a", sleeper)], restart_delay_s=0.05,
+                     on_exit=lambda name, status: exits.append((name, sup.num_starts(name))))
+    await sup.start()
+    try:
+        await sup.kill("a", hold=False)  # not held: the watcher would restart it after 0.05 s
+        assert exits == [("a", 1)]
+        await sup.restart("a")
+        pid = sup.pid("a")
+        await asyncio.sleep(0.4)
+        assert sup.num_starts("a") == 2 and sup.pid("a") == pid  # one new process, still the same one
+        await sup.kill("a")  # held
+        await sup.restart("a")
+        assert exits == [("a", 1), ("a", 2)] and sup.num_starts("a") == 3 and sup.pid("a") is not None
+    finally:
+        await sup.stop()
+
+
+def test_a_process_exit_seen_locally_is_down_at_once_and_stays_dead():
+    from deepinfer.runtime.failure_detector import DetectorSettings
+    from deepinfer.runtime.peer_table import PeerTable
+    from deepinfer.transport.protocol import DownReason, Heartbeat, PeerDown, PeerUp, Role
+
+    table = PeerTable(DetectorSettings(interval_s=0.2))
+    table.observe(Heartbeat(node_name="p", role=Role.PREFILL, instance_id=1, seq=1), 0.0)
+    assert table.exited("p") == [PeerDown("p", Role.PREFILL, 1, DownReason.EXITED)]
+    assert table.exited("p") == [] and table.exited("nobody") == []
+    assert table.observe(Heartbeat(node_name="p", role=Role.PREFILL, instance_id=1, seq=2), 0.1) == []  # late beat
+    assert table.observe(Heartbeat(node_name="p", role=Role.PREFILL, instance_id=2, seq=1), 0.2) == \
+        [PeerUp("p", Role.PREFILL, 2)]  # the restarted process

@@ -77,6 +77,7 @@ class DownReason(enum.IntEnum):
     MISSED_BEATS = 1  # no heartbeat for missed_beats intervals
     RESTARTED = 2  # a heartbeat arrived with a new instance id
     LEFT = 3  # the peer said goodbye (graceful stop)
+    EXITED = 4  # its local supervisor saw the process exit
 
 
 class Heartbeat(_HotMessage):
