@@ -41,6 +41,7 @@
     request_timeout_s = 300
     decode_silence_s = 15
     traffic_class = "chat"         # TTL class of requests that name none (body "traffic_class")
+    load_noise_s = 0.25            # tiered: backlog differences the load view cannot resolve count as equal
 
     [[nodes]]
     name = "prefill-0"
@@ -171,6 +172,7 @@ class GatewaySection(_Section):
     request_timeout_s: Annotated[float, msgspec.Meta(gt=0)] = 300.0
     decode_silence_s: Annotated[float, msgspec.Meta(gt=0)] = 15.0
     traffic_class: str = "chat"
+    load_noise_s: Annotated[float, msgspec.Meta(ge=0)] = 0.25
 
 
 class NodeSpec(_Section):

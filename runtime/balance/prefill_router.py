@@ -19,7 +19,10 @@ Per request (``route``):
 3. Explicit imbalance bound: an engine is eligible only if its backlog exceeds the least-loaded
    candidate's by at most ``imbalance_abs_s + imbalance_rel * t(L, 0)``. With equal loads the
    longest prefix wins; past the bound a hot prefix cannot pile work onto one engine, however
-   much it would save.
+   much it would save. ``load_noise_s``: backlog differences a gateway's load view cannot
+   resolve (reports come every ~100 ms, other gateways' routing is unseen) count as equal: only
+   backlog beyond the least-loaded candidate's + ``load_noise_s`` enters the score. 0 (the
+   default, exact loads as in the simulator) counts every difference.
 
 Per round (every ``round_s`` seconds of the ``now`` the caller passes) a ``TierPlanner``, shared
 by every gateway of the cluster, re-assigns engines to tiers in proportion to each tier's compute
@@ -52,10 +55,11 @@ class PrefillRouterConfig:
     # loading a prefix from the KV store: V4.1's ~890 B/token at ~5 GB/s per GPU, plus a read's latency
     store_load_s_per_token: float = 2e-7
     store_read_s: float = 2e-3
+    load_noise_s: float = 0.0
 
     def __post_init__(self) -> None:
         if min(self.imbalance_abs_s, self.imbalance_rel, self.compute_weight, self.store_load_s_per_token,
-               self.store_read_s) < 0:
+               self.store_read_s, self.load_noise_s) < 0:
             raise ValueError(f"imbalance bounds, compute_weight and store costs must be >= 0, got {self}")
         if not 0 <= self.descent_fraction <= 1:
             raise ValueError(f"descent_fraction must be in [0, 1], got {self.descent_fraction}")
@@ -121,7 +125,8 @@ class TieredPrefillRouter:
             num_loaded = cached - req.num_cached_tokens(num_device)
             if num_loaded > 0:  # the part past its own hit comes from the store
                 cost_s += cfg.store_read_s + cfg.store_load_s_per_token * num_loaded
-            key = (load.backlog_s + charge * cost_s, load.backlog_s, load.engine_id)
+            waited_s = max(load.backlog_s, min_backlog + cfg.load_noise_s) if cfg.load_noise_s else load.backlog_s
+            key = (waited_s + charge * cost_s, load.backlog_s, load.engine_id)
             if best_key is None or key < best_key:
                 best_key, best = key, (load, cached, cost_s)
         load, cached, cost_s = best

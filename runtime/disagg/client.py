@@ -40,6 +40,7 @@ from deepinfer.engine.api.outputs import RequestOutput
 from deepinfer.engine.api.protocol import EngineStats, GatewayTokenizer, InvalidPromptError, ModelInfo, TokensPrompt
 from deepinfer.engine.api.sampling_params import SamplingParams
 from deepinfer.engine.kv.handoff import decode_output, encode_params
+from deepinfer.runtime.balance import PrefillRouterConfig
 from deepinfer.runtime.cluster_config import ClusterConfig, NodeRole
 from deepinfer.runtime.disagg.engine_directory import EngineDirectory, EngineEntry
 from deepinfer.runtime.disagg.routing import RouterCollector, Routing
@@ -89,7 +90,8 @@ class PdEngineClient:
     def __init__(self, cluster: ClusterConfig, *, gateway_name: str, model_info: ModelInfo,
                  tokenizer: GatewayTokenizer | None = None, failure_policy: FailurePolicy = FailurePolicy.RECOMPUTE,
                  request_timeout_s: float = 300.0, max_attempts: int = 4, decode_silence_s: float = 15.0,
-                 ctx=None, seed: int | None = None, routing: str = "tiered", default_traffic_class: str = ""):
+                 ctx=None, seed: int | None = None, routing: str = "tiered", default_traffic_class: str = "",
+                 router_config: PrefillRouterConfig | None = None):
         """``default_traffic_class``: the KV store's TTL class of requests that name none ("" = the engines')."""
         spec = cluster.node(gateway_name)
         if not spec.data:
@@ -107,7 +109,7 @@ class PdEngineClient:
         self._tokenizer = tokenizer
         self.directory = EngineDirectory(cluster, ctx=ctx, name=gateway_name)
         self.directory.add_listener(self._on_engine_event)
-        self.routing = Routing(routing, self.directory.cache)
+        self.routing = Routing(routing, self.directory.cache, router_config)
         self._pending_aborts: dict[str, list[PdAbort]] = {}  # engine down -> aborts to send when it is back
         self._receiver = StreamReceiver(spec.data, PdStream, ctx=ctx, name=f"{gateway_name}-streams")
         self._attempts: dict[tuple[str, int], _Attempt] = {}

@@ -29,6 +29,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from deepinfer.runtime.balance import (
     AffinityOnly,
+    PrefillRouterConfig,
     DecodeChoice,
     DecodeLoad,
     PrefillChoice,
@@ -40,6 +41,8 @@ from deepinfer.runtime.balance import (
 )
 from deepinfer.runtime.cluster_config import ROUTING_POLICIES
 from deepinfer.runtime.disagg.cache_view import CacheView
+
+GATEWAY_LOAD_NOISE_S = 0.25  # a gateway's view: reports every ~0.1 s, other gateways' routing unseen
 
 
 @dataclass(slots=True)
@@ -56,7 +59,9 @@ class RouterStats:
 
 
 class Routing:
-    def __init__(self, policy: str, cache: CacheView):
+    def __init__(self, policy: str, cache: CacheView, config: PrefillRouterConfig | None = None):
+        """``config``: the tiered router's settings (the gateway's default counts load differences
+        under ``load_noise_s`` = 0.25 s as noise)."""
         if policy not in ROUTING_POLICIES:
             raise ValueError(f"routing policy {policy!r}: expected one of {', '.join(ROUTING_POLICIES)}")
         self.policy = policy
@@ -65,7 +70,9 @@ class Routing:
         if policy == "round-robin":
             self._prefill, self._decode = RoundRobin(), RoundRobin()  # one turn each: a shared one skips
         else:
-            self._prefill = TieredPrefillRouter(cache.index) if policy == "tiered" else AffinityOnly(cache.index)
+            config = config or PrefillRouterConfig(load_noise_s=GATEWAY_LOAD_NOISE_S)
+            self._prefill = TieredPrefillRouter(cache.index, config=config) if policy == "tiered" \
+                else AffinityOnly(cache.index)
             self._decode = TwoDimDecodeBalancer()
 
     def request_info(self, request_id: str, token_ids: Sequence[int]) -> RequestInfo:

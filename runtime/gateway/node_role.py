@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from deepinfer.runtime.balance import PrefillRouterConfig
 from deepinfer.runtime.cluster_config import ClusterConfig, NodeRole
 from deepinfer.runtime.disagg.node_role import model_dir_of
 from deepinfer.transport.protocol import FailurePolicy
@@ -57,7 +58,8 @@ class GatewayRole:
                                      failure_policy=policy, request_timeout_s=section.request_timeout_s,
                                      decode_silence_s=section.decode_silence_s, ctx=node.ctx,
                                      routing=self.config.routing_of(self.node_name),
-                                     default_traffic_class=section.traffic_class)
+                                     default_traffic_class=section.traffic_class,
+                                     router_config=PrefillRouterConfig(load_noise_s=section.load_noise_s))
         await self.client.start()
         try:
             self.gateway = await start_gateway(self.client, GatewayConfig(served_model_names=(self.served_model_name,)),

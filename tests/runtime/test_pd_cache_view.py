@@ -123,3 +123,15 @@ def test_affinity_only_and_round_robin():
     assert rr.request_info("r", PROMPT).block_hashes == []  # it never looks
     with pytest.raises(ValueError, match="routing policy 'random'"):
         Routing("random", view)
+
+
+def test_load_differences_under_the_noise_band_do_not_outweigh_the_own_cache():
+    from deepinfer.runtime.balance import PrefillRouterConfig
+
+    view = view_with({1: 2}, store_blocks=4)  # the store serves p0 as much as p1's own cache + the store
+    exact = Routing("tiered", view, PrefillRouterConfig(load_noise_s=0.0))
+    noisy = Routing("tiered", view, PrefillRouterConfig(load_noise_s=0.25))
+    info = exact.request_info("r", PROMPT)
+    assert exact.choose(info, loads(0.0, 0.2), DECODES, 0.0)[0].engine_id == 0  # 0.2 s of backlog > a store read
+    assert noisy.choose(info, loads(0.0, 0.2), DECODES, 0.0)[0].engine_id == 1  # within the noise: its own blocks
+    assert noisy.choose(info, loads(0.0, 0.6), DECODES, 0.0)[0].engine_id == 0  # past it: load again
