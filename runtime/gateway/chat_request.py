@@ -22,10 +22,9 @@ import msgspec
 from deepinfer.runtime.gateway.chat_images import expand_chat_prompt, image_refs, load_images
 from deepinfer.runtime.gateway.chat_output import ChatOutputMode
 from deepinfer.runtime.gateway.config import GatewayState
+from deepinfer.runtime.gateway.engine_inputs import MAX_SCHEMA_DEPTH, chat_prompt, json_depth, structured_spec
 from deepinfer.runtime.gateway.errors import bad_request
 from deepinfer.runtime.gateway.openai_protocol import ChatCompletionRequest, NamedToolChoice, StructuredOutputsRequest
-from deepinfer.runtime.gateway.prompts import chat_prompt
-from deepinfer.runtime.gateway.request_params import MAX_SCHEMA_DEPTH, json_depth, structured_spec
 from deepinfer.runtime.gateway.tool_calls import function_parameters, template_tools
 from deepinfer.runtime.gateway.tool_grammar import ToolGrammarError, tool_call_grammar
 

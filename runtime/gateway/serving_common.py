@@ -13,18 +13,18 @@ from aiohttp import web
 from deepinfer.engine.api.protocol import GatewayTokenizer
 from deepinfer.engine.api.sampling_params import choice_params
 from deepinfer.runtime.gateway.config import GatewayState
-from deepinfer.runtime.gateway.errors import GatewayError, bad_request, echo, from_decode_error
-from deepinfer.runtime.gateway.generation import EngineRequest
-from deepinfer.runtime.gateway.openai_protocol import SamplingRequest, decode_request, unsupported_fields
-from deepinfer.runtime.gateway.openai_responses import TokenBytes, TokenText, text_bytes
-from deepinfer.runtime.gateway.prompts import decide_max_tokens
-from deepinfer.runtime.gateway.request_params import (
+from deepinfer.runtime.gateway.engine_inputs import (
     StructuredSpec,
+    decide_max_tokens,
     requested_max_tokens,
     sampling_params,
     stop_strings,
     structured_spec,
 )
+from deepinfer.runtime.gateway.errors import GatewayError, bad_request, echo, from_decode_error
+from deepinfer.runtime.gateway.generation import EngineRequest
+from deepinfer.runtime.gateway.openai_protocol import SamplingRequest, decode_request, unsupported_fields
+from deepinfer.runtime.gateway.openai_responses import TokenBytes, TokenText, text_bytes
 
 
 async def decode_body(request: web.Request, kind: type[SamplingRequest]) -> SamplingRequest:

@@ -28,6 +28,7 @@ from msgspec import UNSET, UnsetType
 
 from deepinfer.engine.api.outputs import PositionLogprobs
 from deepinfer.runtime.gateway.config import STATE_KEY
+from deepinfer.runtime.gateway.engine_inputs import completion_prompts, num_prompts
 from deepinfer.runtime.gateway.errors import GatewayError, bad_request, error_payload
 from deepinfer.runtime.gateway.generation import ChoiceState, Generation
 from deepinfer.runtime.gateway.openai_protocol import CompletionRequest
@@ -44,7 +45,6 @@ from deepinfer.runtime.gateway.openai_responses import (
     finite,
     make_usage,
 )
-from deepinfer.runtime.gateway.prompts import completion_prompts, num_prompts
 from deepinfer.runtime.gateway.response_wire import ClientGone, SSEWriter
 from deepinfer.runtime.gateway.response_wire import request_id as client_request_id
 from deepinfer.runtime.gateway.serving_common import (

@@ -11,11 +11,10 @@ import pytest
 
 from deepinfer.engine.api.outputs import Logprob
 from deepinfer.runtime.gateway import GatewayConfig, curl_example, serve
+from deepinfer.runtime.gateway.engine_inputs import decide_max_tokens, json_depth, structured_spec, template_messages
 from deepinfer.runtime.gateway.errors import GatewayError, from_decode_error, from_engine_error
 from deepinfer.runtime.gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, decode_request
 from deepinfer.runtime.gateway.openai_responses import LOGPROB_FLOOR, chat_logprobs, completion_logprobs
-from deepinfer.runtime.gateway.prompts import decide_max_tokens, template_messages
-from deepinfer.runtime.gateway.request_params import json_depth, structured_spec
 from tests.conftest import load_test_helper
 
 harness = load_test_helper("runtime/gateway_harness")
