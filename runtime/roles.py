@@ -23,7 +23,7 @@ class RoleEntry:
 
 ROLE_MODULES: dict[NodeRole, RoleEntry] = {
     NodeRole.GATEWAY: RoleEntry("deepinfer.runtime.gateway.node_role", "[gateway]"),
-    NodeRole.ENCODER: RoleEntry("deepinfer.engine.encoder_role", "the vision encoder"),
+    NodeRole.ENCODER: RoleEntry("deepinfer.runtime.encoder.node_role", "[vision]"),
     NodeRole.PREFILL: RoleEntry("deepinfer.runtime.disagg.node_role", "[pd-disagg]"),
     NodeRole.DECODE: RoleEntry("deepinfer.runtime.disagg.node_role", "[pd-disagg]"),
     NodeRole.STORAGE: RoleEntry("deepinfer.cache.store.node_role", "[kv-store]"),
