@@ -6,6 +6,9 @@ each, feeding one inbox), so their prefills overlap. ``start()`` returns once ev
 request has produced its first output -- that is where the engine reports bad input (invalid
 grammar, full queue), before any HTTP header has gone out. ``close()`` aborts every engine
 request that has not finished (client gone, handler cancelled, error) and is always called.
+
+Folding a delta into its choice also times it into the gateway's histograms (metrics.py
+defines them): time to first token, inter-token latency, end-to-end latency.
 """
 
 from __future__ import annotations
@@ -234,10 +237,7 @@ class Generation:
         now = time.monotonic()
         num_new = len(delta.token_ids)
         if num_new:
-            is_first = choice.last_token_time is None
-            since = self.arrival_time if is_first else choice.last_token_time
-            self.metrics.observe_tokens(is_first=is_first, seconds=now - since, num_tokens=num_new)
-            choice.last_token_time = now
+            self._time_tokens(choice, now, num_new)
         choice.num_tokens += num_new
         choice.token_ids.extend(delta.token_ids)
         if delta.text:
@@ -249,10 +249,28 @@ class Generation:
             if delta.finish_reason == "abort":
                 raise self._failure(slot, "aborted request {id}")
             choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
-            self.metrics.observe_finished(finish_reason=delta.finish_reason, e2e_seconds=now - self.arrival_time,
-                                          num_prompt_tokens=choice.num_prompt_tokens,
-                                          num_cached_tokens=out.num_cached_tokens)
+            m = self.metrics
+            m.requests_finished.labels(delta.finish_reason).inc()
+            m.e2e.observe(now - self.arrival_time)
+            m.prompt_tokens.inc(choice.num_prompt_tokens)
+            m.cached_prompt_tokens.inc(out.num_cached_tokens)
         return delta
+
+    def _time_tokens(self, choice: ChoiceState, now: float, num_new: int) -> None:
+        """A choice's first delta is its time to first token (from the HTTP request's arrival);
+        every token after it gets one inter-token sample, the gap since the choice's previous
+        delta spread over the tokens the delta carries (the rest of a multi-token first delta
+        arrived with it: no gap)."""
+        m = self.metrics
+        m.generation_tokens.inc(num_new)
+        if choice.last_token_time is None:
+            m.ttft.observe(now - self.arrival_time)
+            num_gaps, gap = num_new - 1, 0.0
+        else:
+            num_gaps, gap = num_new, now - choice.last_token_time
+        for _ in range(num_gaps):
+            m.itl.observe(gap / num_gaps)
+        choice.last_token_time = now
 
     # ---- totals ---------------------------------------------------------------------------
     def usage_counts(self) -> tuple[int, int, int]:

@@ -1,9 +1,10 @@
 """Prometheus metrics of one gateway app, in its own ``MetricsRegistry`` (runtime/metrics.py).
 
-Latencies are observed where the gateway sees the engine's deltas: time to first token (from the
-HTTP request's arrival), inter-token latency (gap between deltas spread over the tokens each one
-carries), end-to-end latency. Queue lengths, running requests and the prefix-cache hit rate are
-read from ``EngineClient.stats()`` at scrape time, so /metrics never goes stale.
+Latencies are observed where the gateway sees the engine's deltas, as generation.py folds each
+one into its choice: time to first token (from the HTTP request's arrival), inter-token latency
+(gap between deltas spread over the tokens each one carries), end-to-end latency. Queue lengths,
+running requests and the prefix-cache hit rate are read from ``EngineClient.stats()`` at scrape
+time, so /metrics never goes stale.
 """
 
 from __future__ import annotations
@@ -85,25 +86,6 @@ class GatewayMetrics:
         # counters of a disaggregated gateway (``metric_collectors()``, optional on an EngineClient)
         for collector in getattr(engine, "metric_collectors", lambda: [])():
             m.registry.register(collector)
-
-    def observe_tokens(self, *, is_first: bool, seconds: float, num_tokens: int) -> None:
-        """``seconds``: since arrival for the first delta, since the previous delta otherwise."""
-        if num_tokens <= 0:
-            return
-        self.generation_tokens.inc(num_tokens)
-        if is_first:
-            self.ttft.observe(seconds)
-            num_tokens -= 1  # the rest of a multi-token first delta arrived together with it
-            seconds = 0.0
-        for _ in range(num_tokens):
-            self.itl.observe(seconds / num_tokens)
-
-    def observe_finished(self, *, finish_reason: str, e2e_seconds: float, num_prompt_tokens: int,
-                         num_cached_tokens: int) -> None:
-        self.requests_finished.labels(finish_reason).inc()
-        self.e2e.observe(e2e_seconds)
-        self.prompt_tokens.inc(num_prompt_tokens)
-        self.cached_prompt_tokens.inc(num_cached_tokens)
 
     def render(self) -> bytes:
         return self.metrics.exposition()
