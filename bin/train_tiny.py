@@ -29,13 +29,20 @@ def add_parser(subparsers, name):
     p.add_argument("--seq-len", type=int, default=None, help="tokens per training sequence")
     p.add_argument("--device", default="auto", help="cuda, cpu or auto (default: cuda when available)")
     p.add_argument("--max-minutes", type=float, default=None, help="stop training early past this wall time")
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="run only this many steps of the --steps schedule (replays a run the wall-time guard stopped)")
     p.add_argument("--small", action="store_true",
                    help="a few-second model on a 40-file corpus (the CPU path the tests run)")
     p.add_argument("--drafter-phase", action="store_true",
                    help="phase 2 only, on the checkpoint in OUT: distil the DSpark drafter on the target's greedy "
                         "text, save OUT again (the target unchanged) and re-evaluate")
+    p.add_argument("--with-drafter-phase", action="store_true",
+                   help="run phase 2 right after training, before the one evaluation")
     p.add_argument("--drafter-steps", type=int, default=None, help="phase 2 steps")
     p.add_argument("--drafter-sequences", type=int, default=None, help="phase 2 greedy sequences")
+    p.add_argument("--drafter-prompt-len", type=int, default=None, help="phase 2 prompt tokens per sequence")
+    p.add_argument("--drafter-new", type=int, default=None, help="phase 2 greedy tokens per sequence")
+    p.add_argument("--drafter-minutes", type=float, default=None, help="stop phase 2's steps past this wall time")
     p.add_argument("--eval-only", action="store_true", help="only evaluate the checkpoint in OUT again")
     p.add_argument("--engine-generate", action="store_true",
                    help="greedy continuations from the serving engine (the same tokens; much faster on a CPU)")
@@ -68,7 +75,8 @@ def run(args) -> int:
     train = TrainOptions(seed=args.seed)
     if args.small:
         train = dataclasses.replace(train, steps=4, batch=2, seq_len=64, anchors=4, warmup=2, log_every=1)
-    given = {k: v for k, v in (("steps", args.steps), ("batch", args.batch), ("seq_len", args.seq_len)) if v is not None}
+    given = {k: v for k, v in (("steps", args.steps), ("batch", args.batch), ("seq_len", args.seq_len),
+                               ("stop_after", args.stop_after)) if v is not None}
     if args.max_minutes is not None:
         given["max_seconds"] = 60.0 * args.max_minutes
     train = dataclasses.replace(train, **given)
@@ -77,6 +85,8 @@ def run(args) -> int:
         options = dataclasses.replace(options, eval_batch=4, dspark_prompts=4, dspark_prompt_len=32, dspark_new=16,
                                       headers=4, header_tokens=24, sample_tokens=12, trace_steps=50,
                                       eval_tokens=1000)
+    if args.with_drafter_phase:
+        options = dataclasses.replace(options, drafter=_drafter_options(args))
     try:
         if args.drafter_phase or args.eval_only:
             _again(args, data, out, options)
@@ -91,7 +101,6 @@ def _again(args, data: Path, out: Path, options) -> None:
     import json
 
     from deepinfer.engine.models.deepseek_v41.training import run as r
-    from deepinfer.engine.models.deepseek_v41.training.drafter_phase import DrafterOptions
     from deepinfer.engine.models.deepseek_v41.training.prepare import load_manifest
 
     if not (out / "model.safetensors").is_file():
@@ -103,9 +112,17 @@ def _again(args, data: Path, out: Path, options) -> None:
         report.update(r.evaluate(out, data, r.load_streams(data), load_manifest(data), options, generate=generate))
         r.write_json(out / r.EVAL_FILE, report)
         return
-    d = DrafterOptions(seed=args.seed)
-    given = {k: v for k, v in (("steps", args.drafter_steps), ("sequences", args.drafter_sequences)) if v is not None}
-    r.drafter_phase(out, data, options, dataclasses.replace(d, **given), generate=generate)
+    r.drafter_phase(out, data, options, _drafter_options(args), generate=generate)
+
+
+def _drafter_options(args):
+    from deepinfer.engine.models.deepseek_v41.training.drafter_phase import DrafterOptions
+
+    given = {k: v for k, v in (("steps", args.drafter_steps), ("sequences", args.drafter_sequences),
+                               ("prompt_len", args.drafter_prompt_len), ("new", args.drafter_new)) if v is not None}
+    if args.drafter_minutes is not None:
+        given["max_seconds"] = 60.0 * args.drafter_minutes
+    return dataclasses.replace(DrafterOptions(seed=args.seed), **given)
 
 
 def _engine_generate(model_dir: Path, device: str):

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from deepinfer.engine.models.deepseek_v41.training import calibration as cal
+from deepinfer.engine.models.deepseek_v41.training.bpe import train_tokenizer
 from deepinfer.engine.models.deepseek_v41.training.corpus import SourceFile, function_headers, split_of
-from deepinfer.engine.models.deepseek_v41.training.evaluate import function_body, parses
+from deepinfer.engine.models.deepseek_v41.training.evaluate import function_source, parses
 from deepinfer.engine.models.deepseek_v41.training.model_setup import (
     SMALL_SIZES,
     build_model,
@@ -127,9 +128,13 @@ def test_split_headers_and_function_bodies():
     text = "import os\n\ndef a(x):\n    return x\n\ndef b(x,\n      y):\n    pass\n\n@dec\ndef c():\n    pass\n"
     headers = function_headers([SourceFile("m.py", text)], 10)
     assert [h.header for h in headers] == ["def a(x):\n"]  # multi-line signatures and decorated ones skipped
-    assert parses("def a(x):", function_body("\n    y = x\n    return y\nprint(1)\n", cut_off=False))
-    assert function_body("\n    y = x\n    return (y", cut_off=True) == "\n    y = x\n"
-    assert not parses("def a(x):", function_body("\nreturn x\n", cut_off=False))  # nothing indented
+    assert parses(function_source("def a(x):", "\n    y = x\n    return y\nprint(1)\n", cut_off=False))
+    assert parses(function_source("def a(x):\n", "    y = x\n    return y\nprint(1)\n", cut_off=False))
+    assert function_source("def a(x):", "\n    y = x\n    return (y", cut_off=True) == "def a(x):\n    y = x\n"
+    assert not parses(function_source("def a(x):", "\nreturn x\n", cut_off=False))  # nothing indented
+    # a prompt that ends in its newline: a first line back at column 0 ends an empty function
+    assert not parses(function_source("def a(x):\n", "# a comment\n    return x\n", cut_off=False))
+    assert not parses(function_source("def a(x):\n", "", cut_off=False))  # EOS at once: no body
 
 
 def test_router_biases_move_towards_the_zipf_targets():
@@ -141,3 +146,17 @@ def test_router_biases_move_towards_the_zipf_targets():
     _steer_biases(biases, ids, targets, 0.01)
     for b in biases:
         assert torch.all(b[:2] == -0.01) and torch.all(b[2:] == 0.01)  # overloaded experts lose, idle ones gain
+
+
+def test_tokenizer_keeps_line_starts_apart():
+    # a prompt cut after a header's newline or after the next line's indentation must end on a
+    # token boundary of the whole text: with the plain byte-level split "\n    " was one token and
+    # a prompt ending in "\n" ended on a token seen in training only before column-0 text
+    docs = ["def f(x):\n    return x\n\n\nclass A:\n    def g(self):\n        return 1\n" * 3] * 50
+    tokenizer = train_tokenizer(docs, 400)
+    text = "def h(y):\n    if y:\n        return y\n"
+    whole = tokenizer.encode(text).ids
+    for cut in ("def h(y):\n", "def h(y):\n    ", "def h(y):\n    if y:\n        "):
+        prefix = tokenizer.encode(cut).ids
+        assert whole[: len(prefix)] == prefix, cut
+    assert tokenizer.decode(whole, skip_special_tokens=True) == text

@@ -54,6 +54,7 @@ class DrafterOptions:
     confidence_weight: float = 0.2
     feature_batch: int = 16
     log_every: int = 50
+    max_seconds: float | None = None  # stop the steps early (recorded) past this wall time
 
 
 @dataclass(slots=True)
@@ -112,11 +113,15 @@ def finetune_drafter(model, data: GreedyData, o: DrafterOptions, log=print) -> l
             loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        if (step + 1) % o.log_every == 0 or step == o.steps - 1:
+        over = o.max_seconds is not None and time.perf_counter() - start > o.max_seconds
+        if (step + 1) % o.log_every == 0 or step == o.steps - 1 or over:
             record = {"step": step + 1, "draft": float(draft.detach()), "confidence": float(confidence.detach()),
                       "draft_top1": float(top1), "lr": lr, "elapsed_s": time.perf_counter() - start}
             history.append(record)
             log(" ".join(f"{key} {v:.4g}" if isinstance(v, float) else f"{key} {v}" for key, v in record.items()))
+        if over:
+            log(f"drafter phase: stopping after step {step + 1}: past max_seconds {o.max_seconds}")
+            break
     for p in params:
         p.requires_grad_(False)
     return history

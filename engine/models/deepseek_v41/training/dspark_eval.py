@@ -110,6 +110,7 @@ def dspark_report(model, drafter: DSparkDrafter, streams: dict[str, np.ndarray],
     return {
         "prompts": num, "prompt_len": prompt_len, "new_tokens": new, "block_size": k,
         "steps": int(len(steps)),
+        "calibration_tokens_per_step": float(np.mean(chain_steps(cal["accepted"])) + 1),
         "accepted_drafts_per_step": float(steps.mean()),
         "tokens_per_step": float(steps.mean() + 1),
         "at_least_k_accepted": [float((steps >= j).mean()) for j in range(1, k + 1)],

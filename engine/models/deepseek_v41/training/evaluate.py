@@ -7,9 +7,11 @@
                     routing trace: one step per window, ``[steps, layers, experts]`` token counts
     greedy          batched greedy continuation with the cache-free forward (right padding is
                     safe: every position only reads earlier ones)
-    parse_rate      completions of held-out function headers (the ``def`` line up to its colon):
-                    the body is the completion up to the first line back at column 0 (a cut-off
-                    last line dropped); it must parse with ``ast`` together with its header
+    parse_rate      completions of held-out function headers, prompted as written in the file
+                    (``def name(args):`` and its newline) and without the newline (where a user
+                    stops typing): the function is the header line (as completed) plus the lines
+                    after it up to the first non-empty one back at column 0, or to EOS; a last line
+                    cut off by the token limit is dropped. It parses with ``ast`` and has a body
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ import torch
 
 from deepinfer.engine.models.deepseek_v41.dense_forward import dense_forward, logits
 
-# prompts end where a user stops typing: at the colon, not after the newline (BPE merges the
-# newline with the next line's indentation, so a prompt ending in a bare newline says "column 0")
-SAMPLE_PROMPTS = ("def fibonacci(n):", "class Stack:", "import os\n\n\ndef ",
-                  'def is_prime(n):\n    """Return True if n is a prime number."""')
+# with and without the newline a user may or may not type (the tokenizer keeps a newline apart
+# from the next line's indentation, so both end on a token boundary seen in training)
+SAMPLE_PROMPTS = ("def fibonacci(n):\n", "def fibonacci(n):", "class Stack:\n", "import os\n\n\ndef ",
+                  'def is_prime(n):\n    """Return True if n is a prime number."""\n')
+PROMPT_FORMS = {"as_written": "", "no_newline": "\n"}  # form -> what is cut off the header's end
 
 
 @torch.no_grad()
@@ -100,41 +103,49 @@ def greedy(model, prompts: list[list[int]], max_new: int, stop_ids: tuple[int, .
     return new
 
 
-def function_body(completion: str, cut_off: bool) -> str:
-    """The completion's lines up to the first one back at column 0; a cut-off last line dropped."""
-    lines = completion.split("\n")
-    kept = lines[:1]  # the rest of the prompt's last line
+def function_source(prompt: str, completion: str, cut_off: bool) -> str:
+    """The header line (the prompt's first line as completed) and the lines after it up to the
+    first non-empty line back at column 0; with ``cut_off`` (the token limit hit, no EOS) the last
+    line, which may be partial, is dropped unless a column-0 line ended the function first."""
+    lines = (prompt + completion).split("\n")
+    kept = lines[:1]
     for line in lines[1:]:
         if line.strip() and not line[:1].isspace():
             return "\n".join(kept) + "\n"
         kept.append(line)
-    if cut_off:
+    if cut_off and len(kept) > 1:
         kept = kept[:-1]
     return "\n".join(kept) + "\n"
 
 
-def parses(header: str, body: str) -> bool:
-    if not body.strip():
-        return False
+def parses(source: str) -> bool:
+    """``source`` is one function definition with a non-empty body, valid Python."""
     try:
-        ast.parse(header + body)
+        tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return False
-    return True
+    return len(tree.body) == 1 and isinstance(tree.body[0], (ast.FunctionDef, ast.AsyncFunctionDef))
 
 
 def parse_rate(generate, tokenizer, headers: list[dict], max_new: int, stop_ids: tuple[int, ...]) -> dict:
-    """``generate(prompts, max_new, stop_ids)`` -> new tokens of each prompt (``greedy`` or the engine)."""
-    prompts = [h["header"].rstrip("\n") for h in headers]
-    outs = generate([tokenizer.encode(p).ids for p in prompts], max_new, stop_ids)
-    results = []
-    for h, prompt, toks in zip(headers, prompts, outs):
-        stopped = bool(toks) and toks[-1] in stop_ids
-        text = tokenizer.decode(toks[:-1] if stopped else toks)
-        body = function_body(text, cut_off=not stopped)
-        results.append({"file": h["file"], "header": prompt, "completion": text, "parses": parses(prompt, body)})
-    return {"rate": sum(r["parses"] for r in results) / max(len(results), 1), "num": len(results),
-            "results": results}
+    """``generate(prompts, max_new, stop_ids)`` -> new tokens of each prompt (``greedy`` or the
+    engine); the rate of each prompt form (PROMPT_FORMS), the first form's being ``rate``."""
+    report: dict = {}
+    for form, cut in PROMPT_FORMS.items():
+        prompts = [h["header"][: len(h["header"]) - len(cut)] if cut and h["header"].endswith(cut) else h["header"]
+                   for h in headers]
+        outs = generate([tokenizer.encode(p).ids for p in prompts], max_new, stop_ids)
+        results = []
+        for h, prompt, toks in zip(headers, prompts, outs):
+            stopped = bool(toks) and toks[-1] in stop_ids
+            text = tokenizer.decode(toks[:-1] if stopped else toks)
+            ok = parses(function_source(prompt, text, cut_off=not stopped))
+            results.append({"file": h["file"], "prompt": prompt, "completion": text, "eos": stopped, "parses": ok})
+        report[form] = {"rate": sum(r["parses"] for r in results) / max(len(results), 1), "num": len(results),
+                        "results": results}
+    first = report[next(iter(PROMPT_FORMS))]
+    return {"rate": first["rate"], "num": first["num"], "max_new_tokens": max_new,
+            "rates": {form: r["rate"] for form, r in report.items()}, "forms": report}
 
 
 def samples(generate, tokenizer, max_new: int, stop_ids: tuple[int, ...]) -> list[dict]:

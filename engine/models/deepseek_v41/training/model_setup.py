@@ -84,7 +84,8 @@ def init_weights(model: nn.Module, seed: int) -> None:
         noise = torch.randn(shape, generator=g)
         if name.endswith(("norm.weight", "q_weight", "k_weight")) or name.endswith(".scale"):
             value = torch.ones(shape)
-        elif name.endswith((".sinks", "e_score_correction_bias", "confidence_head.proj.weight")):
+        elif name.endswith((".sinks", "e_score_correction_bias", ".bias_vl", "confidence_head.proj.weight")):
+            # bias_vl: the routers' image-token bias (vision configs); no image is seen in training
             value = torch.zeros(shape)
         elif name.endswith(".base"):
             value = _mhc_base(shape[0])

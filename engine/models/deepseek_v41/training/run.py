@@ -7,6 +7,9 @@
       eval.json                               every figure of the README section
       routing_trace.npy                       [steps, layers, experts] token counts on held-out text
 
+With ``RunOptions.drafter`` set, phase 2 (drafter_phase.py: the drafter distilled on the target's
+own greedy text) runs on the saved checkpoint before the one evaluation.
+
 Evaluation runs on the checkpoint read back from disk (the weights serving loads), with the
 cache-free forward; the in-memory float weights give the pre-quantisation loss for comparison.
 """
@@ -35,7 +38,12 @@ from deepinfer.engine.models.deepseek_v41.model import DeepseekV41ForCausalLM
 from deepinfer.engine.models.deepseek_v41.tiny_model import vision_tensors
 from deepinfer.engine.models.deepseek_v41.training import evaluate as ev
 from deepinfer.engine.models.deepseek_v41.training.drafter_phase import DrafterOptions, finetune_drafter, greedy_data
-from deepinfer.engine.models.deepseek_v41.training.dspark_eval import dspark_report
+from deepinfer.engine.models.deepseek_v41.training.dspark_eval import (
+    chain_steps,
+    draft_outcomes,
+    dspark_report,
+    prompts_from,
+)
 from deepinfer.engine.models.deepseek_v41.training.model_setup import (
     TRAIN_SIZES,
     build_model,
@@ -61,10 +69,11 @@ class RunOptions:
     dspark_prompt_len: int = 128
     dspark_new: int = 96
     headers: int = 64
-    header_tokens: int = 160
+    header_tokens: int = 192
     sample_tokens: int = 96
     trace_steps: int = 600
     eval_tokens: int | None = None  # score only the first tokens of the test stream (small runs)
+    drafter: DrafterOptions | None = None  # phase 2 right after training (before the evaluation)
 
 
 def load_streams(data_dir: Path) -> dict[str, np.ndarray]:
@@ -84,44 +93,68 @@ def run(data_dir: str | Path, out_dir: str | Path, o: RunOptions, log=print) -> 
     log(f"model: {counts['total']:,} parameters ({counts['routed_experts']:,} in routed experts, "
         f"{counts['active']:,} active per token); training on {o.device}")
     start = time.perf_counter()
-    history = train(model, streams["train"], o.train, log)
+    result = train(model, streams["train"], o.train, log)
+    history = result.history
     train_s = time.perf_counter() - start
     disable_qat(model)
     float_lm = ev.heldout_lm(model, streams["test"][: o.eval_tokens], o.train.seq_len, o.eval_batch)
     save_checkpoint(model, cfg, data, out, o.train.seed)
-    log(f"trained {history[-1].step if history else 0} steps in {train_s:.0f} s; checkpoint "
+    log(f"trained {result.steps_run} steps in {train_s:.0f} s; checkpoint "
         f"{(out / 'model.safetensors').stat().st_size / 1e6:.2f} MB in {out}")
     del model
-    report = {"train": {"seconds": train_s, "steps": history[-1].step if history else 0,
+    report = {"train": {"seconds": train_s, "steps": result.steps_run,
                         "options": asdict(o.train), "history": [asdict(h) for h in history]},
               "model": {**counts, "sizes": o.sizes, "checkpoint_bytes": (out / "model.safetensors").stat().st_size},
               "heldout_float": {k: float_lm[k] for k in ("nll", "ppl")}}
     write_json(out / EVAL_FILE, report)  # the training record survives a failing evaluation
+    if o.drafter is not None:
+        report["drafter_phase"] = distil_drafter(out, data, streams, o, o.drafter, log)
+        write_json(out / EVAL_FILE, report)
     report.update(evaluate(out, data, streams, manifest, o, log))
     write_json(out / EVAL_FILE, report)
     return report
 
 
-def drafter_phase(model_dir: str | Path, data_dir: str | Path, o: RunOptions, d: DrafterOptions, log=print,
-                  generate=None) -> dict:
-    """Phase 2 (drafter_phase.py) on the checkpoint in ``model_dir``, saved back in place (the
-    target's stored values unchanged), then the evaluation again; eval.json keeps phase 1's record."""
-    model_dir, data = Path(model_dir), Path(data_dir)
+def distil_drafter(model_dir: Path, data: Path, streams, o: RunOptions, d: DrafterOptions, log=print,
+                   generate=None) -> dict:
+    """Phase 2 on the checkpoint in ``model_dir``, saved back in place (the target's stored values
+    unchanged); the record holds DSpark tokens per verification step on the evaluation's held-out
+    prompts before and after, so the phase's effect is measured on the same text."""
     model = load_for_eval(model_dir, o.device)
-    streams = load_streams(data)
     start = time.perf_counter()
+    before = _tokens_per_step(model, streams, o, generate)
     gen = None if generate is None else (lambda prompts, new: generate(prompts, new, ()))
     greedy_set = greedy_data(model, streams["train"], d, gen)
-    log(f"drafter phase: {len(greedy_set.ids)} greedy sequences of {greedy_set.ids.shape[1]} tokens in "
-        f"{time.perf_counter() - start:.0f} s")
+    greedy_s = time.perf_counter() - start
+    log(f"drafter phase: DSpark {before:.3f} tokens per step before; {len(greedy_set.ids)} greedy sequences of "
+        f"{greedy_set.ids.shape[1]} tokens in {greedy_s:.0f} s")
     history = finetune_drafter(model, greedy_set, d, log)
+    after = _tokens_per_step(model, streams, o, generate)
+    log(f"drafter phase: DSpark {after:.3f} tokens per step after")
     disable_qat(model)
     save_checkpoint(model, model.config, data, model_dir, o.train.seed)
     seconds = time.perf_counter() - start
     del model
+    return {"seconds": seconds, "greedy_data_s": greedy_s, "device": o.device, "options": asdict(d),
+            "tokens_per_step_before": before, "tokens_per_step_after": after, "history": history}
+
+
+def _tokens_per_step(model, streams, o: RunOptions, generate=None) -> float:
+    """Committed tokens per verification step (accepted drafts + 1) on the evaluation's test prompts."""
+    prompts = prompts_from(streams["test"], o.dspark_prompts, o.dspark_prompt_len, o.train.seed + 1)
+    outcome = draft_outcomes(model, DSparkDrafter(model), prompts, o.dspark_new, generate)
+    return float(np.mean(chain_steps(outcome["accepted"])) + 1)
+
+
+def drafter_phase(model_dir: str | Path, data_dir: str | Path, o: RunOptions, d: DrafterOptions, log=print,
+                  generate=None) -> dict:
+    """Phase 2 alone on a trained checkpoint, then the evaluation again; eval.json keeps phase 1's record."""
+    model_dir, data = Path(model_dir), Path(data_dir)
+    streams = load_streams(data)
+    record = distil_drafter(model_dir, data, streams, o, d, log, generate)
     previous = json.loads((model_dir / EVAL_FILE).read_text(encoding="utf-8")) if (model_dir / EVAL_FILE).is_file() else {}
     report = {k: previous[k] for k in ("train", "model", "heldout_float") if k in previous}
-    report["drafter_phase"] = {"seconds": seconds, "device": o.device, "options": asdict(d), "history": history}
+    report["drafter_phase"] = record
     report.update(evaluate(model_dir, data, streams, load_manifest(data), o, log, generate))
     write_json(model_dir / EVAL_FILE, report)
     return report

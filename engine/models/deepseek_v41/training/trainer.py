@@ -60,6 +60,13 @@ class TrainOptions:
     skew: float = 0.7
     log_every: int = 50
     max_seconds: float | None = None  # stop early (recorded) past this wall time
+    stop_after: int | None = None  # run only this many steps of the ``steps`` schedule (a replay of a stopped run)
+
+
+@dataclass(slots=True)
+class TrainResult:
+    history: list  # StepStats every log_every steps
+    steps_run: int
 
 
 @dataclass(slots=True)
@@ -104,7 +111,7 @@ def _optimizer(model, o: TrainOptions, device) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=o.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
 
 
-def train(model, stream: np.ndarray, o: TrainOptions, log=print) -> list[StepStats]:
+def train(model, stream: np.ndarray, o: TrainOptions, log=print) -> TrainResult:
     device = model.embed_tokens.weight.device
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -121,7 +128,8 @@ def train(model, stream: np.ndarray, o: TrainOptions, log=print) -> list[StepSta
     qat_step = int(o.qat_from * o.steps)
     start = last = time.perf_counter()
     last_step = 0
-    for step in range(o.steps):
+    steps_run = 0
+    for step in range(o.steps if o.stop_after is None else min(o.steps, o.stop_after)):
         if step == qat_step:
             # the optimizer keeps the same tensors: a parametrization holds the original object
             log(f"step {step}: quantisation-aware training on ({enable_qat(model)} tensors)")
@@ -140,6 +148,7 @@ def train(model, stream: np.ndarray, o: TrainOptions, log=print) -> list[StepSta
         torch.nn.utils.clip_grad_norm_([t for g in opt.param_groups for t in g["params"]], o.grad_clip)
         opt.step()
         _steer_biases(biases, expert_ids, targets, o.bias_rate)
+        steps_run = step + 1
         if (step + 1) % o.log_every == 0 or step == o.steps - 1:
             now = time.perf_counter()
             rate = (step + 1 - last_step) * o.batch * o.seq_len / (now - last)
@@ -152,7 +161,7 @@ def train(model, stream: np.ndarray, o: TrainOptions, log=print) -> list[StepSta
             log(f"stopping after step {step + 1}: past max_seconds {o.max_seconds}")
             break
     model.eval()
-    return history
+    return TrainResult(history, steps_run)
 
 
 def step_losses(model, drafter: DSparkDrafter, batch: torch.Tensor, anchors: torch.Tensor, o: TrainOptions):
