@@ -2,6 +2,8 @@
 
     deepinfer node --cluster cluster.toml --host NAME      every node of host NAME, in this process
     deepinfer node --cluster cluster.toml --role R [--name N]   one node (N: the only R node if left out)
+    deepinfer node --cluster cluster.toml --role decode|prefill --ep N   its engine expert-parallel
+                   over N rank processes (rank 0 in this process: runtime/ep/node_group.py)
 
 SIGTERM/SIGINT drain every node of the process gracefully; a second signal stops them at once.
 """
@@ -56,6 +58,11 @@ def add_parser(subparsers, name):
     e.add_argument("--kv-host-tier-bytes", type=int, default=None, metavar="BYTES", help="host memory KV tier")
     e.add_argument("--served-model-name", default=None, help="gateway: the model name clients ask for "
                                                              "(default: the model directory's name)")
+    e.add_argument("--ep", type=int, default=1, metavar="N",
+                   help="prefill/decode with --role: the engine's MoE layers expert-parallel over N rank "
+                        "processes (this one is rank 0 and takes the node's requests; default 1)")
+    e.add_argument("--ep-redundant-experts", type=int, default=0, metavar="R",
+                   help="with --ep: replica slots per rank beyond the experts it owns, for EPLB (default 0)")
     add_swa_arguments(p, is_node=True)  # swa-wire: SWA slot flags of prefill/decode engines
     add_detector_arguments(p)  # override the cluster config's [cluster] failure-detection keys
     return p
@@ -74,7 +81,10 @@ def _role_kwargs(args, role) -> dict:
         return {"model": args.model, "engine_options": options}
     if role.value not in ("prefill", "decode"):
         return {}
-    return {"model": args.model, "engine_options": options, "lease_s": args.lease_s}
+    kwargs = {"model": args.model, "engine_options": options, "lease_s": args.lease_s}
+    if args.ep > 1:
+        kwargs.update(ep_size=args.ep, ep_settings={"redundant_per_rank": args.ep_redundant_experts})
+    return kwargs
 
 
 def run(args) -> int:
@@ -104,6 +114,11 @@ def _run(args, parent) -> int:
         raise CliError("give --host NAME (every node of a host) or --role ROLE (one node)", code=2)
     if args.host is not None and args.name is not None:
         raise CliError("--name goes with --role; --host runs every node of the host", code=2)
+    if args.ep < 1 or args.ep_redundant_experts < 0:
+        raise CliError(f"--ep must be >= 1 and --ep-redundant-experts >= 0, got {args.ep} and "
+                       f"{args.ep_redundant_experts}", code=2)
+    if args.ep > 1 and (args.role not in ("prefill", "decode")):
+        raise CliError("--ep N goes with --role prefill or --role decode (one EP group per process)", code=2)
     if args.role is not None:
         from deepinfer.runtime.roles import RoleNotBuilt, role_factory
 

@@ -8,7 +8,8 @@ as their KV store (prefill: prefix reads + write-behind; decode: write-behind of
 generates) unless ``[engine] kv_store = false`` or the flags name another store; a prefill node with
 ``--swa-directory`` shares its SWA slots through it, a decode node keeps none). Prefill and
 decode engines of one cluster must load the same model with the same KV layout (checked on
-every import).
+every import). With ``ep_size`` > 1 the engine is rank 0 of an expert-parallel group whose other
+ranks are child processes (runtime/ep/node_group.py); the role ends the node when the group breaks.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ def model_dir_of(config: ClusterConfig, model: str | None) -> str:
 
 
 def make_role(*, role: NodeRole, config: ClusterConfig, node_name: str, model: str | None = None,
-              engine_options: Mapping[str, Any] | None = None, lease_s: float = 5.0) -> DisaggEngineService:
+              engine_options: Mapping[str, Any] | None = None, lease_s: float = 5.0, ep_size: int = 1,
+              ep_settings: Mapping[str, Any] | None = None):
     from deepinfer.engine.core.factory import build_engine
     from deepinfer.engine.core.options import EngineOptions
     from deepinfer.runtime.disagg.decode import DecodeService
@@ -60,9 +62,25 @@ def make_role(*, role: NodeRole, config: ClusterConfig, node_name: str, model: s
         # a prefill engine stops right after the prompt: without ending the prompt's last chunk
         # at a block boundary, hardly any prompt would leave a slot for its next turn
         options = replace(options, swa_snapshot_prompts=True)
-    parts = build_engine(model_dir, options)
+    group = None
+    if ep_size > 1:
+        from deepinfer.engine.parallel.settings import EpSettings
+        from deepinfer.runtime.ep.node_group import EpNodeGroup
+
+        group = EpNodeGroup(model_dir, ep_size, given, EpSettings(**dict(ep_settings or {})))
+        options = replace(options, expert_parallel=group.start())
+    try:
+        parts = build_engine(model_dir, options)
+    except BaseException:
+        if group is not None:
+            group.stop(grace_s=1.0)
+        raise
     service_config = EngineServiceConfig(engine_address=spec.engine, data_address=spec.data, lease_s=lease_s,
                                          swa_directory=options.swa_directory or "",
                                          swa_peer_host=options.swa_peer_host)
     cls = PrefillService if role is NodeRole.PREFILL else DecodeService
-    return cls(parts, service_config)
+    if group is None:
+        return cls(parts, service_config)
+    from deepinfer.runtime.ep.node_group import EpNodeRole
+
+    return EpNodeRole(cls(parts, service_config), group)
