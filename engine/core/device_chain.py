@@ -180,7 +180,7 @@ class DeviceChain:
         if slot.error is None:
             try:
                 logits = core.execute(slot.plan)
-                slot.sampled = core.run_sampling(slot.take_prep(), logits)
+                slot.sampled = core.run_sampling(slot.take_prep(), logits, slot.plan)
             except BaseException as e:
                 slot.error = e
         nxt = self._peek_take()

@@ -43,6 +43,7 @@ from deepinfer.engine.sample.sampler import SampledStep, Sampler
 from deepinfer.engine.sample.structured_output import GrammarState, StructuredOutputBackend
 from deepinfer.engine.sched.cost_model import CostModel
 from deepinfer.engine.sched.scheduler import Scheduler, SchedulerConfig, SchedulerError, SchedulerOutput
+from deepinfer.engine.spec.proposer import StepDrafts
 from deepinfer.engine.text.output_processor import DetokenizerFactory, OutputProcessor, format_logprobs
 
 
@@ -74,6 +75,8 @@ class StepPlan:
     # KV tiers (engine/kv/offload.py): block copies out of / into the device that must run on
     # the device thread right before this plan's forward
     device_io: Callable[[], None] | None = None
+    # DSpark: the drafts proposed after this plan's sampling (device thread), counted at commit
+    drafts: StepDrafts | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -126,6 +129,9 @@ class EngineCore:
         # KV tiers: host tier / store behind the device pool (used by kv/manager.py, the
         # scheduler's admission, schedule_step, execute and commit_step's metrics)
         self.kv_offload = hooks.kv_offload
+        # DSpark (engine/spec/decoding.py): verify lengths before scheduling, drafts after
+        # sampling, counters at commit; None: no speculation
+        self.spec = hooks.spec
 
     # ---- requests -----------------------------------------------------------------------
     def add_request(
@@ -246,6 +252,8 @@ class EngineCore:
 
     # ---- the step, as calls (step_loop.py drives them) -------------------------------------
     def schedule_step(self) -> StepPlan:
+        if self.spec is not None:
+            self.spec.plan_lengths(self.scheduler.requests, self.scheduler.running)
         sched = self.scheduler.schedule()
         plan = StepPlan(sched, sched.batch)
         if self.kv_offload is not None and not sched.is_empty:
@@ -296,16 +304,20 @@ class EngineCore:
         return PlaceholderRows(ids, targets)
 
     def sample_step(self, plan: StepPlan, logits: torch.Tensor) -> SampledStep:
-        return self.run_sampling(self.prepare_sampling(plan), logits)
+        return self.run_sampling(self.prepare_sampling(plan), logits, plan)
 
     def prepare_sampling(self, plan: StepPlan) -> SamplingPrep:
         """Per-row sampling inputs from request state (seeds, positions, penalty history, grammar
         bitmasks). Must run after the previous step is committed; touches no logits."""
         return self._sampling.prepare(plan.sched)
 
-    def run_sampling(self, prep: SamplingPrep, logits: torch.Tensor) -> SampledStep:
-        """Tensor work only (safe in the device thread): sample, verify drafts, logprobs."""
-        return self.sampler.sample_step(prep, logits)
+    def run_sampling(self, prep: SamplingPrep, logits: torch.Tensor, plan: StepPlan | None = None) -> SampledStep:
+        """Tensor work only (safe in the device thread): sample, verify drafts, logprobs; with
+        DSpark and ``plan``, then the drafter's pass over the forward's features (``plan.drafts``)."""
+        sampled = self.sampler.sample_step(prep, logits)
+        if self.spec is not None and plan is not None:
+            plan.drafts = self.spec.propose(plan, sampled.accepted)
+        return sampled
 
     def commit_step(self, plan: StepPlan, sampled: SampledStep) -> list[RequestOutput]:
         self.num_steps += 1
@@ -361,6 +373,8 @@ class EngineCore:
                 if m is not None and not m.cached_tokens_by_tier:  # once per request (kv_manager.py)
                     m.cached_tokens_by_tier = self.scheduler.kv.pop_cached_tokens_by_tier(rid) or {}
                 outputs.append(processed.output)
+        if self.spec is not None:
+            self.spec.commit(plan, sampled.accepted, plan.drafts, self.scheduler.requests)
         return outputs
 
     def _forget_child(self, engine_request_id: str) -> None:

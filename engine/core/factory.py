@@ -1,8 +1,8 @@
 """Build an ``EngineCore`` and its parts from a model directory: ``build_engine(model_dir, options)``.
 
 Loads the checkpoint (through the model registry), sizes the KV block pool (engine/core/options.py
-says how), builds the optional parts first (KV tiers, SWA slots) and gives them to the core at
-construction (engine/core/hooks.py). It blocks (weights are read from disk), so AsyncEngine calls
+says how), builds the optional parts first (KV tiers, SWA slots, the DSpark drafter with its SPS
+table measured on this runner) and gives them to the core at construction (engine/core/hooks.py). It blocks (weights are read from disk), so AsyncEngine calls
 it in an executor.
 """
 
@@ -87,6 +87,7 @@ def build_engine(model_dir: str | Path, options: EngineOptions) -> EngineParts:
 
         runner = build_ep_runner(runner, options.expert_parallel)
     num_blocks = runner.blocks.num_blocks
+    plain_runner = runner  # DSpark's drafter and SPS calibration read the model itself
     # a sequence longer than the whole pool could never run (it would preempt itself forever)
     max_model_len = min(max_model_len, num_blocks * bs)
     tokenizer = None if options.skip_tokenizer_init else Tokenizer.from_dir(model_dir)
@@ -106,6 +107,7 @@ def build_engine(model_dir: str | Path, options: EngineOptions) -> EngineParts:
         max_replay_tokens=cfg.sliding_window * cfg.num_hidden_layers,
         model_id=name,
         step_time_target_s=options.step_time_target_s,
+        max_num_spec_tokens=options.num_draft_tokens if options.speculative != "off" else 0,
     )
     # a family with a vision tower names its image token (V4.1's config: image_token_id + vision)
     image_token = getattr(cfg, "image_token_id", None) if getattr(cfg, "vision", None) is not None else None
@@ -131,14 +133,39 @@ def build_engine(model_dir: str | Path, options: EngineOptions) -> EngineParts:
             if options.num_swa_store_slots > 0:
                 log.info("SWA slot store: %d slots x %d bytes = %.1f MiB of host memory", swa.store.num_slots,
                          swa.store.layout.num_bytes, swa.store.arena.numel() / 2**20)
+        spec = _build_spec(plain_runner, cfg, model_dir, options, max_model_len) if options.speculative != "off" else None
         core = EngineCore(runner, core_cfg, detokenizer_factory=detok_factory,
                           decode_token=decode_token, structured_output=backend, seed_rng=random.Random(options.seed),
-                          hooks=EngineHooks(swa_slots=swa, kv_offload=offload))
+                          hooks=EngineHooks(swa_slots=swa, kv_offload=offload, spec=spec))
     except BaseException:
         if offload is not None:
             offload.close()
         raise
     return EngineParts(core, cfg, tokenizer, backend, max_model_len, name, int(time.time()), swa, offload, vision)
+
+
+def _build_spec(runner: ModelRunner, cfg: FamilyConfig, model_dir: str | Path, options: EngineOptions,
+                max_model_len: int):
+    """The DSpark part of the core (engine/spec/build.py): the family's drafter over the loaded
+    model, its context ring and the SPS table measured here, before any request."""
+    from deepinfer.engine.spec.build import build_spec_decoding
+
+    build = family(cfg.model_type).build_drafter
+    if build is None:
+        raise EngineOptionsError(f"speculative={options.speculative!r}: the {cfg.model_type} family has no drafter")
+    if options.expert_parallel is not None:
+        raise EngineOptionsError("speculative decoding does not run with expert parallelism yet; use speculative='off'")
+    try:
+        drafter = build(runner.model, model_dir=model_dir)
+    except ValueError as e:  # no drafter stages in the checkpoint, a bad calibration file
+        raise EngineOptionsError(f"speculative={options.speculative!r}: {e}") from None
+    if options.num_draft_tokens > drafter.block_size:
+        raise EngineOptionsError(f"num_draft_tokens {options.num_draft_tokens} exceeds the drafter's block of "
+                                 f"{drafter.block_size} tokens")
+    return build_spec_decoding(runner, drafter, num_draft_tokens=options.num_draft_tokens,
+                               schedule=options.spec_schedule, max_num_seqs=options.max_num_seqs,
+                               max_model_len=max_model_len, block_size=options.block_size,
+                               max_num_batched_tokens=options.max_num_batched_tokens)
 
 
 def _build_kv_offload(runner: ModelRunner, options: EngineOptions) -> KVOffload | None:

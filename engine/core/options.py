@@ -10,6 +10,12 @@ store (``swa_store_slots``) saves finished sequences' states so a continuation r
 the sockets for that start on the serving loop (AsyncEngine, cache/swa_peer.py). KV tiers
 (``kv_host_tier_bytes``, ``kv_store_dir`` or the storage cluster ``kv_store_nodes``) extend the prefix
 cache past the device pool.
+
+Speculative decoding: ``speculative="dspark"`` drafts with the checkpoint's DSpark stages and
+verifies up to ``num_draft_tokens`` drafts per request and step, as many as ``spec_schedule``
+picks ("confidence": the hardware-aware length schedule over the step's SPS table, measured at
+start-up; "fixed": all of them). A step rolls back at most ``lookahead`` positions, so
+``num_draft_tokens`` must stay below it.
 """
 
 from __future__ import annotations
@@ -19,6 +25,9 @@ from typing import TYPE_CHECKING
 
 from deepinfer import envs
 from deepinfer.engine.kv.swa_replay import SWA_REPLAY_MODES
+from deepinfer.engine.spec.length_policy import SCHEDULES
+
+SPECULATIVE_MODES = ("off", "dspark")  # --speculative
 
 if TYPE_CHECKING:
     from deepinfer.engine.parallel.settings import ExpertParallelSpec
@@ -92,6 +101,11 @@ class EngineOptions:
     # this engine as one rank of an expert-parallel group (engine/parallel/settings.py): its MoE
     # layers keep only its experts' slots and every forward is a step of the whole group
     expert_parallel: ExpertParallelSpec | None = None
+    # DSpark speculative decoding (engine/spec/): "off" | "dspark"; drafts per request and step;
+    # which of them are verified ("confidence" | "fixed")
+    speculative: str = "off"
+    num_draft_tokens: int = 5
+    spec_schedule: str = "confidence"
 
     def __post_init__(self) -> None:
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size")
@@ -107,6 +121,20 @@ class EngineOptions:
             raise EngineOptionsError(f"device must be 'cpu', 'cuda' or 'auto', got {self.device!r}")
         self._check_swa()
         self._check_kv_tiers()
+        self._check_spec()
+
+    def _check_spec(self) -> None:
+        _require(self.speculative in SPECULATIVE_MODES,
+                 f"speculative must be one of {', '.join(SPECULATIVE_MODES)}, got {self.speculative!r}")
+        _require(self.spec_schedule in SCHEDULES,
+                 f"spec_schedule must be one of {', '.join(SCHEDULES)}, got {self.spec_schedule!r}")
+        d = self.num_draft_tokens
+        _require(_is_int(d) and d >= 1, f"num_draft_tokens must be an integer >= 1, got {d!r}")
+        _require(_is_int(self.lookahead) and self.lookahead >= 0,
+                 f"lookahead must be an integer >= 0, got {self.lookahead!r}")
+        if self.speculative != "off":
+            _require(d + 1 <= self.lookahead, f"num_draft_tokens {d} needs lookahead >= {d + 1} (positions a "
+                                              f"speculative step may roll back), got {self.lookahead}")
 
     def _check_swa(self) -> None:
         _require(self.swa_replay in SWA_REPLAY_MODES,

@@ -6,7 +6,8 @@ variants are parameters, not copies:
 
 - ``is_pipelined``: serial (schedule, forward, commit, one after the other) or pipelined (step
   N+1 scheduled and handed to the device thread while N's forward runs; N commits during N+1's
-  forward). The order of work on both threads is drawn once, in ARCHITECTURE.md ("The step
+  forward). With DSpark a step that samples is committed before the next is scheduled (that
+  one verifies the drafts made after its sampling; engine/spec/decoding.py). The order of work on both threads is drawn once, in ARCHITECTURE.md ("The step
   timeline"); ``AsyncStepPipeline`` below implements it over ``DeviceChain`` (device_chain.py).
 - ``StepHooks``: ``deliver`` gets every step's outputs right after its commit (a prefill exports a
   finished request's KV from there, before the next step can reuse its blocks); ``on_scheduled``
@@ -129,6 +130,9 @@ class AsyncStepPipeline:
         self._inflight = None
         if not self.is_pipelined:
             return slot, None
+        spec = core.hooks.spec
+        if spec is not None and spec.must_commit_first(slot.plan):
+            return slot, None  # the next step verifies the drafts this one's sampling yields
         nxt = core.schedule_step()  # overlaps the forward of `slot`
         if nxt.is_empty:
             return slot, None

@@ -23,7 +23,9 @@ What a family supplies:
 - ``accepts_untyped(raw)``: whether a config.json without ``model_type`` is this family's;
 - for a family that reads images: ``image_processor(config)`` (the preprocessing, from the config
   alone, None when the checkpoint has no vision tower) and ``load_vision_tower(model_dir, config,
-  *, dtype, device)`` (the tower's weights); engine/mm/encoder.py wraps the two.
+  *, dtype, device)`` (the tower's weights); engine/mm/encoder.py wraps the two;
+- for a family that drafts: ``build_drafter(model, *, model_dir)``, a ``DraftModel``
+  (engine/spec/draft_model.py) over the built target (DSpark, ``--speculative dspark``).
 """
 
 from __future__ import annotations
@@ -70,6 +72,8 @@ class ModelFamily:
     # images (engine/mm/): None for a text-only family
     image_processor: Callable[[Any], Any] | None = None
     load_vision_tower: Callable[..., Any] | None = None
+    # speculative decoding (engine/spec/): None for a family without a drafter
+    build_drafter: Callable[..., Any] | None = None
 
 
 _families: dict[str, ModelFamily] = {}

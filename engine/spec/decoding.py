@@ -95,6 +95,7 @@ class SpecDecoding:
                                          delay=config.budget_delay, max_verify_tokens=max_verify_tokens)
         self.stats = SpecStats()
         self._fresh: dict[str, _Fresh] = {}
+        self._counts: dict[str, list[int]] = {}  # request id -> [drafted, verified, accepted]
 
     @property
     def num_draft_tokens(self) -> int:
@@ -120,6 +121,8 @@ class SpecDecoding:
             caps.append(_length_cap(req, len(f.tokens)))
         for rid in [rid for rid in fresh if rid not in requests]:
             del fresh[rid]
+        for rid in [rid for rid in self._counts if rid not in requests]:
+            del self._counts[rid]  # finished (reported) or aborted
         if not picked:
             return
         self.policy.sps = self.sps.profile(len(picked))
@@ -150,16 +153,15 @@ class SpecDecoding:
             if not s.num_draft_tokens:
                 continue
             toks = accepted.get(s.request_id)
-            req = requests.get(s.request_id)
             if toks is None:
                 continue
             num_accepted = len(toks) - 1
             verified_step = True
             st.num_verified += s.num_draft_tokens
             st.num_accepted += num_accepted
-            if req is not None:
-                req.spec_verified += s.num_draft_tokens
-                req.spec_accepted += num_accepted
+            counts = self._counts.setdefault(s.request_id, [0, 0, 0])
+            counts[1] += s.num_draft_tokens
+            counts[2] += num_accepted
         st.num_steps += verified_step
         if drafts is None:
             return
@@ -173,12 +175,13 @@ class SpecDecoding:
                 continue
             tokens = drafts.tokens[i][:d]
             fresh[rid] = _Fresh(drafts.anchors[i], tokens, drafts.confidence[i, :d])
-            req.spec_drafted += len(tokens)
+            self._counts.setdefault(rid, [0, 0, 0])[0] += len(tokens)
             st.num_proposals += 1
             st.num_drafted += len(tokens)
 
-    def forget(self, request_id: str) -> None:
-        self._fresh.pop(request_id, None)
+    def request_counts(self, request_id: str) -> tuple[int, int, int]:
+        """(drafted, verified, accepted) drafts of one request so far."""
+        return tuple(self._counts.get(request_id, (0, 0, 0)))
 
 
 def _length_cap(req, num_drafts: int) -> int:

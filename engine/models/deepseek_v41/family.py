@@ -47,6 +47,12 @@ def _load_vision_tower(model_dir, config: V41Config, *, dtype, device):
     return load_vision_tower(model_dir, config, dtype=dtype, device=device)
 
 
+def _build_drafter(model, *, model_dir=None):
+    from deepinfer.engine.models.deepseek_v41.dspark_serving import ServingDrafter
+
+    return ServingDrafter(model, model_dir=model_dir)
+
+
 FAMILY = ModelFamily(
     model_type=MODEL_TYPE,
     architecture=ARCHITECTURE,
@@ -56,4 +62,5 @@ FAMILY = ModelFamily(
     forward_context=_forward_context,
     image_processor=_image_processor,
     load_vision_tower=_load_vision_tower,
+    build_drafter=_build_drafter,
 )
