@@ -23,6 +23,7 @@ returned them to the pool: the host copy is what the prefill holds until the dec
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import msgspec
@@ -32,6 +33,7 @@ from deepinfer.engine.api.outputs import PositionLogprobs, RequestOutput
 from deepinfer.engine.api.sampling_params import SamplingParams
 from deepinfer.engine.core.engine_core import EngineCore, StepPlan
 from deepinfer.engine.core.request import RequestStatus
+from deepinfer.engine.mm.inputs import MultiModalInput
 
 BLOCK_PREFIX = "b."
 SLOT_PREFIX = "s."
@@ -183,6 +185,7 @@ class PrefilledRequest:
     first_logprobs: list[PositionLogprobs] | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     prompt: str | None = None
+    mm_inputs: Sequence[MultiModalInput] = ()  # image spans (salting the block hashes), embeddings None
 
     def __post_init__(self) -> None:
         expected = len(self.prompt_token_ids) + len(self.output_token_ids) - 1
@@ -199,10 +202,11 @@ def has_room(core: EngineCore, num_tokens: int) -> bool:
 
 
 def add_resumed(core: EngineCore, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                seed: int, resumed: list[int]) -> None:
+                seed: int, resumed: list[int], mm_inputs: Sequence[MultiModalInput] = ()) -> None:
     """Queue a request whose first ``resumed`` outputs were generated (and streamed) elsewhere:
-    it recomputes their KV and samples what comes next, as if it had never moved."""
-    core.add_request(request_id, prompt_token_ids, replace(params, seed=seed))
+    it recomputes their KV and samples what comes next, as if it had never moved. ``mm_inputs``:
+    the prompt's images (without embeddings on a decode engine: their KV came with the handoff)."""
+    core.add_request(request_id, prompt_token_ids, replace(params, seed=seed), mm_inputs=mm_inputs)
     if resumed:
         core.prime_outputs(request_id, resumed, emit=False)
 
@@ -219,7 +223,7 @@ def admit_prefilled(core: EngineCore, pre: PrefilledRequest) -> RequestOutput | 
         raise NoRoom(f"no free slot or {-(-(n + 1) // sched.config.block_size)} free blocks for {pre.request_id!r}")
     blocks, slot = _split_payload(core, pre)
     resumed, first = pre.output_token_ids[:-1], pre.output_token_ids[-1:]
-    add_resumed(core, pre.request_id, pre.prompt_token_ids, pre.params, pre.seed, resumed)
+    add_resumed(core, pre.request_id, pre.prompt_token_ids, pre.params, pre.seed, resumed, pre.mm_inputs)
     delta = core.prime_outputs(pre.request_id, first, pre.first_logprobs, emit=True)
     req = sched.requests.get(pre.request_id)
     if req is None:  # a stop string ended it on the handed-over token

@@ -26,6 +26,9 @@ def add_disagg_arguments(parser) -> None:
                    help="run prefill and decode engines as separate supervised processes on loopback")
     g.add_argument("--prefill", type=int, default=1, metavar="N", help="prefill engines (default 1)")
     g.add_argument("--decode", type=int, default=1, metavar="M", help="decode engines (default 1)")
+    g.add_argument("--encoders", type=int, default=0, metavar="K",
+                   help="vision encoder nodes for a model that reads images (default 0); images are encoded there, "
+                        "spread by pending image tokens, and their embeddings pushed to the prefill engines")
     g.add_argument("--failure-policy", choices=["recompute", "fail"], default="recompute",
                    help="when an engine dies mid-request: recompute elsewhere (default) or fail it")
     g.add_argument("--pd-transport", choices=["ipc", "tcp"], default="ipc",

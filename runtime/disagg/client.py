@@ -40,10 +40,14 @@ from deepinfer.engine.api.outputs import RequestOutput
 from deepinfer.engine.api.protocol import EngineStats, GatewayTokenizer, InvalidPromptError, ModelInfo, TokensPrompt
 from deepinfer.engine.api.sampling_params import SamplingParams
 from deepinfer.engine.kv.handoff import decode_output, encode_params
+from deepinfer.engine.mm.encoder import VisionEncoder
+from deepinfer.engine.mm.prompt import ImagePrompt, prompt_images
 from deepinfer.runtime.balance import PrefillRouterConfig
 from deepinfer.runtime.cluster_config import ClusterConfig, NodeRole
 from deepinfer.runtime.disagg.engine_directory import EngineDirectory, EngineEntry
+from deepinfer.runtime.disagg.prefill import engine_request_id
 from deepinfer.runtime.disagg.routing import RouterCollector, Routing
+from deepinfer.runtime.encoder.pool import EncoderPool, EncoderRef, EncoderUnavailable, ImageRefused
 from deepinfer.transport.channels import StreamReceiver
 from deepinfer.transport.errors import RemoteError, TransportError
 from deepinfer.transport.protocol import (
@@ -53,6 +57,7 @@ from deepinfer.transport.protocol import (
     PdAbort,
     PdDispatch,
     PdFailed,
+    PdImage,
     PdStream,
     PeerDown,
     PeerUp,
@@ -91,8 +96,10 @@ class PdEngineClient:
                  tokenizer: GatewayTokenizer | None = None, failure_policy: FailurePolicy = FailurePolicy.RECOMPUTE,
                  request_timeout_s: float = 300.0, max_attempts: int = 4, decode_silence_s: float = 15.0,
                  ctx=None, seed: int | None = None, routing: str = "tiered", default_traffic_class: str = "",
-                 router_config: PrefillRouterConfig | None = None):
-        """``default_traffic_class``: the KV store's TTL class of requests that name none ("" = the engines')."""
+                 router_config: PrefillRouterConfig | None = None, vision: VisionEncoder | None = None):
+        """``default_traffic_class``: the KV store's TTL class of requests that name none ("" = the engines').
+        ``vision``: the model's image preprocessing (no tower) when it reads images; their
+        embeddings come from the cluster's encoder nodes (runtime/encoder/pool.py)."""
         spec = cluster.node(gateway_name)
         if not spec.data:
             raise ValueError(f"nodes.{gateway_name}.data: the gateway needs a data address for the engines' streams")
@@ -117,6 +124,9 @@ class PdEngineClient:
         self._rng = random.Random(seed) if seed is not None else random.SystemRandom()
         self._tasks: list[asyncio.Task] = []
         self.num_attempts_lost = 0
+        self.vision = vision
+        encoders = [EncoderRef(n.name, n.engine) for n in cluster.nodes if n.role is NodeRole.ENCODER and n.engine]
+        self.encoders = EncoderPool(encoders, ctx=ctx) if encoders and vision is not None else None
 
     def metric_collectors(self) -> list:
         """Prometheus collectors the gateway registers on its /metrics (``deepinfer_router_*``)."""
@@ -136,6 +146,8 @@ class PdEngineClient:
     async def start(self) -> "PdEngineClient":
         await self._receiver.start()
         await self.directory.start()
+        if self.encoders is not None:
+            await self.encoders.start()
         self._tasks.append(asyncio.create_task(self._pump_streams(), name=f"{self.gateway_name}-streams"))
         return self
 
@@ -144,6 +156,8 @@ class PdEngineClient:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.directory.close()
+        if self.encoders is not None:
+            await self.encoders.close()
         await self._receiver.close()
 
     async def wait_ready(self, timeout_s: float) -> None:
@@ -188,6 +202,8 @@ class PdEngineClient:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.request_timeout_s
         prompt_ids = list(prompt["prompt_token_ids"])
+        images = await self._images(prompt, prompt_ids)
+        prompt_ids = images.token_ids if images is not None else prompt_ids
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         if not params.traffic_class and self.default_traffic_class:  # the class travels with the request
             params = dataclasses.replace(params, traffic_class=self.default_traffic_class)
@@ -199,7 +215,7 @@ class PdEngineClient:
         while True:
             attempt = await self._choose(request_id, number, prompt_ids + streamed, excluded, deadline)
             try:
-                async for out in self._run_attempt(attempt, prompt_ids, sampling, seed, streamed, deadline):
+                async for out in self._run_attempt(attempt, prompt_ids, sampling, seed, streamed, deadline, images):
                     out.request_id = request_id
                     if is_prompt_logprobs_sent:
                         out.prompt_logprobs = None
@@ -254,15 +270,56 @@ class PdEngineClient:
         self._current[request_id] = attempt
         return attempt
 
+    async def _images(self, prompt: TokensPrompt, prompt_ids: list[int]) -> ImagePrompt | None:
+        """The prompt's images prepared and its placeholders expanded (None: text only)."""
+        if prompt.get("multi_modal_data") is None:
+            return None
+        images = prompt_images(prompt)
+        if not images:
+            return None
+        if self.vision is None or self.encoders is None:
+            raise InvalidPromptError("this cluster encodes no images (no vision model or no encoder nodes)")
+        return await asyncio.to_thread(ImagePrompt.build, self.vision, prompt_ids, images)
+
+    async def _encode_images(self, attempt: _Attempt, images: ImagePrompt, deadline: float) -> None:
+        """Every image of this attempt encoded into its prefill's inbox (before the dispatch)."""
+        encode = asyncio.ensure_future(self.encoders.encode(engine_request_id(attempt.request_id, attempt.number),
+                                                            images.images, attempt.prefill.data_address))
+        try:
+            await asyncio.wait([encode, attempt.lost], timeout=max(0.0, deadline - asyncio.get_running_loop().time()),
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not encode.done():
+                encode.cancel()
+        if attempt.lost.done():
+            if attempt.lost.result() is None:
+                return
+            raise _AttemptLost(attempt.lost.result(), attempt.prefill.name)
+        try:
+            encode.result()
+        except ImageRefused as exc:
+            raise InvalidPromptError(str(exc)) from None
+        except EncoderUnavailable as exc:
+            raise EngineLostError(f"request {attempt.request_id}: {exc}") from None
+        except asyncio.CancelledError:
+            raise EngineLostError(f"request {attempt.request_id}: its images were not encoded before the "
+                                  f"{self.request_timeout_s:g}s request deadline") from None
+
     async def _run_attempt(self, attempt: _Attempt, prompt_ids: list[int], sampling: bytes, seed: int,
-                           streamed: list[int], deadline: float) -> AsyncIterator[RequestOutput]:
+                           streamed: list[int], deadline: float,
+                           images: ImagePrompt | None = None) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
         prefill, decode = attempt.prefill, attempt.decode
+        if images is not None:
+            await self._encode_images(attempt, images, deadline)
+            if attempt.lost.done():
+                return  # aborted while encoding
         dispatch = PdDispatch(
             request_id=attempt.request_id, attempt=attempt.number, prompt_token_ids=prompt_ids, sampling=sampling,
             seed=seed, prefill_instance_id=prefill.instance_id, decode=decode.ref(), gateway_name=self.gateway_name,
             gateway_instance_id=self.instance_id, stream_address=self._receiver.address,
-            resume_token_ids=list(streamed), deadline_s=max(0.1, deadline - loop.time()))
+            resume_token_ids=list(streamed), deadline_s=max(0.1, deadline - loop.time()),
+            images=[PdImage(sp.offset, sp.length, sp.content_hash) for sp in images.spans] if images else [])
         rpc = asyncio.ensure_future(prefill.rpc.request(dispatch, timeout_s=max(0.1, deadline - loop.time())))
         try:
             await asyncio.wait([rpc, attempt.lost], return_when=asyncio.FIRST_COMPLETED)

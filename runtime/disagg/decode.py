@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from deepinfer.cache.block_hash import MultiModalSpan
 from deepinfer.engine.kv.handoff import (
     KvPayload,
     NoRoom,
@@ -34,6 +35,7 @@ from deepinfer.engine.kv.handoff import (
     encode_output,
     has_room,
 )
+from deepinfer.engine.mm.inputs import MultiModalInput
 from deepinfer.runtime.disagg.engine_service import DisaggEngineService
 from deepinfer.runtime.disagg.handoff_metrics import FailureKind
 from deepinfer.runtime.disagg.prefill import engine_request_id
@@ -210,7 +212,8 @@ class DecodeService(DisaggEngineService):
                 num_computed_tokens=push.num_computed_tokens, kv=KvPayload(list(push.buffer_names), tensors),
                 window_start=push.window_start, write_from=push.write_from,
                 first_logprobs=decode_logprobs(push.first_logprobs),
-                prompt_logprobs=decode_prompt_logprobs(push.prompt_logprobs))
+                prompt_logprobs=decode_prompt_logprobs(push.prompt_logprobs),
+                mm_inputs=[MultiModalInput(MultiModalSpan(im.offset, im.length, im.content_hash)) for im in push.images])
             stream = await self._stream(push.stream_address)
             deadline = time.monotonic() + self.config.handoff_timeout_s
             while True:

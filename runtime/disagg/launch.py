@@ -1,4 +1,4 @@
-"""``deepinfer serve --disaggregated``: gateway + N prefill + M decode engines on this machine.
+"""``deepinfer serve --disaggregated``: gateway + N prefill + M decode engines (+ K vision encoders) on this machine.
 
     async with LocalPdCluster(model_dir, num_prefill=1, num_decode=2) as cluster:
         client = cluster.client          # an EngineClient: mount it on the HTTP gateway
@@ -42,6 +42,17 @@ _NODE_FLAGS = ("max_num_seqs", "num_blocks", "max_model_len", "block_size", "dty
                "swa_replay", "swa_replay_tokens", "swa_store_slots", "swa_fetch_deadline_s")
 
 
+def load_vision(model_dir: Path):
+    """The model's image preprocessing (no tower: the encoder nodes hold it); ValueError without one."""
+    from deepinfer.engine.mm.encoder import VisionEncoder
+    from deepinfer.engine.models.registry import read_model_config
+
+    vision = VisionEncoder.for_config(read_model_config(model_dir))
+    if vision is None:
+        raise ValueError(f"--encoders: {model_dir} has no vision tower (config.json has no vision_config)")
+    return vision
+
+
 def load_model_info(model_dir: Path, options: Mapping[str, Any], name: str) -> tuple[ModelInfo, Any]:
     from deepinfer.engine.models.registry import read_model_config
     from deepinfer.engine.text.tokenizer import Tokenizer
@@ -61,9 +72,12 @@ class LocalPdCluster:
                  failure_policy: FailurePolicy = FailurePolicy.RECOMPUTE, request_timeout_s: float = 300.0,
                  lease_s: float = 5.0, heartbeat_interval_s: float = 0.2, served_model_name: str | None = None,
                  log_dir: str | Path | None = None, env: Mapping[str, str] | None = None,
-                 decode_silence_s: float = 15.0, detector: DetectorSettings | None = None):
+                 decode_silence_s: float = 15.0, detector: DetectorSettings | None = None, num_encoders: int = 0):
         self.model_dir = Path(model_dir)
         self.num_prefill, self.num_decode = num_prefill, num_decode
+        if num_encoders < 0:
+            raise ValueError(f"num_encoders must be >= 0, got {num_encoders}")
+        self.num_encoders = num_encoders  # vision encoder nodes (runtime/encoder/): images are encoded there
         self.engine_options = {k: v for k, v in dict(engine_options or {}).items() if v is not None}
         unknown = sorted(set(self.engine_options) - set(_NODE_FLAGS) - {"served_model_name", "show_progress"})
         if unknown:
@@ -88,8 +102,14 @@ class LocalPdCluster:
     def engine_names(self) -> list[str]:
         return [f"prefill-{i}" for i in range(self.num_prefill)] + [f"decode-{j}" for j in range(self.num_decode)]
 
+    def encoder_names(self) -> list[str]:
+        return [f"encoder-{k}" for k in range(self.num_encoders)]
+
     def _argv(self, cluster_path: Path, name: str) -> list[str]:
         role = name.split("-")[0]
+        if role == "encoder":  # the model from DEEPINFER_HF_MODEL_DIR (_child_env); no engine flags
+            return [sys.executable, "-m", "deepinfer.bin", "node", "--role", role, "--cluster", str(cluster_path),
+                    "--name", name]
         argv = [sys.executable, "-m", "deepinfer.bin", "node", "--role", role, "--cluster", str(cluster_path),
                 "--name", name, "--model", str(self.model_dir), "--lease-s", str(self.lease_s)]
         for key in _NODE_FLAGS:
@@ -110,25 +130,31 @@ class LocalPdCluster:
 
     async def start(self, ready_timeout_s: float = 180.0) -> "LocalPdCluster":
         path, self.config = write_local_cluster(self.num_prefill, self.num_decode, transport=self.transport,
-                                                detector=self.detector)
+                                                detector=self.detector, num_encoders=self.num_encoders)
         self.root = path.parent
         try:
             address = self._swa_directory_address()
             if address is not None:
                 self.swa_directory = SwaDirectoryService(address, name="gateway-swa-directory")
                 await self.swa_directory.start()
-            self.supervisor = Supervisor([ChildSpec(n, self._argv(path, n), self.env) for n in self.engine_names()],
+            encoder_env = {**self.env, "DEEPINFER_HF_MODEL_DIR": str(self.model_dir)}
+            children = [ChildSpec(n, self._argv(path, n), self.env) for n in self.engine_names()] + \
+                [ChildSpec(n, self._argv(path, n), encoder_env) for n in self.encoder_names()]
+            self.supervisor = Supervisor(children,
                                          log_dir=self.log_dir, cleanup_dir=self.root, on_exit=self._on_engine_exit)
             await self.supervisor.start()
             info, tokenizer = load_model_info(self.model_dir, self.engine_options, self.served_model_name)
             self.client = PdEngineClient(self.config, gateway_name="gateway-0", model_info=info, tokenizer=tokenizer,
                                          failure_policy=self.failure_policy, request_timeout_s=self.request_timeout_s,
-                                         decode_silence_s=self.decode_silence_s)
+                                         decode_silence_s=self.decode_silence_s,
+                                         vision=load_vision(self.model_dir) if self.num_encoders else None)
             if self.swa_directory is not None:  # a prefill engine that went down takes its slots with it
                 self.client.directory.add_listener(self.swa_directory.directory.on_peer_event)
             await self.client.start()
             await self.client.wait_ready(ready_timeout_s)
             await self.wait_engines_up(ready_timeout_s)
+            if self.num_encoders:
+                await self.wait_encoders_up(ready_timeout_s)
         except BaseException:
             await self.close()
             raise
@@ -136,7 +162,7 @@ class LocalPdCluster:
 
     def _on_engine_exit(self, name: str, status: int) -> None:
         """An engine process of ours exited: a known death, down at once (before any restart)."""
-        if self.client is not None:
+        if self.client is not None and name in self.engine_names():  # an encoder's: the pool's probes see it
             self.client.directory.process_exited(name)
 
     async def wait_engines_up(self, timeout_s: float, names: list[str] | None = None) -> None:
@@ -149,6 +175,19 @@ class LocalPdCluster:
                 down = [n for n in names if not self.client.directory.engines[n].is_up]
                 raise TimeoutError(f"engines {down} did not come up within {timeout_s:g}s")
             await self.client.directory.wait_changed(0.1)
+
+    async def wait_encoders_up(self, timeout_s: float) -> None:
+        """Until every encoder answers the gateway's encoder pool."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout_s
+        while True:
+            statuses = await self.client.encoders.statuses()
+            down = [n for n, s in statuses.items() if s is None]
+            if not down:
+                return
+            if loop.time() > end:
+                raise TimeoutError(f"encoders {down} did not come up within {timeout_s:g}s")
+            await asyncio.sleep(0.1)
 
     async def close(self) -> None:
         if self.client is not None:
@@ -179,11 +218,14 @@ async def launch_disaggregated(spec, args, *, print_fn: Callable[[str], None] = 
 
     stop = stop or asyncio.Event()
     policy = FailurePolicy.FAIL if args.failure_policy == "fail" else FailurePolicy.RECOMPUTE
+    num_encoders = getattr(args, "encoders", 0) or 0
     cluster = LocalPdCluster(spec.model_dir, num_prefill=args.prefill, num_decode=args.decode,
                              engine_options=spec.engine_options, transport=args.pd_transport, failure_policy=policy,
-                             decode_silence_s=args.pd_decode_silence, detector=serve_detector(args))
+                             decode_silence_s=args.pd_decode_silence, detector=serve_detector(args),
+                             num_encoders=num_encoders)
     with stop_on_signals(stop):
-        print_fn(f"Starting {args.prefill} prefill + {args.decode} decode engines on {spec.model_dir} ...")
+        encoders = f" + {num_encoders} vision encoders" if num_encoders else ""
+        print_fn(f"Starting {args.prefill} prefill + {args.decode} decode engines{encoders} on {spec.model_dir} ...")
         starting = asyncio.ensure_future(cluster.start())
         waiter = asyncio.ensure_future(stop.wait())
         await asyncio.wait({starting, waiter}, return_when=asyncio.FIRST_COMPLETED)

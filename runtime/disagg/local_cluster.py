@@ -1,4 +1,4 @@
-"""A cluster config for gateway + N prefill + M decode engines on this machine (loopback).
+"""A cluster config for gateway + N prefill + M decode engines (+ K vision encoders) on this machine (loopback).
 
 ``ipc`` (default) puts every socket under one short private directory; ``tcp`` uses free
 127.0.0.1 ports (the cross-host code path, on one host). The same engines and gateway run on
@@ -21,7 +21,7 @@ LOCAL_DETECTOR = DetectorSettings(interval_s=0.2)
 
 
 def local_cluster_toml(num_prefill: int, num_decode: int, *, root: str | Path, transport: str = "ipc",
-                       detector: DetectorSettings = LOCAL_DETECTOR) -> str:
+                       detector: DetectorSettings = LOCAL_DETECTOR, num_encoders: int = 0) -> str:
     if num_prefill < 1 or num_decode < 1:
         raise ValueError(f"a disaggregated cluster needs >= 1 prefill and >= 1 decode engine, got {num_prefill}, {num_decode}")
     if transport not in ("ipc", "tcp"):
@@ -37,7 +37,8 @@ def local_cluster_toml(num_prefill: int, num_decode: int, *, root: str | Path, t
              f"max_silence_s = {detector.max_silence_s!r}", f"probe_timeout_s = {detector.probe_timeout_s!r}",
              "drain_deadline_s = 5", ""]
     nodes = [("gateway-0", "gateway")] + [(f"prefill-{i}", "prefill") for i in range(num_prefill)] + \
-            [(f"decode-{j}", "decode") for j in range(num_decode)]
+            [(f"decode-{j}", "decode") for j in range(num_decode)] + \
+            [(f"encoder-{k}", "encoder") for k in range(num_encoders)]  # encode RPC on their engine address
     for name, role in nodes:
         lines += ["[[nodes]]", f'name = "{name}"', f'role = "{role}"', f'control = "{address(name, "control")}"',
                   f'events = "{address(name, "events")}"', f'data = "{address(name, "data")}"']
@@ -48,11 +49,12 @@ def local_cluster_toml(num_prefill: int, num_decode: int, *, root: str | Path, t
 
 
 def write_local_cluster(num_prefill: int, num_decode: int, *, transport: str = "ipc", root: str | Path | None = None,
-                        detector: DetectorSettings = LOCAL_DETECTOR) -> tuple[Path, ClusterConfig]:
+                        detector: DetectorSettings = LOCAL_DETECTOR, num_encoders: int = 0) -> tuple[Path, ClusterConfig]:
     """Write ``cluster.toml`` into ``root`` (default: a new short temp dir; ipc paths must stay
     under ~100 characters) and return its path and parsed config."""
     root = Path(root or tempfile.mkdtemp(prefix="di-pd-"))
-    text = local_cluster_toml(num_prefill, num_decode, root=root, transport=transport, detector=detector)
+    text = local_cluster_toml(num_prefill, num_decode, root=root, transport=transport, detector=detector,
+                              num_encoders=num_encoders)
     path = root / "cluster.toml"
     path.write_text(text)
     return path, parse_cluster_config(text, source=str(path))

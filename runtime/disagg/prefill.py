@@ -33,7 +33,9 @@ from typing import Any
 
 import msgspec
 
+from deepinfer.cache.block_hash import MultiModalSpan
 from deepinfer.cache.swa_peer import SwaPeer
+from deepinfer.engine.api.protocol import InvalidPromptError
 from deepinfer.engine.kv.handoff import (
     KvCapture,
     add_resumed,
@@ -45,10 +47,12 @@ from deepinfer.engine.kv.handoff import (
     prefill_params,
 )
 from deepinfer.engine.kv.swa_slots import SwaSlotRunner
+from deepinfer.engine.mm.inputs import MultiModalInput
 from deepinfer.engine.text.output_processor import merge_output
 from deepinfer.runtime.disagg.engine_service import DisaggEngineService
 from deepinfer.runtime.disagg.handoff_metrics import FailureKind
 from deepinfer.runtime.disagg.leases import LeaseTable
+from deepinfer.runtime.encoder.inbox import EmbeddingInbox
 from deepinfer.transport.errors import DeadlineExceeded, RemoteError, TransferFailed, TransportError
 from deepinfer.transport.protocol import (
     EngineRef,
@@ -69,6 +73,7 @@ from deepinfer.transport.protocol import (
 )
 
 log = logging.getLogger(__name__)
+IMAGE_WAIT_S = 30.0  # a dispatch's image embeddings must be in the inbox by then
 
 
 def engine_request_id(request_id: str, attempt: int) -> str:
@@ -95,9 +100,15 @@ class PrefillService(DisaggEngineService):
         self._lost_reason: dict[int, HandoffLost] = {}
         self._erid2dispatch: dict[str, asyncio.Task] = {}
         self.swa_peer: SwaPeer | None = None
+        self.inbox: EmbeddingInbox | None = None  # image embeddings from encoder nodes (runtime/encoder)
 
     async def _start_extra(self) -> None:
         self._tasks.append(asyncio.create_task(self._expire_leases(), name=f"{self.node_name}-leases"))
+        if self.core.config.image_token_id is not None and self.config.data_address:
+            # a model that reads images: their embeddings arrive from encoder nodes on the data address
+            self.inbox = EmbeddingInbox(self.config.data_address, ctx=self.node.ctx,
+                                        hidden_size=self.core.config.hidden_size, name=f"{self.node_name}-embeds")
+            await self.inbox.start()
         swa = self.parts.swa_slots
         if self.config.swa_directory and swa is not None and isinstance(self.core.runner, SwaSlotRunner):
             self.swa_peer = await SwaPeer(swa.store, directory_address=self.config.swa_directory,
@@ -106,6 +117,9 @@ class PrefillService(DisaggEngineService):
             swa.fetcher = self.swa_peer.fetcher
 
     async def _stop_extra(self) -> None:
+        if self.inbox is not None:
+            await self.inbox.close()
+            self.inbox = None
         if self.swa_peer is not None:
             self.parts.swa_slots.fetcher = None
             await self.swa_peer.close()
@@ -166,8 +180,9 @@ class PrefillService(DisaggEngineService):
                 # between steps: the blocks were just released and nothing has reused them yet
                 done.set_result((acc["out"], kv, export_kv(self.core.runner, kv) if kv is not None else None))
 
+        mm_inputs = await self._image_inputs(msg, erid, deadline_s)
         add_resumed(self.core, erid, msg.prompt_token_ids, prefill_params(params, len(msg.resume_token_ids)),
-                    msg.seed, list(msg.resume_token_ids))
+                    msg.seed, list(msg.resume_token_ids), mm_inputs)
         self.capture.watch(erid)
         self.loop.add_sink(erid, on_output)
         try:
@@ -193,11 +208,27 @@ class PrefillService(DisaggEngineService):
             gateway_instance_id=msg.gateway_instance_id, stream_address=msg.stream_address,
             lease_s=self.config.lease_s, first_logprobs=encode_logprobs(out.outputs[0].logprobs),
             prompt_logprobs=encode_logprobs(out.prompt_logprobs), window_start=kv.window_start,
-            write_from=kv.write_from)
+            write_from=kv.write_from, images=list(msg.images))
         reply = await self._hand_off(msg.decode, push, payload)
         tiers = out.metrics.cached_tokens_by_tier if out.metrics is not None else {}
         return msgspec.structs.replace(reply, num_cached_tokens=out.num_cached_tokens,
                                        cached_tokens_by_tier=dict(tiers))
+
+    async def _image_inputs(self, msg: PdDispatch, erid: str, deadline_s: float) -> list[MultiModalInput]:
+        """The dispatch's images with the embeddings the encoders pushed (the gateway sent them
+        before dispatching: they are here or on their way)."""
+        if not msg.images:
+            return []
+        if self.inbox is None:
+            raise InvalidPromptError(f"{self.node_name} takes no image embeddings (no vision model or no data address)")
+        try:
+            embeds = [await self.inbox.take(erid, i, im.content_hash, timeout_s=min(deadline_s, IMAGE_WAIT_S))
+                      for i, im in enumerate(msg.images)]
+        except BaseException:
+            self.inbox.drop(erid)
+            raise
+        return [MultiModalInput(MultiModalSpan(im.offset, im.length, im.content_hash), e)
+                for im, e in zip(msg.images, embeds)]
 
     async def _hand_off(self, decode: EngineRef, push: PdKvPush, payload) -> PdDispatchReply:
         t0 = time.perf_counter()

@@ -47,14 +47,17 @@ class GatewayRole:
 
     async def start(self, node) -> None:
         from deepinfer.runtime.disagg.client import PdEngineClient
-        from deepinfer.runtime.disagg.launch import load_model_info
+        from deepinfer.runtime.disagg.launch import load_model_info, load_vision
         from deepinfer.runtime.gateway.config import GatewayConfig
         from deepinfer.runtime.gateway.embedded import start_gateway
 
         section = self.config.gateway
         info, tokenizer = load_model_info(self.model_dir, self.engine_options, self.served_model_name)
         policy = FailurePolicy.FAIL if section.failure_policy == "fail" else FailurePolicy.RECOMPUTE
+        # a cluster with encoder nodes reads images: the gateway prepares and prices them
+        has_encoders = any(n.role.value == "encoder" for n in self.config.nodes)
         self.client = PdEngineClient(self.config, gateway_name=self.node_name, model_info=info, tokenizer=tokenizer,
+                                     vision=load_vision(self.model_dir) if has_encoders else None,
                                      failure_policy=policy, request_timeout_s=section.request_timeout_s,
                                      decode_silence_s=section.decode_silence_s, ctx=node.ctx,
                                      routing=self.config.routing_of(self.node_name),

@@ -81,6 +81,7 @@ from deepinfer.transport.protocol.pd import (  # noqa: F401
     FailurePolicy,
     HandoffStatus,
     EngineRef,
+    PdImage,
     PdDispatch,
     PdKvPush,
     PdKvReady,

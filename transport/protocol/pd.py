@@ -50,6 +50,15 @@ class EngineRef(_HotMessage):
     data_address: str = ""  # its bulk receiver (decode engines)
 
 
+class PdImage(_HotMessage):
+    """An image's span of prompt positions (its embeddings come from an encoder node, into the
+    prefill engine's embedding inbox under (request_id@attempt, image index); runtime/encoder/)."""
+
+    offset: int
+    length: int
+    content_hash: str
+
+
 class PdDispatch(_Message):
     """gateway -> prefill: run this prompt, then hand the request to ``decode``.
     ``seed`` is resolved by the gateway so every attempt samples the same stream;
@@ -68,6 +77,7 @@ class PdDispatch(_Message):
     stream_address: str  # the gateway's PULL socket the decode engine streams to
     resume_token_ids: list[int] = []
     deadline_s: float = 0.0  # seconds the prefill may spend before giving up (0: its default)
+    images: list[PdImage] = []  # the prompt's image spans, in order (their embeddings: the prefill's inbox)
 
 
 class PdKvPush(_Message):
@@ -97,6 +107,7 @@ class PdKvPush(_Message):
     prompt_logprobs: bytes = b""  # msgpack list[PositionLogprobs | None] ("" if not asked)
     window_start: int = 0  # the request's replay bounds after a prefix hit (engine/core/batch.py)
     write_from: int = 0
+    images: list[PdImage] = []  # the prompt's image spans: they salt the decode engine's block hashes
 
 
 class PdKvReady(_Message):
