@@ -96,8 +96,15 @@ class KeyRead:
 
     @property
     def is_hopeless(self) -> bool:
-        """Every node asked has answered (or been asked and the reserve is spent) short of k."""
-        return not self.is_ready and self.is_hedged and self.num_best + len(self.pending) < self.k
+        """Short of k whatever the nodes still asked answer (the reserve spent), and those answers
+        cannot change the verdict: a "not here" from them could turn UNAVAILABLE into MISS (an
+        object whose write never reached quorum is absent on every usable node), so while they
+        could, the read waits for them (usable nodes answer in milliseconds)."""
+        if self.is_ready or not self.is_hedged or self.num_best + len(self.pending) >= self.k:
+            return False
+        unheard = len(self.failed) + len(self.skipped)  # the nodes that could still hold fragments
+        return not self.pending or self.num_best + unheard >= self.k or \
+            self.num_best + unheard + len(self.pending) < self.k
 
     @property
     def is_unavailable(self) -> bool:

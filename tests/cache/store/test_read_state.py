@@ -85,3 +85,27 @@ def test_short_because_of_unreachable_nodes_is_unavailable_not_a_miss():
         read.on_failed(node)
     read.hedge()
     assert read.is_hopeless and read.is_unavailable and read.unavailable_nodes() == NODES[9:]
+
+
+def test_a_key_no_usable_node_holds_is_a_miss_even_when_its_first_answer_comes_before_the_rest():
+    """4 of 6 nodes usable (2 down), k=4: a key whose write never reached quorum is absent on all
+    4. The first "not here" already makes k unreachable; the verdict waits until the answers
+    make it a MISS (UNAVAILABLE made engines skip the store for seconds)."""
+    nodes = [f"n{i}" for i in range(6)]
+    read = KeyRead(b"key", 4, nodes[2:], first_wave_size=5, skipped=nodes[:2])
+    read.start()
+    read.on_absent("n2")
+    assert read.must_hedge_now and read.hedge() == []
+    assert not read.is_hopeless  # n3..n5 may still say "not here"
+    read.on_absent("n3")
+    assert not read.is_hopeless  # n4 + n5 + the 2 down nodes could still hold k fragments
+    read.on_absent("n4")
+    assert read.is_hopeless and not read.is_unavailable  # at most n5 + 2 down nodes: a miss, n5 or not
+    # the same start, but the others fail too: nothing heard, the down nodes might hold it
+    read = KeyRead(b"key", 4, nodes[2:], first_wave_size=5, skipped=nodes[:2])
+    read.start()
+    read.on_absent("n2")
+    read.hedge()
+    read.on_failed("n3")
+    read.on_failed("n4")
+    assert read.is_hopeless and read.is_unavailable  # 2 skipped + 2 failed could make up k: no wait for n5
