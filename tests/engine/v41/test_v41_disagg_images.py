@@ -3,19 +3,26 @@ with one prefill, one decode and two encoder node processes (what ``serve --disa
 --encoders 2`` starts). The gateway's client prepares the images, the encoders encode them and
 push the embeddings to the prefill engine on the data plane, the KV goes on to the decode engine
 with the image spans: each answer equals the co-located engine's token for token, and an encoder
-killed mid-run costs no request."""
+killed mid-run costs no request. A chat with an image data URL through the gateway on that cluster
+streams the co-located answer (the official ``openai`` client)."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 
 import numpy as np
+import openai
 import pytest
 from PIL import Image
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.engine.text.output_processor import merge_output
 from deepinfer.runtime.disagg.launch import LocalPdCluster
+from tests.conftest import load_test_helper
+
+harness = load_test_helper("runtime/gateway_harness")
 
 IMAGE = "<｜deepseek_image｜>"
 ENGINE = dict(dtype="float32", num_threads=1, block_size=16, num_blocks=256, max_model_len=1024, max_num_seqs=8)
@@ -45,12 +52,33 @@ async def _generate(client, rid, prompt, params):
     return acc.outputs[0].token_ids
 
 
+async def _stream_chat(engine, params) -> str:
+    buf = io.BytesIO()
+    picture(99).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    async with harness.running_gateway(engine) as gateway:
+        client = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        try:
+            stream = await client.chat.completions.create(
+                model=engine.model_info.name, max_tokens=params.max_tokens, temperature=0.0, stream=True,
+                extra_body={"ignore_eos": True}, messages=[{"role": "user", "content": [
+                    {"type": "text", "text": "Look: "}, {"type": "image_url", "image_url": {"url": url}}]}])
+            return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+        finally:
+            await client.close()
+
+
 def test_disaggregated_images_equal_co_located(tiny_dir):
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     llm = LLM(model=str(tiny_dir), device="cpu", **ENGINE)
     try:
         reqs = prompts(llm.tokenizer)
         want = [o.outputs[0].token_ids for o in llm.generate(reqs, params)]
+        chat_text = llm.tokenizer.apply_chat_template([{"role": "user", "content": f"Look: {IMAGE}"}],
+                                                      add_generation_prompt=True, tokenize=False)
+        chat_ids = llm.tokenizer.encode(chat_text, add_special_tokens=False)
+        want_chat = llm.generate({"prompt_token_ids": chat_ids, "multi_modal_data": {"image": picture(99)}},
+                                 params)[0].outputs[0].text
     finally:
         llm.shutdown()
 
@@ -75,12 +103,14 @@ def test_disaggregated_images_equal_co_located(tiny_dir):
                 if "encoder-0" not in pool.up:
                     break
                 await asyncio.sleep(0.1)
-            return first, second, used, pool.num_reencoded, pool.up
+            chat = await _stream_chat(cluster.client, params)
+            return first, second, used, pool.num_reencoded, pool.up, chat
         finally:
             await cluster.close()
 
-    first, second, used, num_reencoded, up = asyncio.run(main())
+    first, second, used, num_reencoded, up, chat = asyncio.run(main())
     assert first == want and second == want
+    assert chat == want_chat and want_chat
     assert up == ["encoder-1"]
     assert all(n > 0 for n in used.values()), used  # both encoders took images
     print(f"\nimages per encoder (first round) {used}; re-encoded after the kill: {num_reencoded}")
