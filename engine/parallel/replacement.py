@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -56,6 +57,7 @@ class Replacement:
         self._num_changed: int | None = None
         self._error: BaseException | None = None
         self.num_swapped = 0
+        self.swap_work_s = 0.0  # the longest a step boundary spent putting layers in service (after agreeing)
         self._all_planned = False  # an agreement has seen the plan on every rank
         self.num_remote_slots = 0  # slots whose weights came from another rank
         self.phy2log: np.ndarray | None = None  # the plan, once broadcast
@@ -163,6 +165,7 @@ class Replacement:
             raise ReplacementError(f"the expert re-placement failed on EP rank {failed}{why}; "
                                    "the placement in service is unchanged")
         self._all_planned = agreed >= 0
+        started = time.perf_counter()
         with self._lock:
             ready = self._staged[self.num_swapped : max(agreed, self.num_swapped)]
         swapped = 0
@@ -173,6 +176,8 @@ class Replacement:
             self.pool.give(old)
             swapped += 1
         self.num_swapped += swapped
+        if swapped:
+            self.swap_work_s = max(self.swap_work_s, time.perf_counter() - started)
         return swapped
 
     def join(self, timeout: float | None = None) -> None:

@@ -14,8 +14,9 @@ the new slots in the background and the layers swap one per step boundary. Figur
     quiet_max_over_median     the longest step of a stretch of as many steps away from any
                               re-placement, typical over all such stretches: the noise floor of
                               this machine in the same run (a loaded 2-core machine: 2-3x)
-    swap_loop_ms_max          the step loop's own time at a swap (begin_step: the agreement and
-                              the pointer swap)
+    swap_loop_ms_max          the step loop's own time at a swap (begin_step: the agreement, which
+                              waits for the slower rank to reach the boundary, and the swap)
+    swap_work_ms_max          of that, the swap itself (weights' pointers and the layer's maps)
     control_max_over_median   the control: the same statistic over the same steps of a run of the
                               same group and workload with no re-placement (period 0), run
                               alternately with the measured one (``rounds`` of each). On a loaded
@@ -84,18 +85,19 @@ class Run:
     prefill); swaps[i] the layers swapped at the boundary before step i; in_flight[i] whether a
     re-placement was in flight during step i."""
 
-    def __init__(self, step_ms, swaps, begin_ms, in_flight, num_replacements, control_ms):
+    def __init__(self, step_ms, swaps, begin_ms, in_flight, num_replacements, control_ms, swap_work_ms=0.0):
         n = min(len(step_ms), len(control_ms))
         self.step_ms, self.control_ms = np.asarray(step_ms[:n], float), np.asarray(control_ms[:n], float)
         self.swaps, self.begin_ms = np.asarray(swaps[:n]), np.asarray(begin_ms[:n], float)
         self.in_flight = np.asarray(in_flight[:n], bool)
         self.num_replacements = num_replacements
+        self.swap_work_ms = swap_work_ms
 
     @classmethod
     def of(cls, result: dict, control: dict) -> "Run":
         ms = lambda xs: np.asarray(xs, float) * 1e3  # noqa: E731
         return cls(ms(result["step_s"]), result["swaps"], ms(result["begin_s"]), result["step_in_flight"],
-                   result["num_replacements"], ms(control["step_s"]))
+                   result["num_replacements"], ms(control["step_s"]), 1e3 * result.get("swap_work_s", 0.0))
 
     def stretches(self) -> list[tuple[int, int]]:
         """[first, end) of each re-placement's stretch: 3 steps before its first swap to 1 after its
@@ -150,6 +152,7 @@ def figures(runs: list[Run]) -> dict[str, float]:
         swap_step_mean_over_control=float(swapped.mean() / control_mean) if swapped.size else 0.0,
         swap_loop_ms_max=float(max((r.begin_ms[r.swaps > 0].max() for r in runs if (r.swaps > 0).any()),
                                    default=0.0)),
+        swap_work_ms_max=float(max(r.swap_work_ms for r in runs)),
         replacements=float(sum(r.num_replacements for r in runs)),
         swapped_layers=float(sum(r.swaps.sum() for r in runs)),
         rounds=float(len(runs)),

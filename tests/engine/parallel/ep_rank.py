@@ -83,6 +83,7 @@ def run_case(world: EpGroup, spec: dict, case: dict) -> None:
     swaps: list[int] = []
     begin: list[float] = []  # seconds inside begin_step (agreements and swaps)
     in_flight: list[bool] = []  # a re-placement was in flight during the step (planned, staging, swapping)
+    swap_work = [0.0]  # the longest swap work of any re-placement (after the agreement)
     tick = [time.perf_counter()]
 
     wait_at = case.get("staged_by_step")  # make this step's boundary swap: wait for this rank's staging
@@ -102,6 +103,8 @@ def run_case(world: EpGroup, spec: dict, case: dict) -> None:
         begin.append(time.perf_counter() - now)
         in_flight.append(replacement is not None or parallel.replacement is not None)
         if replacement is not None:
+            swap_work[0] = max(swap_work[0], replacement.swap_work_s)
+        if replacement is not None:
             swaps.append(replacement.num_swapped - swapped_before)
         else:
             swaps.append(0)
@@ -119,7 +122,7 @@ def run_case(world: EpGroup, spec: dict, case: dict) -> None:
         "outputs": outputs, "before": before, "after": parallel.phy2log, "rules": parallel.state.rules.copy(),
         "num_replacements": parallel.num_replacements, "in_flight": parallel.replacement is not None,
         "step_s": times, "swaps": swaps, "begin_s": begin,
-        "step_in_flight": in_flight,
+        "step_in_flight": in_flight, "swap_work_s": swap_work[0],
     }
     parallel.close()
     torch.save(result, Path(spec["out"]) / f"{case['name']}.g{group}.r{ep.rank}.pt")
