@@ -15,7 +15,7 @@ def add_parser(subparsers, name):
     p.add_argument("out", help="output directory (created if missing; files in it are overwritten)")
     p.add_argument("--arch", default="deepseek_v4", choices=["deepseek_v4", "deepseek_v41"],
                    help="model architecture (default deepseek_v4); deepseek_v41 writes the official V4.1 layout "
-                   "with every layer role, FP8/FP4 storage, Engram, DSpark stages and a vision tower's tensors")
+                   "with every layer role, FP8/FP4 storage, Engram, DSpark stages and a 2-layer vision tower")
     p.add_argument("--seed", type=int, default=0, help="random seed for the weights (default 0)")
     p.add_argument(
         "--layers",
@@ -68,6 +68,7 @@ def _run_v41(args) -> int:
         raise CliError(str(exc)) from None
     roles = " ".join(r.name for r in cfg.roles)
     print(f"wrote deepseek_v41 tiny checkpoint to {args.out}: {cfg.num_hidden_layers} layers ({roles}), "
-          f"{cfg.num_stages} DSpark stages, Engram on layers {list(cfg.engram_layer_ids)}, vocab {cfg.vocab_size}, "
-          f"seed {args.seed}, official layout fp8/fp4")
+          f"{cfg.num_stages} DSpark stages, Engram on layers {list(cfg.engram_layer_ids)}, "
+          f"a {cfg.vision['num_hidden_layers']}-layer vision tower (image token {cfg.image_token_id}), "
+          f"vocab {cfg.vocab_size}, seed {args.seed}, official layout fp8/fp4")
     return 0

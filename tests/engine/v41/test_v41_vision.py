@@ -142,3 +142,18 @@ def test_arrival_checks_are_one_line_errors(parts):
     with pytest.raises(ImageInputError, match=r"1 image placeholder\(s\) .* for 2 image\(s\)"):
         ImagePrompt.build(vision, [5, image_id, 6], [picture(1), picture(2)])
     assert not core.has_unfinished_requests()
+
+
+def test_make_tiny_model_writes_the_two_layer_tower(tmp_path, capsys):
+    from deepinfer.bin.cli import main
+    from deepinfer.engine.mm.encoder import VisionEncoder
+    from deepinfer.engine.models.registry import read_model_config
+
+    assert main(["make-tiny-model", str(tmp_path / "m"), "--arch", "deepseek_v41"]) == 0
+    assert "a 2-layer vision tower" in capsys.readouterr().out
+    cfg = read_model_config(tmp_path / "m")
+    vision = VisionEncoder.load(tmp_path / "m", cfg, dtype=torch.float32, device="cpu")
+    assert len(vision.tower.vision.blocks) == 2
+    prepared = vision.prepare(picture(6))
+    embeds = vision.encode(prepared)
+    assert embeds.shape == (prepared.num_tokens, cfg.hidden_size) and torch.isfinite(embeds).all()
