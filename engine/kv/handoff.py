@@ -33,6 +33,7 @@ from deepinfer.engine.api.outputs import PositionLogprobs, RequestOutput
 from deepinfer.engine.api.sampling_params import SamplingParams
 from deepinfer.engine.core.engine_core import EngineCore, StepPlan
 from deepinfer.engine.core.request import RequestStatus
+from deepinfer.cache.block_hash import MultiModalSpan
 from deepinfer.engine.mm.inputs import MultiModalInput
 
 BLOCK_PREFIX = "b."
@@ -185,13 +186,46 @@ class PrefilledRequest:
     first_logprobs: list[PositionLogprobs] | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     prompt: str | None = None
-    mm_inputs: Sequence[MultiModalInput] = ()  # image spans (salting the block hashes), embeddings None
+    mm_inputs: Sequence[MultiModalInput] = ()  # the prompt's images (split_image_embeddings)
 
     def __post_init__(self) -> None:
         expected = len(self.prompt_token_ids) + len(self.output_token_ids) - 1
         if not self.output_token_ids or self.num_computed_tokens != expected:
             raise HandoffError(f"request {self.request_id!r}: {self.num_computed_tokens} computed tokens for "
                                f"{len(self.prompt_token_ids)} prompt + {len(self.output_token_ids)} output tokens")
+
+
+EMBED_PREFIX = "e."  # a handed-off request's image embeddings ride with its KV: "e.<image index>"
+
+
+def with_image_embeddings(payload: KvPayload, mm_inputs: Sequence[MultiModalInput]) -> KvPayload:
+    """The KV plus each image's embeddings: a decode engine that must recompute the prompt (a
+    preemption) has what the image positions need."""
+    if not mm_inputs:
+        return payload
+    embeds = [mm.embeds.detach().to("cpu").contiguous() for mm in mm_inputs]
+    return KvPayload(payload.names + [f"{EMBED_PREFIX}{i}" for i in range(len(embeds))], payload.tensors + embeds)
+
+
+def split_image_embeddings(payload: KvPayload, spans: Sequence[MultiModalSpan]) -> tuple[KvPayload, list[MultiModalInput]]:
+    """(the KV alone, the images with their embeddings copied out of the transfer); HandoffError
+    when the embeddings do not match the spans."""
+    kv, embeds = KvPayload([], []), {}
+    for name, t in zip(payload.names, payload.tensors):
+        if name.startswith(EMBED_PREFIX):
+            embeds[name[len(EMBED_PREFIX):]] = t
+        else:
+            kv.names.append(name)
+            kv.tensors.append(t)
+    if sorted(embeds) != sorted(str(i) for i in range(len(spans))):
+        raise HandoffError(f"the handoff carries embeddings {sorted(embeds)} for {len(spans)} image span(s)")
+    inputs = []
+    for i, span in enumerate(spans):
+        e = embeds[str(i)]
+        if e.dim() != 2 or e.shape[0] != span.length:
+            raise HandoffError(f"image {i}'s embeddings have shape {tuple(e.shape)}, its span is {span.length} tokens")
+        inputs.append(MultiModalInput(span, e.clone()))
+    return kv, inputs
 
 
 def has_room(core: EngineCore, num_tokens: int) -> bool:

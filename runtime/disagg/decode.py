@@ -34,8 +34,8 @@ from deepinfer.engine.kv.handoff import (
     decode_prompt_logprobs,
     encode_output,
     has_room,
+    split_image_embeddings,
 )
-from deepinfer.engine.mm.inputs import MultiModalInput
 from deepinfer.runtime.disagg.engine_service import DisaggEngineService
 from deepinfer.runtime.disagg.handoff_metrics import FailureKind
 from deepinfer.runtime.disagg.prefill import engine_request_id
@@ -206,14 +206,16 @@ class DecodeService(DisaggEngineService):
         renew: asyncio.Task | None = None
         try:
             tensors = [transfer.view(i) for i in range(len(push.buffer_names))]
+            # image embeddings ride with the KV (a preempted request recomputes its prompt here)
+            kv, mm_inputs = split_image_embeddings(KvPayload(list(push.buffer_names), tensors), [
+                MultiModalSpan(im.offset, im.length, im.content_hash) for im in push.images])
             pre = PrefilledRequest(
                 request_id=erid, prompt_token_ids=list(push.prompt_token_ids),
                 output_token_ids=list(push.output_token_ids), params=decode_params(push.sampling), seed=push.seed,
-                num_computed_tokens=push.num_computed_tokens, kv=KvPayload(list(push.buffer_names), tensors),
+                num_computed_tokens=push.num_computed_tokens, kv=kv,
                 window_start=push.window_start, write_from=push.write_from,
                 first_logprobs=decode_logprobs(push.first_logprobs),
-                prompt_logprobs=decode_prompt_logprobs(push.prompt_logprobs),
-                mm_inputs=[MultiModalInput(MultiModalSpan(im.offset, im.length, im.content_hash)) for im in push.images])
+                prompt_logprobs=decode_prompt_logprobs(push.prompt_logprobs), mm_inputs=mm_inputs)
             stream = await self._stream(push.stream_address)
             deadline = time.monotonic() + self.config.handoff_timeout_s
             while True:

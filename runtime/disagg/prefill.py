@@ -45,6 +45,7 @@ from deepinfer.engine.kv.handoff import (
     ends_at_prefill,
     export_kv,
     prefill_params,
+    with_image_embeddings,
 )
 from deepinfer.engine.kv.swa_slots import SwaSlotRunner
 from deepinfer.engine.mm.inputs import MultiModalInput
@@ -198,6 +199,7 @@ class PrefillService(DisaggEngineService):
         if ends_at_prefill(out, params, num_outputs, num_tokens, self.parts.max_model_len) or kv is None:
             out.request_id = msg.request_id
             return PdDispatchReply(msg.request_id, msg.attempt, HandoffStatus.FINISHED, output=encode_output(out))
+        payload = with_image_embeddings(payload, mm_inputs)  # a decode that recomputes the prompt needs them
         push = PdKvPush(
             handoff_id=next(self._handoff_ids), request_id=msg.request_id, attempt=msg.attempt,
             prefill=EngineRef(self.node_name, self.instance_id, self.config.engine_address),
