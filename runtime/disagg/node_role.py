@@ -62,6 +62,8 @@ def make_role(*, role: NodeRole, config: ClusterConfig, node_name: str, model: s
         # a prefill engine stops right after the prompt: without ending the prompt's last chunk
         # at a block boundary, hardly any prompt would leave a slot for its next turn
         options = replace(options, swa_snapshot_prompts=True)
+    # images are encoded on encoder nodes; the embeddings come in with the dispatch (prefill) or the KV (decode)
+    options = replace(options, load_vision=False)
     group = None
     if ep_size > 1:
         from deepinfer.engine.parallel.settings import EpSettings

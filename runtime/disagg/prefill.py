@@ -321,6 +321,8 @@ class PrefillService(DisaggEngineService):
             if rid == msg.request_id and (msg.attempt < 0 or int(attempt) == msg.attempt):
                 task.cancel()  # its finally aborts the engine request / the handoff
                 num += 1
+        if self.inbox is not None and msg.attempt >= 0:  # embeddings pushed for a dispatch that never came
+            self.inbox.drop(engine_request_id(msg.request_id, msg.attempt))
         return num
 
     async def _tell_decode_abort(self, decode: EngineRef, push: PdKvPush, reason: str) -> None:

@@ -129,3 +129,51 @@ async def test_bad_images_are_400s_with_a_clear_message(served, url, message):
     body = err.value.body
     assert message in body["message"] and "\n" not in body["message"]
     assert body["param"] == "messages[0].content[1].image_url"
+
+
+@pytest_asyncio.fixture
+async def served_with_urls(tiny_dir):
+    from aiohttp import web
+
+    small, big = io.BytesIO(), io.BytesIO()
+    picture(3).save(small, format="PNG")
+    picture(5, (300, 300)).save(big, format="PNG")
+    files = {"/cat.png": small.getvalue(), "/big.png": big.getvalue()}
+
+    async def handle(request):
+        body = files.get(request.path)
+        return web.Response(body=body, content_type="image/png") if body else web.Response(status=404)
+
+    app = web.Application()
+    app.router.add_get("/{name}", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    engine = await AsyncEngine.start(model=str(tiny_dir), served_model_name="tiny", **OPTIONS)
+    config = GatewayConfig(max_image_bytes=MAX_IMAGE_BYTES, allow_image_urls=True)
+    try:
+        async with harness.running_gateway(engine, config) as gateway:
+            client = openai.AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=60)
+            try:
+                yield client, base
+            finally:
+                await client.close()
+    finally:
+        await engine.shutdown()
+        await runner.cleanup()
+
+
+@pytest.mark.asyncio
+async def test_http_image_urls_when_enabled(served_with_urls):
+    client, base = served_with_urls
+    kw = dict(model="tiny", max_tokens=8, temperature=0.0, extra_body={"ignore_eos": True})
+    by_url = await client.chat.completions.create(messages=chat_messages(f"{base}/cat.png"), **kw)
+    inline = await client.chat.completions.create(messages=chat_messages(data_url(picture(3))), **kw)
+    assert by_url.choices[0].message.content == inline.choices[0].message.content
+    for path, message in [("/big.png", f"over the server's {MAX_IMAGE_BYTES}-byte limit"),
+                          ("/missing.png", "fetching the image gave HTTP 404")]:
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.chat.completions.create(messages=chat_messages(base + path), **kw)
+        assert message in err.value.body["message"]
