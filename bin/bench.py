@@ -28,7 +28,7 @@ BENCHES = {
     "pd": "prefill/decode disaggregation vs co-located: TTFT, ITL, handoff GB/s",
     "balance": "cluster simulator: balancers against baselines on one trace",
     "eplb": "expert-parallel load balancer vs DeepSeek's EPLB: realised imbalance on routing traces",
-    "spec": "DSpark verify lengths: off / fixed-5 / confidence schedule (--simulated drafter)",
+    "spec": "DSpark verify lengths: off / fixed-5 / confidence schedule (engine on the tiny model, or --simulated)",
     "gpu": "V4 on one NVIDIA GPU vs transformers: tokens/s b1/16/64, roofline, 8K prefill, launches/token",
 }
 

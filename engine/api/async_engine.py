@@ -220,6 +220,7 @@ class AsyncEngine:
             prefix_cache_hit_rate=pool.num_hits / pool.num_queries if pool.num_queries else None,
             kv_cache_usage=pool.usage,
             swa_slots=dataclasses.asdict(self.swa_slots.stats) if self.swa_slots is not None else None,
+            spec=self.core.spec.stats.as_dict() if self.core.spec is not None else None,
         )
 
     def metric_collectors(self) -> list:

@@ -38,6 +38,8 @@ class RequestMetrics:
     num_cached_tokens: int = 0
     # cached tokens by tier: "device", "host", "store"
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    # DSpark: (drafted, verified, accepted) drafts of this request, on its finishing output
+    spec_counts: tuple[int, int, int] | None = None
 
 
 @dataclass(slots=True)

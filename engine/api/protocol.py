@@ -81,6 +81,7 @@ class EngineStats:
     prefix_cache_hit_rate: float | None = None  # hit tokens / queried prompt tokens, lifetime
     kv_cache_usage: float | None = None  # fraction of KV blocks in use
     swa_slots: Mapping[str, int] | None = None  # SWA slot counters (restored, replayed, fetched, ...), lifetime
+    spec: Mapping[str, float] | None = None  # DSpark counters (drafted, verified, accepted, ...), lifetime
 
 
 @runtime_checkable

@@ -325,6 +325,7 @@ class EngineCore:
             self.cost_model.observe(plan.sched.features, plan.exec_seconds)
         now = self._clock()
         outputs: list[RequestOutput] = []
+        finished: list = []  # (engine request id, metrics) of requests this step finished (DSpark counts)
         grammars, prompt_rows, process_one = self._grammars, sampled.prompt_rows, self.outputs.process_one
         pop_tiers = self.scheduler.kv.pop_cached_tokens_by_tier
         for upd in self.scheduler.update_from_output(plan.sched, sampled.accepted):
@@ -373,8 +374,12 @@ class EngineCore:
                 if m is not None and not m.cached_tokens_by_tier:  # once per request (kv_manager.py)
                     m.cached_tokens_by_tier = self.scheduler.kv.pop_cached_tokens_by_tier(rid) or {}
                 outputs.append(processed.output)
+                if finish is not None and m is not None and self.spec is not None:
+                    finished.append((rid, m))
         if self.spec is not None:
             self.spec.commit(plan, sampled.accepted, plan.drafts, self.scheduler.requests)
+            for rid, m in finished:  # this step's verification counted
+                m.spec_counts = self.spec.request_counts(rid)
         return outputs
 
     def _forget_child(self, engine_request_id: str) -> None:

@@ -69,6 +69,7 @@ class SpecStats:
     num_drafted: int = 0  # drafts proposed (D per proposal)
     num_verified: int = 0  # drafts sent to the target
     num_accepted: int = 0  # drafts the target accepted
+    num_request_steps: int = 0  # a request's decode step (root + 0..D drafts), drafts or not
     draft_seconds: float = 0.0  # device time of the drafter
 
     def as_dict(self) -> dict[str, float]:
@@ -150,10 +151,13 @@ class SpecDecoding:
         st = self.stats
         verified_step = False
         for s in plan.sched.scheduled:
-            if not s.num_draft_tokens:
-                continue
+            if not s.num_sample_rows or s.step.num_tokens != s.num_sample_rows:
+                continue  # a prefill chunk: nothing to verify
             toks = accepted.get(s.request_id)
             if toks is None:
+                continue
+            st.num_request_steps += 1
+            if not s.num_draft_tokens:
                 continue
             num_accepted = len(toks) - 1
             verified_step = True

@@ -254,6 +254,10 @@ class Generation:
             m.e2e.observe(now - self.arrival_time)
             m.prompt_tokens.inc(choice.num_prompt_tokens)
             m.cached_prompt_tokens.inc(out.num_cached_tokens)
+            spec = out.metrics.spec_counts if out.metrics is not None else None
+            if spec is not None:
+                for stage, count in zip(("drafted", "verified", "accepted"), spec):
+                    m.spec_request.labels(stage).observe(count)
         return delta
 
     def _time_tokens(self, choice: ChoiceState, now: float, num_new: int) -> None:

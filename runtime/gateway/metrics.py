@@ -37,6 +37,19 @@ _SWA_HELP = {
 }
 
 
+_SPEC_HELP = {
+    "num_steps": "engine steps that verified at least one draft",
+    "num_proposals": "drafter proposals (one per request and step)",
+    "num_drafted": "draft tokens proposed",
+    "num_verified": "draft tokens sent to the target for verification",
+    "num_accepted": "draft tokens the target accepted",
+    "num_request_steps": "decode steps of a request (root token + 0..D drafts)",
+    "draft_seconds": "device seconds spent in the drafter",
+}
+# drafts per request: 0 .. a few thousand
+SPEC_REQUEST_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
+
+
 class _EngineStatsCollector(Collector):
     def __init__(self, engine: EngineClient):
         self.engine = engine
@@ -64,6 +77,10 @@ class _EngineStatsCollector(Collector):
             # num_restored -> deepinfer_swa_slots_restored_total, and so on (SwaSlotStats)
             yield CounterMetricFamily(f"deepinfer_swa_slots_{name.removeprefix('num_')}",
                                       f"SWA slots: {_SWA_HELP.get(name, name)}", value=value)
+        for name, value in (stats.spec or {}).items():
+            # num_accepted -> deepinfer_spec_accepted_total, draft_seconds -> deepinfer_spec_draft_seconds_total
+            yield CounterMetricFamily(f"deepinfer_spec_{name.removeprefix('num_')}",
+                                      f"DSpark: {_SPEC_HELP.get(name, name)}", value=value)
 
 
 class GatewayMetrics:
@@ -79,6 +96,9 @@ class GatewayMetrics:
         self.cached_prompt_tokens = m.counter("cached_prompt_tokens", "Prompt tokens served from the prefix cache")
         self.generation_tokens = m.counter("generation_tokens", "Generated tokens")
         self.requests_finished = m.counter("requests_finished", "Engine requests by finish reason", ["finish_reason"])
+        # DSpark, per finished request: its drafted / verified / accepted draft tokens
+        self.spec_request = m.histogram("spec_request_tokens", "Draft tokens of a finished request, by stage "
+                                        "(drafted, verified, accepted)", ["stage"], buckets=SPEC_REQUEST_BUCKETS)
         self.http_responses = m.counter("http_responses", "HTTP responses by status code", ["code"])
         self.in_flight = m.gauge("gateway_requests_in_flight", "Generation requests the gateway is serving")
         m.registry.register(_EngineStatsCollector(engine))

@@ -1,4 +1,16 @@
-"""``deepinfer bench spec --simulated``: DSpark's verify-length policies on a simulated drafter.
+"""``deepinfer bench spec``: DSpark's verify-length policies, in the engine on the trained tiny
+model (default) or on a simulated drafter (``--simulated``).
+
+Model-backed (tests/bench/spec_engine.py says how each figure is measured): per concurrency the
+engine runs the same greedy requests with no speculation, fixed-5 verification and the
+confidence schedule; columns ``ver_*`` / ``acc_*`` / ``tok_s_*`` as below, ``identical`` (every
+request's tokens equal no speculation's) and ``draft_s`` (the drafter's seconds in the scheduled run).
+Figures: ``mode`` = "engine", at concurrency 60 the issue's keys (``verified_per_step_fixed`` /
+``_sched``, ``accepted_len_fixed`` / ``_sched``, ``tok_s_off`` / ``_fixed`` / ``_sched``),
+``greedy_identical`` (1 when every request at every concurrency matched), per concurrency
+``cC_<figure>_<mode>``, ``wall_s``.
+
+Simulated (``--simulated``):
 
 Per concurrency (sequences per rank, default 1, 4, 16, 60, 128), ``deepinfer_bench.spec_sim``
 runs four policies on the same random draws: no speculation, fixed-5 verification, the exact
@@ -27,8 +39,6 @@ Figures (``--json``): ``mode`` = "simulated"; at concurrency 60 (the issue's key
 calibration check against ``accepted_len``);
 ``step_floor_ms``, ``step_per_token_us``, ``wall_s``.
 
-The model-backed run (the trained tiny model, ``greedy_identical``) needs DSpark in the engine
-and is not built yet.
 """
 
 from __future__ import annotations
@@ -37,6 +47,8 @@ import time
 
 from deepinfer_bench.report import Report, base_parser
 from deepinfer_bench.spec_sim import POLICIES, AcceptanceModel, StepTimeModel, simulate
+
+from deepinfer_bench import spec_engine
 
 DEFAULT_CONCURRENCY = "1,4,16,60,128"
 HEADLINE = 60
@@ -66,7 +78,12 @@ def _curve(text: str) -> tuple[float, ...]:
 def build_parser():
     acc, tm = AcceptanceModel(), StepTimeModel(0.0, 0.0)
     p = base_parser("spec", "DSpark verify-length policies: off / fixed-5 / confidence schedule.")
-    p.add_argument("--simulated", action="store_true", help="use the simulated-acceptance drafter (the only mode so far)")
+    p.add_argument("--simulated", action="store_true", help="use the simulated-acceptance drafter instead of the engine")
+    p.add_argument("--model", default=None, help="model directory (default: the trained tiny checkpoint in the package)")
+    p.add_argument("--max-tokens", type=int, default=64, help="engine run: tokens generated per request (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=2, help="engine run: runs per mode, best kept (default %(default)s)")
+    p.add_argument("--num-draft-tokens", type=int, default=5, help="engine run: drafts per step (default %(default)s)")
+    p.add_argument("--threads", type=int, default=None, help="engine run: torch threads (default torch's)")
     p.add_argument("--concurrency", default=DEFAULT_CONCURRENCY, help="sequences per rank (default %(default)s)")
     p.add_argument("--steps", type=int, default=None, help="steps per concurrency (default max(1000, 20000 / C))")
     p.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
@@ -84,8 +101,7 @@ def build_parser():
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if not args.simulated:
-        print("deepinfer bench spec: the model-backed run needs DSpark in the engine (not built yet); pass --simulated")
-        return 2
+        return run_engine(args)
     if args.steps is not None and args.steps < 3:
         raise SystemExit("deepinfer bench spec: --steps must be >= 3 (the delayed policy needs two steps of history)")
     if args.signals < 0 or args.concentration <= 0 or args.context_spread < 0:
@@ -132,3 +148,53 @@ def main(argv=None) -> int:
     report.figure("wall_s", time.perf_counter() - start)
     report.finish(args.json)
     return 0
+
+
+def run_engine(args) -> int:
+    from deepinfer.engine.models.deepseek_v41.builtin_checkpoint import builtin_checkpoint
+
+    model_dir = args.model or builtin_checkpoint()
+    if model_dir is None:
+        raise SystemExit("deepinfer bench spec: no trained tiny checkpoint in this tree; pass --model DIR or --simulated")
+    if args.max_tokens < 2 or args.repeats < 1:
+        raise SystemExit("deepinfer bench spec: --max-tokens must be >= 2 and --repeats >= 1")
+    start = time.perf_counter()
+    concurrencies = _ints(args.concurrency)
+    prompts = spec_engine.prompts_of(model_dir, max(concurrencies))
+    engines = spec_engine.start_engines(model_dir, max(concurrencies), max_model_len=512, num_threads=args.threads,
+                                        num_draft_tokens=args.num_draft_tokens)
+    report = Report(f"spec (engine, {model_dir}, D={args.num_draft_tokens}, greedy, {args.max_tokens} tokens per "
+                    f"request): verified drafts and committed tokens per request per decode step")
+    report.figure("mode", "engine")
+    all_identical = True
+    try:
+        spec_engine.warm_up(engines, prompts)
+        for c in concurrencies:
+            res = spec_engine.run_concurrency(engines, prompts[:c], args.max_tokens, args.repeats)
+            off, fixed, sched = res["off"], res["fixed"], res["sched"]
+            identical = fixed.tokens == off.tokens and sched.tokens == off.tokens
+            all_identical &= identical
+            report.row(conc=c, ver_fixed=fixed.verified_per_step, ver_sched=sched.verified_per_step,
+                       acc_fixed=fixed.accepted_len, acc_sched=sched.accepted_len,
+                       tok_s_off=round(off.tok_s, 1), tok_s_fixed=round(fixed.tok_s, 1), tok_s_sched=round(sched.tok_s, 1),
+                       sched_vs_fixed=f"{sched.tok_s / fixed.tok_s - 1:+.2%}", sched_vs_off=f"{sched.tok_s / off.tok_s:.2f}x",
+                       draft_s=round(sched.draft_seconds, 2), identical=int(identical))  # fmt: skip
+            for name, r in res.items():
+                report.figure(f"c{c}_tok_s_{name}", r.tok_s)
+                if name != "off":
+                    report.figure(f"c{c}_verified_per_step_{name}", r.verified_per_step)
+                    report.figure(f"c{c}_accepted_len_{name}", r.accepted_len)
+            report.figure(f"c{c}_identical", int(identical))
+            if c == HEADLINE:
+                for name in ("fixed", "sched"):
+                    report.figure(f"verified_per_step_{name}", res[name].verified_per_step)
+                    report.figure(f"accepted_len_{name}", res[name].accepted_len)
+                for name in ("off", "fixed", "sched"):
+                    report.figure(f"tok_s_{name}", res[name].tok_s)
+    finally:
+        for llm in engines.values():
+            llm.shutdown()
+    report.figure("greedy_identical", int(all_identical))
+    report.figure("wall_s", time.perf_counter() - start)
+    report.finish(args.json)
+    return 0 if all_identical else 1

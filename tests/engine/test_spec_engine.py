@@ -7,7 +7,9 @@ verification: every request's tokens are identical across the three runs (greedy
 sampled: the counter-based draw of (seed, position), so equal tokens for every seed mean equal
 output distributions), drafts were really accepted (multi-token commits, rollbacks of the
 rejected rest), the confidence schedule verified fewer drafts than fixed-5, and prefix hits and
-structured output were in the mix. Bad speculation options are one-line errors.
+structured output were in the mix. Bad speculation options are one-line errors. Through the real
+gateway: /metrics carries the engine's DSpark totals and each finished request's drafted /
+verified / accepted counts, which add up to the totals.
 """
 
 from __future__ import annotations
@@ -16,12 +18,16 @@ import json
 import random
 import re
 
+import aiohttp
 import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.engine.api.llm import LLMError
 from deepinfer.engine.models.deepseek_v41.builtin_checkpoint import BUILTIN_DIR, builtin_checkpoint
+from tests.conftest import load_test_helper
+
+gateway_harness = load_test_helper("runtime/gateway_harness")
 
 pytestmark = pytest.mark.skipif(builtin_checkpoint() is None, reason="the trained tiny checkpoint is not in this tree")
 
@@ -98,3 +104,35 @@ def test_bad_speculation_options_are_one_line_errors(bad, message):
     with pytest.raises(LLMError, match=re.escape(message)) as info:
         LLM(str(BUILTIN_DIR), **ENGINE, **bad)
     assert "\n" not in str(info.value)
+
+
+def _sample(text: str, name: str) -> float:
+    found = re.search(rf"^{re.escape(name)} ([0-9.e+]+)$", text, re.M)
+    assert found, f"{name} not on /metrics"
+    return float(found.group(1))
+
+
+@pytest.mark.timeout(120)
+async def test_metrics_carry_totals_and_per_request_counts():
+    from deepinfer.engine.api.async_engine import AsyncEngine
+
+    torch.set_num_threads(1)
+    engine = await AsyncEngine.start(model=str(BUILTIN_DIR), served_model_name="tiny", speculative="dspark",
+                                     **{k: v for k, v in ENGINE.items() if k != "json_any_whitespace"})
+    try:
+        async with gateway_harness.running_gateway(engine) as gateway, aiohttp.ClientSession() as http:
+            for header in ("def fibonacci(n):\n", "class Stack:\n", "def add(a, b):\n"):
+                body = {"model": "tiny", "prompt": header, "max_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+                async with http.post(f"{gateway.url}/v1/completions", json=body) as resp:
+                    assert resp.status == 200, await resp.text()
+            async with http.get(f"{gateway.url}/metrics") as resp:
+                text = await resp.text()
+    finally:
+        await engine.shutdown()
+    totals = engine.stats().spec
+    assert totals["num_accepted"] > 0
+    for name in ("drafted", "verified", "accepted"):
+        assert _sample(text, f"deepinfer_spec_{name}_total") == totals[f"num_{name}"]
+        # every draft of these three requests was counted once, on its request's finishing output
+        assert _sample(text, f'deepinfer_spec_request_tokens_sum{{stage="{name}"}}') == totals[f"num_{name}"]
+        assert _sample(text, f'deepinfer_spec_request_tokens_count{{stage="{name}"}}') == 3

@@ -53,3 +53,14 @@ def test_round_trip_and_bad_tables(tmp_path):
         SpsTable.from_json({"step_seconds": {}})
     with pytest.raises(ValueError, match="cannot read"):
         SpsTable.load(tmp_path / "missing.json")
+
+
+def test_calibration_envelope_drops_noise_that_padding_beats():
+    from deepinfer.engine.spec.sps_calibration import padding_envelope
+
+    # R=1 was measured under load (slower than 4 requests of 6 tokens); R=4, L=1 dipped below L=0
+    steps = {1: {1: 0.10, 2: 0.02, 6: 0.03}, 4: {4: 0.05, 8: 0.04, 24: 0.06}}
+    drafts = {1: 0.2, 4: 0.01}
+    env, env_draft = padding_envelope(steps, drafts, [0, 1, 5])
+    assert env == {1: {1: 0.02, 2: 0.02, 6: 0.03}, 4: {4: 0.04, 8: 0.04, 24: 0.06}}
+    assert env_draft == {1: 0.01, 4: 0.01}
