@@ -97,6 +97,7 @@ def test_three_encoders_32_requests_one_killed(tiny_dir, encoders):
         try:
             await _all_up(pool, procs)
             done = 0
+            kill_at = []
 
             async def one(r: int):
                 nonlocal done
@@ -109,6 +110,7 @@ def test_three_encoders_32_requests_one_killed(tiny_dir, encoders):
             async def kill_mid_run():
                 while done < NUM_REQUESTS // 4 or not any(p.encoder == victim for p in pool.placements[-6:]):
                     await asyncio.sleep(0.005)
+                kill_at.append(len(pool.placements))
                 procs[victim].send_signal(signal.SIGKILL)
 
             async def staggered(r: int):
@@ -116,14 +118,19 @@ def test_three_encoders_32_requests_one_killed(tiny_dir, encoders):
                 return await one(r)
 
             killer = asyncio.create_task(kill_mid_run())
+            start = time.monotonic()
             results = await asyncio.wait_for(asyncio.gather(*(staggered(r) for r in range(NUM_REQUESTS))), 120)
+            elapsed = time.monotonic() - start
             await killer
-            return results, pool.placements, pool.images_by_encoder(), pool.num_reencoded, pool.up, len(inbox)
+            print(f"\n{NUM_REQUESTS} requests, {sum(map(len, requests))} images "
+                  f"({sum(im.num_tokens for images in requests for im in images)} image tokens) in {elapsed:.2f} s")
+            return (results, pool.placements, pool.images_by_encoder(), pool.num_reencoded, pool.up, len(inbox),
+                    kill_at[0])
         finally:
             await pool.close()
             await inbox.close()
 
-    results, placements, by_encoder, num_reencoded, up, left = asyncio.run(main())
+    results, placements, by_encoder, num_reencoded, up, left, kill_at = asyncio.run(main())
     for r, (got, expect) in enumerate(zip(results, want)):
         for i, (g, w) in enumerate(zip(got, expect)):
             assert g.dtype == w.dtype and torch.equal(g, w), f"request {r} image {i} differs from the co-located tower"
@@ -134,4 +141,11 @@ def test_three_encoders_32_requests_one_killed(tiny_dir, encoders):
         assert p.pending_before[p.encoder] == min(p.pending_before.values()), p
     assert sum(by_encoder.values()) == sum(len(images) for images in requests)
     assert all(by_encoder[name] > 0 for name in by_encoder)
-    print(f"\nimages per encoder {by_encoder}, re-encoded after the kill: {num_reencoded}")
+    def spread(ps, skip=()):
+        return max(max(v for k, v in p.pending_before.items() if k not in skip)
+                   - min(v for k, v in p.pending_before.items() if k not in skip) for p in ps)
+    largest = max(p.num_tokens for p in placements)
+    print(f"images per encoder {by_encoder}, re-encoded after the kill: {num_reencoded}; widest pending-token spread "
+          f"at an admission: {spread(placements[:kill_at])} before the kill, {spread(placements, (victim,))} among "
+          f"the survivors over the run, {spread(placements)} counting the dead encoder until it was seen down "
+          f"(largest image {largest} tokens)")
