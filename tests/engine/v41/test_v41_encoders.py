@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -149,3 +150,55 @@ def test_three_encoders_32_requests_one_killed(tiny_dir, encoders):
           f"at an admission: {spread(placements[:kill_at])} before the kill, {spread(placements, (victim,))} among "
           f"the survivors over the run, {spread(placements)} counting the dead encoder until it was seen down "
           f"(largest image {largest} tokens)")
+
+
+def test_encoder_service_refuses_bad_requests_and_serves_on(tiny_dir):
+    """In one process: malformed encode requests get one-line error replies (the service serves
+    on); a good one lands in the inbox equal to the local tower's output."""
+    import zmq.asyncio
+
+    from deepinfer.runtime.encoder.service import EncoderService
+    from deepinfer.runtime.metrics import MetricsRegistry
+    from deepinfer.transport.channels import RequestClient
+    from deepinfer.transport.errors import RemoteError
+    from deepinfer.transport.protocol.ve import VeEncode, VeEncoded, VeReply, VeStatus, VeStatusRequest
+
+    cfg = read_model_config(tiny_dir)
+    vision = VisionEncoder.load(tiny_dir, cfg, dtype=torch.float32, device="cpu")
+    image = vision.prepare(picture(np.random.default_rng(1)))
+    pixels = image.pixels.contiguous().view(torch.uint8).numpy()
+
+    async def main():
+        node = SimpleNamespace(name="enc", instance_id=7, ctx=zmq.asyncio.Context.instance(), metrics=MetricsRegistry())
+        service = EncoderService(vision, f"tcp://127.0.0.1:{free_tcp_port()}")
+        inbox = EmbeddingInbox(f"tcp://127.0.0.1:{free_tcp_port()}", hidden_size=cfg.hidden_size)
+        await service.start(node)
+        await inbox.start()
+        client = await RequestClient(service.address, VeReply).start()
+        try:
+            def encode(**kw):
+                fields = dict(request_id="r", image_index=0, grid=list(image.grid), num_tokens=image.num_tokens,
+                              content_hash=image.content_hash, pixel_dtype="bfloat16", inbox_address=inbox.address)
+                return VeEncode(**{**fields, **kw})
+            errors = []
+            for msg, buffers in [(encode(), [pixels[:-6]]), (encode(pixel_dtype="nope"), [pixels]),
+                                 (encode(num_tokens=10_000), [pixels]), (encode(), [])]:
+                with pytest.raises(RemoteError) as err:
+                    await client.request(msg, buffers=buffers, timeout_s=10)
+                errors.append(str(err.value))
+            reply = await client.request(encode(), buffers=[pixels], timeout_s=30)
+            got = await inbox.take("r", 0, image.content_hash, timeout_s=5)
+            status = await client.request(VeStatusRequest(), timeout_s=5)
+            return errors, reply, got, status
+        finally:
+            await client.close()
+            await inbox.close()
+            await service.stop()
+
+    errors, reply, got, status = asyncio.run(main())
+    assert all("\n" not in e for e in errors), errors
+    assert "do not fit a grid" in errors[0] and "is not a torch dtype" in errors[1]
+    assert "outside this model's" in errors[2] and "one attachment" in errors[3]
+    assert isinstance(reply, VeEncoded) and reply.num_tokens == image.num_tokens
+    assert torch.equal(got, vision.encode(image))
+    assert isinstance(status, VeStatus) and status.num_encoded == 1 and status.num_pending_image_tokens == 0
