@@ -22,6 +22,10 @@ class Envs:
     hf_model_dir: str = ""
     # Where the built-in tiny model and other generated artefacts are cached.
     cache_dir: str = ""
+    # What `deepinfer serve` loads with no --model: "trained" (the tiny DeepSeek-V4.1 checkpoint
+    # trained on the Python standard library, shipped in the package) or "random" (the random
+    # tiny V4 model written once under cache_dir; the server tests use it).
+    builtin_model: str = "trained"
     # "nvidia" | "cpu" | "" (auto): which accelerator the kernels dispatch for.
     accelerator: str = ""
     # Log level for every daemon: DEBUG, INFO, WARNING, ERROR.
@@ -58,6 +62,7 @@ _ENV_NAMES = {
     "hf_model_dir": "DEEPINFER_HF_MODEL_DIR",
     "v41_numerics": "DEEPINFER_V41_NUMERICS",
     "cache_dir": "DEEPINFER_CACHE_DIR",
+    "builtin_model": "DEEPINFER_BUILTIN_MODEL",
     "accelerator": "DEEPINFER_ACCELERATOR",
     "log_level": "DEEPINFER_LOG_LEVEL",
     "use_uvloop": "DEEPINFER_USE_UVLOOP",

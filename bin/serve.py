@@ -1,7 +1,9 @@
 """`deepinfer serve`: the OpenAI-compatible server, gateway and engine in this one process.
 
-With no ``--model`` it serves the built-in tiny model, written once into the user cache dir
-(runtime/gateway/builtin_model.py). SIGINT/SIGTERM shut down cleanly (exit status 0).
+With no ``--model`` it serves the built-in tiny model (runtime/gateway/builtin_model.py): the
+trained tiny DeepSeek-V4.1 checkpoint shipped in the package, or with
+DEEPINFER_BUILTIN_MODEL=random the random tiny V4 model written once into the user cache dir.
+SIGINT/SIGTERM shut down cleanly (exit status 0).
 """
 
 from __future__ import annotations
@@ -272,13 +274,15 @@ def _model_dir(args) -> tuple[Path, bool]:
         if not (path / "config.json").is_file():
             raise CliError(f"--model {model}: no config.json there; expected an HF-style model directory", code=2)
         return path, False
-    from deepinfer.runtime.gateway.builtin_model import ensure_builtin_model
+    from deepinfer.runtime.gateway.builtin_model import default_model_dir
 
     try:
-        path, created = ensure_builtin_model(show_progress=not args.no_progress)
+        path, created, kind = default_model_dir(show_progress=not args.no_progress)
+    except ValueError as exc:
+        raise CliError(str(exc), code=2) from None
     except OSError as exc:
         raise CliError(f"cannot create the built-in tiny model: {exc}") from None
-    print(("Created" if created else "Using") + f" the built-in tiny model at {path}")
+    print(("Created" if created else "Using") + f" the built-in tiny model ({kind}) at {path}")
     return path, True
 
 

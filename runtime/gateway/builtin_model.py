@@ -1,6 +1,11 @@
 """The built-in tiny model ``deepinfer serve`` uses when no ``--model`` is given.
 
-It is written once into the user cache dir (``DEEPINFER_CACHE_DIR``, default
+``default_model_dir``: by default (``DEEPINFER_BUILTIN_MODEL=trained``) the trained tiny
+DeepSeek-V4.1 checkpoint shipped in the package (engine/models/deepseek_v41/builtin, made by
+`deepinfer train-tiny`); with ``random``, or in a tree without that checkpoint, the random tiny
+V4 model below.
+
+The random one is written once into the user cache dir (``DEEPINFER_CACHE_DIR``, default
 ``~/.cache/deepinfer``) under ``models/tiny-<fingerprint>``. The fingerprint hashes the package
 version and the source of the code that writes the checkpoint, so a changed writer gets a fresh
 directory instead of a stale one.
@@ -51,6 +56,26 @@ def fingerprint() -> str:
     for module in (tiny_model, tiny_tokenizer, markup, checkpoint_writer):
         h.update(inspect.getsource(module).encode())
     return h.hexdigest()[:12]
+
+
+BUILTIN_CHOICES = ("trained", "random")
+
+
+def default_model_dir(cache_dir: str | Path | None = None, *, show_progress: bool = True) -> tuple[Path, bool, str]:
+    """(directory, whether this call created it, what it is) of the model served without --model."""
+    choice = envs.get().builtin_model
+    if choice not in BUILTIN_CHOICES:
+        raise ValueError(f"DEEPINFER_BUILTIN_MODEL={choice!r}: use 'trained' or 'random'")
+    if choice == "trained":
+        from deepinfer.engine.models.deepseek_v41.builtin_checkpoint import builtin_checkpoint
+
+        shipped = builtin_checkpoint()
+        if shipped is not None:
+            return shipped, False, "trained DeepSeek-V4.1 (Python standard library)"
+        log.warning("this tree has no trained tiny checkpoint (engine/models/deepseek_v41/builtin); "
+                    "serving the random tiny model")
+    path, created = ensure_builtin_model(cache_dir, show_progress=show_progress)
+    return path, created, "random DeepSeek-V4"
 
 
 def builtin_model_dir(cache_dir: str | Path | None = None) -> Path:

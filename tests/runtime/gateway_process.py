@@ -21,7 +21,9 @@ STOP_TIMEOUT_S = 10.0
 
 
 def serve_env(cache_dir: Path) -> dict[str, str]:
-    return {**os.environ, "DEEPINFER_CACHE_DIR": str(cache_dir), "DEEPINFER_LOG_LEVEL": "WARNING"}
+    # the server tests run on the random tiny model the harness wrote (not the shipped trained one)
+    return {**os.environ, "DEEPINFER_CACHE_DIR": str(cache_dir), "DEEPINFER_LOG_LEVEL": "WARNING",
+            "DEEPINFER_BUILTIN_MODEL": "random"}
 
 
 class Served:
