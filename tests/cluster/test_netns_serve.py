@@ -65,7 +65,8 @@ def test_serve_on_one_host_answers_clients_across_the_bridges(tmp_path):
         srv = cluster.address("srv")
         server = cluster.popen("srv", cluster.deepinfer(
             "serve", "--host", srv, "--port", str(PORT), "--no-progress", "--max-num-seqs", "4", "--num-threads", "1"),
-            env={"DEEPINFER_CACHE_DIR": str(gateway_harness.TEST_CACHE_DIR), "DEEPINFER_LOG_LEVEL": "WARNING"})
+            env={"DEEPINFER_CACHE_DIR": str(gateway_harness.TEST_CACHE_DIR), "DEEPINFER_LOG_LEVEL": "WARNING",
+                 "DEEPINFER_BUILTIN_MODEL": "random"})  # the random tiny model the harness wrote
         cluster.wait_listening("near", srv, PORT, timeout_s=120, proc=server)
         assert cluster.call_in("far", health, srv) == 200
         # bound to its namespace address only: its host's loopback does not serve
