@@ -18,6 +18,10 @@ leases expire; aborts go both ways. The gateway then re-dispatches (``recompute`
 prefill, resuming after the tokens already streamed — sampling is counter-based, so the
 continuation is the same) or ends the request with a clear error (``fail``).
 
+Images (a model with a vision tower and encoder nodes, runtime/encoder/): before ``PdDispatch``
+the gateway has the encoders push each image's embeddings to the prefill's embedding inbox (its
+data address); the dispatch names the image spans, the KV push carries spans and embeddings on.
+
 Modules: engine_loop (step loop), engine_service (RPC, load, links), prefill, decode, leases,
 handoff_metrics, node_role (``deepinfer node --role prefill|decode``), client (the gateway's
 EngineClient), local_cluster + launch (``deepinfer serve --disaggregated``).

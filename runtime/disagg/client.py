@@ -29,6 +29,7 @@ alive): it is recomputed or failed by the same policy instead of hanging until t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import random
@@ -291,19 +292,21 @@ class PdEngineClient:
         finally:
             if not encode.done():
                 encode.cancel()
+                with contextlib.suppress(BaseException):
+                    await encode
         if attempt.lost.done():
             if attempt.lost.result() is None:
                 return
             raise _AttemptLost(attempt.lost.result(), attempt.prefill.name)
+        if encode.cancelled():
+            raise EngineLostError(f"request {attempt.request_id}: its images were not encoded before the "
+                                  f"{self.request_timeout_s:g}s request deadline")
         try:
             encode.result()
         except ImageRefused as exc:
             raise InvalidPromptError(str(exc)) from None
         except EncoderUnavailable as exc:
             raise EngineLostError(f"request {attempt.request_id}: {exc}") from None
-        except asyncio.CancelledError:
-            raise EngineLostError(f"request {attempt.request_id}: its images were not encoded before the "
-                                  f"{self.request_timeout_s:g}s request deadline") from None
 
     async def _run_attempt(self, attempt: _Attempt, prompt_ids: list[int], sampling: bytes, seed: int,
                            streamed: list[int], deadline: float,
