@@ -18,6 +18,7 @@ import torch
 from deepinfer.engine.models.deepseek_v41.training import calibration as cal
 from deepinfer.engine.models.deepseek_v41.training.bpe import train_tokenizer
 from deepinfer.engine.models.deepseek_v41.training.corpus import SourceFile, function_headers, split_of
+from deepinfer.engine.models.deepseek_v41.training.drafter_phase import DrafterOptions
 from deepinfer.engine.models.deepseek_v41.training.evaluate import function_source, parses
 from deepinfer.engine.models.deepseek_v41.training.model_setup import (
     SMALL_SIZES,
@@ -51,7 +52,9 @@ def test_cpu_training_few_steps_end_to_end(small_data, tmp_path):
     train = TrainOptions(steps=3, batch=2, seq_len=48, anchors=3, warmup=1, log_every=1, qat_from=0.5)
     options = RunOptions(train=train, sizes=dict(SMALL_SIZES), device="cpu", eval_batch=4, dspark_prompts=2,
                          dspark_prompt_len=24, dspark_new=10, headers=2, header_tokens=10, sample_tokens=4,
-                         trace_steps=20, eval_tokens=400)
+                         trace_steps=20, eval_tokens=400,
+                         drafter=DrafterOptions(sequences=4, prompt_len=16, new=12, steps=2, seqs_per_step=2, anchors=4,
+                                                log_every=1))
     out = tmp_path / "ckpt"
     report = run(data, out, options, log=lambda *_: None)
     history = report["train"]["history"]
@@ -64,7 +67,10 @@ def test_cpu_training_few_steps_end_to_end(small_data, tmp_path):
     assert trace.shape[1:] == (c.num_hidden_layers, c.n_routed_experts)
     # every window's tokens are counted k times per layer
     assert np.all(trace.sum(-1) == trace.sum(-1)[:, :1]) and trace.sum(-1)[0, 0] % c.num_experts_per_tok == 0
-    assert json.loads((out / "eval.json").read_text())["heldout"]["tokens"] > 0
+    saved = json.loads((out / "eval.json").read_text())
+    assert saved["heldout"]["tokens"] > 0 and set(saved["parse"]["rates"]) == {"as_written", "no_newline"}
+    phase2 = saved["drafter_phase"]  # phase 2 ran on the saved checkpoint before the evaluation
+    assert [h["step"] for h in phase2["history"]] == [1, 2] and phase2["tokens_per_step_before"] >= 1.0
     assert len(json.loads((out / "dspark_calibration.json").read_text())["temperatures"]) == c.dspark_block_size
     stream = np.load(data / "test.npy")[:90].astype(np.int64).tolist()
     dense.assert_dense_matches_engine(out, stream)
