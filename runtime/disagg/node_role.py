@@ -73,9 +73,13 @@ def make_role(*, role: NodeRole, config: ClusterConfig, node_name: str, model: s
         options = replace(options, expert_parallel=group.start())
     try:
         parts = build_engine(model_dir, options)
-    except BaseException:
-        if group is not None:
-            group.stop(grace_s=1.0)
+    except BaseException as exc:
+        if group is None:
+            raise
+        lost = group.lost()  # a rank that could not start: the reason rank 0 could not form the group
+        group.stop(grace_s=1.0)
+        if lost is not None and not isinstance(exc, ValueError):
+            raise ValueError(f"the EP group could not form: {lost}") from exc
         raise
     service_config = EngineServiceConfig(engine_address=spec.engine, data_address=spec.data, lease_s=lease_s,
                                          swa_directory=options.swa_directory or "",
