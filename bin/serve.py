@@ -25,7 +25,7 @@ ENGINE_FLAGS = ("dtype", "device", "max_num_seqs", "max_num_batched_tokens", "ma
                 "block_size", "max_num_waiting", "seed", "num_threads", "swa_replay", "swa_replay_tokens",
                 "swa_store_slots", "swa_snapshot_prompts", "swa_fetch_deadline_s", "swa_directory", "swa_node_name",
                 "swa_peer_host", "kv_host_tier_bytes", "kv_store_dir", "kv_store_nodes", "kv_store_ec",
-                "kv_load_deadline_s")
+                "kv_load_deadline_s", "speculative", "num_draft_tokens", "spec_schedule")
 
 
 def add_parser(subparsers, name):
@@ -81,11 +81,26 @@ def add_parser(subparsers, name):
                         "A rank that dies fails the requests in flight and the group restarts (default 1)")
     e.add_argument("--ep-redundant-experts", type=int, default=0, metavar="R",
                    help="with --ep: replica slots per rank beyond the experts it owns, for EPLB (default 0)")
+    add_spec_arguments(p)
     add_swa_arguments(p)
     from deepinfer.runtime.disagg.cli_args import add_disagg_arguments  # pd-disagg hook: --disaggregated ...
 
     add_disagg_arguments(p)
     return p
+
+
+def add_spec_arguments(p) -> None:
+    """DSpark speculative decoding (EngineOptions.speculative, num_draft_tokens, spec_schedule)."""
+    d = p.add_argument_group("speculative decoding (DSpark)")
+    d.add_argument("--speculative", default=None, choices=("off", "dspark"),
+                   help="dspark: draft with the checkpoint's DSpark stages and verify exactly (outputs unchanged); "
+                        "off (default)")
+    d.add_argument("--num-draft-tokens", type=int, default=None, metavar="N",
+                   help="drafts a request may verify per step (default 5; at most the drafter's block)")
+    d.add_argument("--spec-schedule", default=None, choices=("confidence", "fixed"),
+                   help="which drafts are verified: confidence (default) picks each request's length across the "
+                        "batch from the drafter's confidences and the step times measured at start-up; fixed "
+                        "verifies all of them")
 
 
 # the SWA flags a `deepinfer node` prefill/decode engine takes too (bin/node.py)
@@ -202,7 +217,8 @@ def _check_args(args) -> None:
     if not 0 <= args.port <= 65535:
         raise CliError(f"--port must be between 0 and 65535, got {args.port}", code=2)
     for flag in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_blocks", "block_size",
-                 "max_num_waiting", "num_threads", "max_concurrent_requests", "swa_replay_tokens"):
+                 "max_num_waiting", "num_threads", "max_concurrent_requests", "swa_replay_tokens",
+                 "num_draft_tokens"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise CliError(f"--{flag.replace('_', '-')} must be >= 1, got {value}", code=2)

@@ -136,3 +136,18 @@ async def test_metrics_carry_totals_and_per_request_counts():
         # every draft of these three requests was counted once, on its request's finishing output
         assert _sample(text, f'deepinfer_spec_request_tokens_sum{{stage="{name}"}}') == totals[f"num_{name}"]
         assert _sample(text, f'deepinfer_spec_request_tokens_count{{stage="{name}"}}') == 3
+
+
+def test_serve_flags_reach_the_engine_options():
+    import argparse
+
+    from deepinfer.bin import serve
+    from deepinfer.engine.core.options import EngineOptions
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    parser = serve.add_parser(sub, "serve")
+    args = parser.parse_args(["--speculative", "dspark", "--num-draft-tokens", "3", "--spec-schedule", "fixed"])
+    opts = serve.engine_options(args)
+    assert opts == {"speculative": "dspark", "num_draft_tokens": 3, "spec_schedule": "fixed"}
+    assert EngineOptions(**opts).num_draft_tokens == 3
+    assert serve.engine_options(parser.parse_args([])) == {}  # the engine's defaults (off) apply
