@@ -82,6 +82,16 @@ class ImagePrompt:
         return [MultiModalInput(span, e) for span, e in zip(self.spans, embeds, strict=True)]
 
 
+async def prepare_prompt_images(vision: VisionEncoder | None, prompt: Any,
+                                token_ids: Sequence[int]) -> ImagePrompt | None:
+    """A prompt's ``multi_modal_data`` prepared (Pillow on a worker thread) and its placeholders
+    expanded, for a caller whose towers are elsewhere (encoder nodes); None without images."""
+    images = prompt_images(prompt)
+    if not images:
+        return None
+    return await asyncio.get_running_loop().run_in_executor(None, ImagePrompt.build, vision, token_ids, images)
+
+
 async def encode_prompt_images(vision: VisionEncoder | None, prompt: Any, token_ids: Sequence[int],
                                device: Executor) -> tuple[list[int], list[MultiModalInput]]:
     """A prompt's ``multi_modal_data`` made into (expanded ids, inputs) by the engine's own tower:

@@ -29,7 +29,6 @@ alive): it is recomputed or failed by the same policy instead of hanging until t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import random
@@ -42,7 +41,7 @@ from deepinfer.engine.api.protocol import EngineStats, GatewayTokenizer, Invalid
 from deepinfer.engine.api.sampling_params import SamplingParams
 from deepinfer.engine.kv.handoff import decode_output, encode_params
 from deepinfer.engine.mm.encoder import VisionEncoder
-from deepinfer.engine.mm.prompt import ImagePrompt, prompt_images
+from deepinfer.engine.mm.prompt import ImagePrompt, prepare_prompt_images
 from deepinfer.runtime.balance import PrefillRouterConfig
 from deepinfer.runtime.cluster_config import ClusterConfig, NodeRole
 from deepinfer.runtime.disagg.engine_directory import EngineDirectory, EngineEntry
@@ -275,38 +274,22 @@ class PdEngineClient:
         """The prompt's images prepared and its placeholders expanded (None: text only)."""
         if prompt.get("multi_modal_data") is None:
             return None
-        images = prompt_images(prompt)
-        if not images:
-            return None
-        if self.vision is None or self.encoders is None:
+        if self.encoders is None:
             raise InvalidPromptError("this cluster encodes no images (no vision model or no encoder nodes)")
-        return await asyncio.to_thread(ImagePrompt.build, self.vision, prompt_ids, images)
+        return await prepare_prompt_images(self.vision, prompt, prompt_ids)
 
     async def _encode_images(self, attempt: _Attempt, images: ImagePrompt, deadline: float) -> None:
         """Every image of this attempt encoded into its prefill's inbox (before the dispatch)."""
-        encode = asyncio.ensure_future(self.encoders.encode(engine_request_id(attempt.request_id, attempt.number),
-                                                            images.images, attempt.prefill.data_address))
+        erid = engine_request_id(attempt.request_id, attempt.number)
         try:
-            await asyncio.wait([encode, attempt.lost], timeout=max(0.0, deadline - asyncio.get_running_loop().time()),
-                               return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if not encode.done():
-                encode.cancel()
-                with contextlib.suppress(BaseException):
-                    await encode
-        if attempt.lost.done():
-            if attempt.lost.result() is None:
-                return
-            raise _AttemptLost(attempt.lost.result(), attempt.prefill.name)
-        if encode.cancelled():
-            raise EngineLostError(f"request {attempt.request_id}: its images were not encoded before the "
-                                  f"{self.request_timeout_s:g}s request deadline")
-        try:
-            encode.result()
+            done = await self.encoders.encode_until(erid, images.images, attempt.prefill.data_address,
+                                                    cut_off=attempt.lost, deadline=deadline)
         except ImageRefused as exc:
             raise InvalidPromptError(str(exc)) from None
         except EncoderUnavailable as exc:
             raise EngineLostError(f"request {attempt.request_id}: {exc}") from None
+        if not done and attempt.lost.result() is not None:  # (None: aborted)
+            raise _AttemptLost(attempt.lost.result(), attempt.prefill.name)
 
     async def _run_attempt(self, attempt: _Attempt, prompt_ids: list[int], sampling: bytes, seed: int,
                            streamed: list[int], deadline: float,

@@ -128,6 +128,27 @@ class EncoderPool:
             for t in tasks:
                 t.cancel()
 
+    async def encode_until(self, request_id: str, images: Sequence[PreparedImage], inbox_address: str, *,
+                           cut_off: asyncio.Future, deadline: float) -> bool:
+        """``encode`` unless ``cut_off`` resolves first (False: it was cut off, the encodes are
+        cancelled) or the loop time passes ``deadline`` (``EncoderUnavailable``)."""
+        loop = asyncio.get_running_loop()
+        encode = asyncio.ensure_future(self.encode(request_id, images, inbox_address))
+        try:
+            await asyncio.wait([encode, cut_off], timeout=max(0.0, deadline - loop.time()),
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not encode.done():
+                encode.cancel()
+                with contextlib.suppress(BaseException):
+                    await encode
+        if cut_off.done():
+            return False
+        if encode.cancelled():
+            raise EncoderUnavailable(f"{request_id}'s images were not encoded before its deadline")
+        encode.result()
+        return True
+
     def _place(self, request_id: str, sizes: dict[int, int], exclude: Sequence[_Encoder]) -> dict[int, _Encoder]:
         """Image index -> encoder for images of ``sizes`` (index -> image tokens)."""
         up = [e for e in self._encoders if e.is_up and e not in exclude]
