@@ -202,3 +202,31 @@ def test_encoder_service_refuses_bad_requests_and_serves_on(tiny_dir):
     assert isinstance(reply, VeEncoded) and reply.num_tokens == image.num_tokens
     assert torch.equal(got, vision.encode(image))
     assert isinstance(status, VeStatus) and status.num_encoded == 1 and status.num_pending_image_tokens == 0
+
+
+def test_no_encoder_up_is_a_clear_error(tiny_dir):
+    """Encoders that never answer are seen down by the probes; a request then fails at once with
+    EncoderUnavailable naming the cause (and a request cut off by its deadline says so)."""
+    from deepinfer.runtime.encoder.pool import EncoderUnavailable
+
+    vision = VisionEncoder.for_config(read_model_config(tiny_dir))
+    image = vision.prepare(picture(np.random.default_rng(2)))
+    refs = [EncoderRef(f"gone-{i}", f"tcp://127.0.0.1:{free_tcp_port()}") for i in range(2)]
+
+    async def main():
+        pool = await EncoderPool(refs, probe_interval_s=0.05, probe_timeout_s=0.1).start()
+        try:
+            loop = asyncio.get_running_loop()
+            never = loop.create_future()
+            with pytest.raises(EncoderUnavailable, match="not encoded before its deadline"):
+                await pool.encode_until("r1", [image], "tcp://127.0.0.1:1", cut_off=never, deadline=loop.time() + 0.05)
+            while pool.up:
+                await asyncio.sleep(0.02)
+            start = loop.time()
+            with pytest.raises(EncoderUnavailable, match="no vision encoder is up to encode r2's images"):
+                await pool.encode("r2", [image], "tcp://127.0.0.1:1")
+            return loop.time() - start
+        finally:
+            await pool.close()
+
+    assert asyncio.run(asyncio.wait_for(main(), 20)) < 0.5
