@@ -4,7 +4,7 @@ model (default) or on a simulated drafter (``--simulated``).
 Model-backed (tests/bench/spec_engine.py says how each figure is measured): per concurrency the
 engine runs the same greedy requests with no speculation, fixed-5 verification and the
 confidence schedule; columns ``ver_*`` / ``acc_*`` / ``tok_s_*`` as below, ``identical`` (every
-request's tokens equal no speculation's) and ``draft_s`` (the drafter's seconds in the scheduled run).
+request's tokens equal no speculation's), ``cpu_*`` (tokens per CPU second) and ``draft_s`` (the drafter's seconds in the scheduled run).
 Figures: ``mode`` = "engine", at concurrency 60 the issue's keys (``verified_per_step_fixed`` /
 ``_sched``, ``accepted_len_fixed`` / ``_sched``, ``tok_s_off`` / ``_fixed`` / ``_sched``),
 ``greedy_identical`` (1 when every request at every concurrency matched), per concurrency
@@ -178,9 +178,11 @@ def run_engine(args) -> int:
                        acc_fixed=fixed.accepted_len, acc_sched=sched.accepted_len,
                        tok_s_off=round(off.tok_s, 1), tok_s_fixed=round(fixed.tok_s, 1), tok_s_sched=round(sched.tok_s, 1),
                        sched_vs_fixed=f"{sched.tok_s / fixed.tok_s - 1:+.2%}", sched_vs_off=f"{sched.tok_s / off.tok_s:.2f}x",
+                       cpu_off=round(off.tok_cpu_s, 1), cpu_fixed=round(fixed.tok_cpu_s, 1), cpu_sched=round(sched.tok_cpu_s, 1),
                        draft_s=round(sched.draft_seconds, 2), identical=int(identical))  # fmt: skip
             for name, r in res.items():
                 report.figure(f"c{c}_tok_s_{name}", r.tok_s)
+                report.figure(f"c{c}_tok_cpu_s_{name}", r.tok_cpu_s)
                 if name != "off":
                     report.figure(f"c{c}_verified_per_step_{name}", r.verified_per_step)
                     report.figure(f"c{c}_accepted_len_{name}", r.accepted_len)
