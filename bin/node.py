@@ -79,6 +79,8 @@ def _role_kwargs(args, role) -> dict:
         if args.served_model_name:
             options["served_model_name"] = args.served_model_name
         return {"model": args.model, "engine_options": options}
+    if role.value == "encoder":  # the vision tower only: the model, its dtype and threads
+        return {"model": args.model, "engine_options": {k: options[k] for k in ("dtype", "num_threads") if k in options}}
     if role.value not in ("prefill", "decode"):
         return {}
     kwargs = {"model": args.model, "engine_options": options, "lease_s": args.lease_s}

@@ -107,9 +107,13 @@ class LocalPdCluster:
 
     def _argv(self, cluster_path: Path, name: str) -> list[str]:
         role = name.split("-")[0]
-        if role == "encoder":  # the model from DEEPINFER_HF_MODEL_DIR (_child_env); no engine flags
-            return [sys.executable, "-m", "deepinfer.bin", "node", "--role", role, "--cluster", str(cluster_path),
-                    "--name", name]
+        if role == "encoder":  # the vision tower only: the model, its dtype and threads
+            argv = [sys.executable, "-m", "deepinfer.bin", "node", "--role", role, "--cluster", str(cluster_path),
+                    "--name", name, "--model", str(self.model_dir)]
+            for key in ("dtype", "num_threads"):
+                if key in self.engine_options:
+                    argv += [f"--{key.replace('_', '-')}", str(self.engine_options[key])]
+            return argv
         argv = [sys.executable, "-m", "deepinfer.bin", "node", "--role", role, "--cluster", str(cluster_path),
                 "--name", name, "--model", str(self.model_dir), "--lease-s", str(self.lease_s)]
         for key in _NODE_FLAGS:
@@ -137,9 +141,7 @@ class LocalPdCluster:
             if address is not None:
                 self.swa_directory = SwaDirectoryService(address, name="gateway-swa-directory")
                 await self.swa_directory.start()
-            encoder_env = {**self.env, "DEEPINFER_HF_MODEL_DIR": str(self.model_dir)}
-            children = [ChildSpec(n, self._argv(path, n), self.env) for n in self.engine_names()] + \
-                [ChildSpec(n, self._argv(path, n), encoder_env) for n in self.encoder_names()]
+            children = [ChildSpec(n, self._argv(path, n), self.env) for n in self.engine_names() + self.encoder_names()]
             self.supervisor = Supervisor(children,
                                          log_dir=self.log_dir, cleanup_dir=self.root, on_exit=self._on_engine_exit)
             await self.supervisor.start()
