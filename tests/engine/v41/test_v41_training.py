@@ -14,7 +14,9 @@ import math
 import numpy as np
 import pytest
 import torch
+from tokenizers import Tokenizer
 
+from deepinfer.engine.models.deepseek_v41.engram import compressed_token_map
 from deepinfer.engine.models.deepseek_v41.training import calibration as cal
 from deepinfer.engine.models.deepseek_v41.training.bpe import train_tokenizer
 from deepinfer.engine.models.deepseek_v41.training.corpus import SourceFile, function_headers, split_of
@@ -30,8 +32,16 @@ from deepinfer.engine.models.deepseek_v41.training.model_setup import (
 )
 from deepinfer.engine.models.deepseek_v41.training.ngram import KneserNey
 from deepinfer.engine.models.deepseek_v41.training.prepare import PrepareOptions, prepare
-from deepinfer.engine.models.deepseek_v41.training.run import RunOptions, load_for_eval, run, save_checkpoint
+from deepinfer.engine.models.deepseek_v41.training.run import (
+    RunOptions,
+    distil_drafter,
+    load_for_eval,
+    load_streams,
+    run,
+    save_checkpoint,
+)
 from deepinfer.engine.models.deepseek_v41.training.trainer import TrainOptions, _steer_biases, zipf_targets
+from deepinfer.engine.models.deepseek_v41.training.trainer import train as train_loop
 from tests.conftest import load_test_helper
 
 dense = load_test_helper("engine/v41/test_v41_dense")
@@ -166,3 +176,27 @@ def test_tokenizer_keeps_line_starts_apart():
         prefix = tokenizer.encode(cut).ids
         assert whole[: len(prefix)] == prefix, cut
     assert tokenizer.decode(whole, skip_special_tokens=True) == text
+
+
+
+def test_drafter_phase_changes_the_drafter_only(small_data, tmp_path):
+    # phase 2 saves the whole checkpoint again: the target's weights as loaded (dequantised) must come
+    # back exactly (its FP4 packing and Engram row scales may be re-chosen), only mtp.* may move
+    data, _ = small_data
+    tokenizer = Tokenizer.from_file(str(data / "tokenizer.json"))
+    cfg = training_config(compressed_token_map(tokenizer, SMALL_SIZES["vocab_size"])[1], dict(SMALL_SIZES))
+    train = TrainOptions(steps=1, batch=2, seq_len=48, anchors=3, warmup=1, log_every=1, qat_from=0.5)
+    model = build_model(cfg, data, 0, "cpu")
+    train_loop(model, load_streams(data)["train"], train, log=lambda *_: None)
+    disable_qat(model)
+    out = tmp_path / "ckpt"
+    save_checkpoint(model, cfg, data, out, 0)
+    before = {k: v.clone() for k, v in load_for_eval(out, "cpu").state_dict().items()}
+    options = RunOptions(train=train, sizes=dict(SMALL_SIZES), device="cpu", dspark_prompts=2, dspark_prompt_len=24,
+                         dspark_new=10)
+    d = DrafterOptions(sequences=4, prompt_len=16, new=12, steps=3, seqs_per_step=2, anchors=4, lr=1e-2)
+    record = distil_drafter(out, data, load_streams(data), options, d, log=lambda *_: None)
+    after = load_for_eval(out, "cpu").state_dict()
+    assert before.keys() == after.keys() and len(record["history"]) == 1
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all(k.startswith("mtp.") for k in changed), sorted(k for k in changed if not k.startswith("mtp."))[:5]
