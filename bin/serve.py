@@ -61,6 +61,7 @@ def add_parser(subparsers, name):
                    help="on SIGINT/SIGTERM, seconds requests in flight may take to finish before they are "
                         "aborted (default 5)")
     add_http_arguments(p)
+    add_image_arguments(p)
     e = p.add_argument_group("engine")
     e.add_argument("--dtype", default=None, choices=DTYPES, help="compute dtype (default auto: float32 on CPU)")
     e.add_argument("--device", default=None, help="cpu, cuda, cuda:N or auto (default auto)")
@@ -190,6 +191,22 @@ def add_http_arguments(p) -> None:
                         f"(default {default['max_connections']})")
 
 
+def add_image_arguments(p) -> None:
+    """Chat image_url parts (runtime/gateway/chat_images.py; a model with a vision tower)."""
+    i = p.add_argument_group("images in chat messages")
+    i.add_argument("--allow-image-urls", action="store_true",
+                   help="fetch http(s) image_url parts (default: only data: URLs; a URL is a 400)")
+    i.add_argument("--max-image-bytes", type=int, default=None, metavar="N",
+                   help="largest encoded image per content part; a bigger one is a 400 (default 2 MiB)")
+
+
+def image_settings(args) -> dict:
+    out = {"allow_image_urls": True} if args.allow_image_urls else {}
+    if args.max_image_bytes is not None:
+        out["max_image_bytes"] = args.max_image_bytes
+    return out
+
+
 def check_http_args(args) -> None:
     for flag in ("header_timeout", "body_timeout", "keepalive_timeout"):
         value = getattr(args, flag)
@@ -271,7 +288,8 @@ def _check_args(args) -> None:
 
 
 # EngineOptions field names in validation messages -> the flags a serve user typed
-_FLAG_NAMES = {"kv_store_nodes": "--kv-store-nodes", "kv_store_ec": "--kv-store-ec", "kv_store_dir": "--kv-store-dir"}
+_FLAG_NAMES = {"kv_store_nodes": "--kv-store-nodes", "kv_store_ec": "--kv-store-ec", "kv_store_dir": "--kv-store-dir",
+               "max_image_bytes": "--max-image-bytes"}
 
 
 def _flag_message(message: str) -> str:
@@ -353,7 +371,7 @@ def _run(args) -> int:
         kv_store_cluster(checked)  # with DEEPINFER_KV_STORE_NODES / _EC applied
         gateway = GatewayConfig(served_model_names=names, api_key=args.api_key,
                                 max_concurrent_requests=args.max_concurrent_requests,
-                                shutdown_grace_s=args.shutdown_grace, **http_settings(args))
+                                shutdown_grace_s=args.shutdown_grace, **http_settings(args), **image_settings(args))
     except (EngineOptionsError, ValueError) as exc:
         raise CliError(_flag_message(str(exc)), code=2) from None
     logging.basicConfig(level=envs.get().log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

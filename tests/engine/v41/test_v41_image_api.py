@@ -177,3 +177,21 @@ async def test_http_image_urls_when_enabled(served_with_urls):
         with pytest.raises(openai.BadRequestError) as err:
             await client.chat.completions.create(messages=chat_messages(base + path), **kw)
         assert message in err.value.body["message"]
+
+
+def test_serve_image_flags(tiny_dir, capsys):
+    """``serve --allow-image-urls --max-image-bytes N`` set the gateway's image settings; a bad
+    size is a one-line usage error before anything loads."""
+    import argparse
+
+    from deepinfer.bin import serve
+    from deepinfer.bin.cli import main
+
+    p = argparse.ArgumentParser()
+    serve.add_image_arguments(p)
+    assert serve.image_settings(p.parse_args(["--allow-image-urls", "--max-image-bytes", "5000"])) == {
+        "allow_image_urls": True, "max_image_bytes": 5000}
+    assert serve.image_settings(p.parse_args([])) == {}
+    assert main(["serve", "--model", str(tiny_dir), "--max-image-bytes", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--max-image-bytes must be >= 1" in err and "\n" not in err
