@@ -1,9 +1,9 @@
 """Images through a disaggregated cluster on the tiny V4.1 checkpoint (float32 CPU): ``LocalPdCluster``
-with one prefill, one decode and two encoder node processes (what ``serve --disaggregated
---encoders 2`` starts). The gateway's client prepares the images, the encoders encode them and
+with one prefill, one decode and three encoder node processes (what ``serve --disaggregated
+--encoders 3`` starts). The gateway's client prepares the images, the encoders encode them and
 push the embeddings to the prefill engine on the data plane, the KV goes on to the decode engine
-with the image spans: each answer equals the co-located engine's token for token, and an encoder
-killed mid-run costs no request. A chat with an image data URL through the gateway on that cluster
+with the image spans: 32 requests of 1-4 images each, one encoder killed mid-run, every answer
+equals the co-located engine's token for token. A chat with an image data URL through the gateway on that cluster
 streams the co-located answer (the official ``openai`` client)."""
 
 from __future__ import annotations
@@ -35,10 +35,13 @@ def picture(seed: int) -> Image.Image:
     return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
 
 
+NUM_REQUESTS = 32
+
+
 def prompts(tokenizer):
     out = []
-    for r in range(8):
-        images = [picture(10 * r + k) for k in range(1 + r % 3)]
+    for r in range(NUM_REQUESTS):
+        images = [picture(10 * r + k) for k in range(1 + r % 4)]
         text = f"Request {r}: " + " and ".join(IMAGE for _ in images) + " differ how?"
         out.append({"prompt_token_ids": tokenizer.encode(text), "multi_modal_data": {"image": images}})
     return out
@@ -83,34 +86,45 @@ def test_disaggregated_images_equal_co_located(tiny_dir):
         llm.shutdown()
 
     async def main():
-        cluster = LocalPdCluster(tiny_dir, num_prefill=1, num_decode=1, num_encoders=2, engine_options=ENGINE,
+        cluster = LocalPdCluster(tiny_dir, num_prefill=1, num_decode=1, num_encoders=3, engine_options=ENGINE,
                                  request_timeout_s=120)
         await cluster.start(ready_timeout_s=200)
         try:
-            first = await asyncio.gather(*(_generate(cluster.client, f"a{r}", p, params) for r, p in enumerate(reqs)))
             pool = cluster.client.encoders
-            used = {name: n for name, n in pool.images_by_encoder().items()}
+            pool.placements = []
 
-            async def kill_when_busy():
-                while not any(e.pending_tokens for e in pool._encoders if e.ref.name == "encoder-0"):
+            finished = []
+
+            async def kill_when_busy():  # a quarter of the requests in, while it encodes
+                while len(finished) < NUM_REQUESTS // 4 or not any(
+                        e.pending_tokens for e in pool._encoders if e.ref.name == "encoder-0"):
                     await asyncio.sleep(0.002)
                 await cluster.supervisor.kill("encoder-0")
 
+            async def staggered(r, prompt):
+                await asyncio.sleep(0.03 * r)  # arrivals over ~1 s
+                out = await _generate(cluster.client, f"r{r}", prompt, params)
+                finished.append(r)
+                return out
+
             killer = asyncio.ensure_future(kill_when_busy())
-            second = await asyncio.gather(*(_generate(cluster.client, f"b{r}", p, params) for r, p in enumerate(reqs)))
+            got = await asyncio.gather(*(staggered(r, p) for r, p in enumerate(reqs)))
             await asyncio.wait_for(killer, 5)
             for _ in range(50):  # the pool's probes see the kill within a second
                 if "encoder-0" not in pool.up:
                     break
                 await asyncio.sleep(0.1)
             chat = await _stream_chat(cluster.client, params)
-            return first, second, used, pool.num_reencoded, pool.up, chat
+            return got, pool.images_by_encoder(), pool.num_reencoded, pool.up, chat, pool.placements
         finally:
             await cluster.close()
 
-    first, second, used, num_reencoded, up, chat = asyncio.run(main())
-    assert first == want and second == want
+    got, by_encoder, num_reencoded, up, chat, placements = asyncio.run(main())
+    assert got == want  # every request completed, token for token the co-located answer
+    assert up == ["encoder-1", "encoder-2"]  # the killed one was seen down
+    assert any(p.encoder == "encoder-0" for p in placements)  # it had work when it was killed
+    # no image lost: every one encoded once by a survivor or before the kill (+ the chat's one)
+    assert sum(by_encoder.values()) == sum(len(p["multi_modal_data"]["image"]) for p in reqs) + 1
+    assert all(p.pending_before[p.encoder] == min(p.pending_before.values()) for p in placements)
     assert chat == want_chat and want_chat
-    assert up == ["encoder-1"]
-    assert all(n > 0 for n in used.values()), used  # both encoders took images
-    print(f"\nimages per encoder (first round) {used}; re-encoded after the kill: {num_reencoded}")
+    print(f"\nimages per encoder {by_encoder}; re-encoded after the kill: {num_reencoded}")
