@@ -5,27 +5,24 @@
         out.outputs[0].text          # the new text of this delta
     await engine.abort("r1"); await engine.shutdown()
 
-One background task runs the engine's ``StepLoop`` (engine/core/step_loop.py), pipelined:
-forwards run on one device thread while the loop schedules the next step and commits the
-previous one, and between those awaits the loop serves everything else (HTTP, new requests,
-aborts). All EngineCore calls happen on the loop's thread, so no locks are needed. Each request
-has a ``RequestStream`` the step loop's ``deliver`` hook pushes deltas into; ``generate`` yields
-them (coalesced when the consumer lags).
+One background task runs the engine's pipelined ``StepLoop`` (engine/core/step_loop.py): forwards
+run on one device thread while the loop schedules the next step and commits the previous one,
+and between those awaits the loop serves everything else (HTTP, new requests, aborts). Every
+EngineCore call happens on the loop's thread, so no locks. The step loop's ``deliver`` hook
+pushes each request's deltas into its ``RequestStream``; ``generate`` yields them (coalesced
+when the consumer lags).
 
-SWA slots: with ``swa_directory`` set, ``start`` also starts this engine's ``SwaPeer`` (it shares
-its slot store with other engines); each new request then first runs the slot prefetch for the
-prefix hit it would get (device pool, host tier, KV store) as part of ``submit``: other requests
-and steps go on meanwhile, and a miss or a dead owner within ``swa_fetch_deadline_s`` just
-leaves the request to replay.
+SWA slots: with ``swa_directory`` set, ``start`` also starts a ``SwaPeer`` sharing the slot store;
+``submit`` first prefetches the slot of a new request's prefix hit while steps go on (a miss or a
+dead owner within ``swa_fetch_deadline_s`` leaves it to replay).
 
 Failures: bad input raises a one-line ValueError (``InvalidPromptError``, ``SamplingParamsError``,
-``StructuredOutputError``) from ``generate``'s first ``__anext__``; the facts are checked by the
-component that owns them (EngineCore, the scheduler, SamplingParams), this class only checks
-that it accepts requests at all (alive, open); a full waiting queue is EngineCore's to refuse
-(``EngineOverloadedError``). A step that raises fails every request that was running (its
-stream raises ``EngineStepError``), the prefix cache is dropped (blocks of a failed step may hold
-garbage) and the engine serves on; after ``max_consecutive_failures`` failing steps in a row it is
-dead: ``check_health`` raises and new requests are refused.
+``StructuredOutputError``) from ``generate``'s first ``__anext__``, checked by the component that
+owns the fact (EngineCore, the scheduler, SamplingParams); this class checks only that it accepts
+requests at all (alive, open). A step that raises fails every running request (``EngineStepError``)
+and drops the prefix cache (a failed step's blocks may hold garbage), and the engine serves on;
+after ``max_consecutive_failures`` failed steps in a row it is dead: ``check_health`` raises and
+new requests are refused.
 """
 
 from __future__ import annotations
@@ -51,6 +48,7 @@ from deepinfer.engine.api.protocol import (
     EngineStepError,
     InvalidPromptError,
     ModelInfo,
+    one_line,
 )
 from deepinfer.engine.api.sampling_params import SamplingParams
 from deepinfer.engine.core.engine_core import EngineCore
@@ -211,8 +209,7 @@ class AsyncEngine:
         return self._steps.num_failed_steps
 
     def stats(self) -> EngineStats:
-        sched = self.core.scheduler
-        pool = sched.pool
+        sched, pool = self.core.scheduler, self.core.scheduler.pool  # pool: the device block pool
         return EngineStats(
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
@@ -334,9 +331,7 @@ class AsyncEngine:
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
-                if not isinstance(ids, Sequence) or isinstance(ids, str) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in ids
-                ):
+                if isinstance(ids, str) or not isinstance(ids, Sequence) or any(type(t) is not int for t in ids):
                     raise InvalidPromptError("prompt_token_ids must be a list of integers")
                 text = prompt.get("prompt")
                 return text if isinstance(text, str) else None, list(ids)
@@ -360,7 +355,7 @@ class AsyncEngine:
                 stream.put(out)
 
     def _fail_requests(self, request_ids: list[str], error: Exception) -> None:
-        message = f"the model step failed ({type(error).__name__}: {_one_line(error)})"
+        message = f"the model step failed ({type(error).__name__}: {one_line(error)})"
         for rid in {self.core.parent_id(rid) for rid in request_ids}:
             stream = self._streams.get(rid)
             if stream is not None:
@@ -372,7 +367,7 @@ class AsyncEngine:
         try:
             await self._steps.run()
         except BaseException as e:  # a crashed loop must fail the streams, never strand them
-            self._die(f"the engine's step loop stopped ({type(e).__name__}: {_one_line(e)})")
+            self._die(f"the engine's step loop stopped ({type(e).__name__}: {one_line(e)})")
             if not isinstance(e, Exception):
                 raise
             log.exception("engine step loop crashed")
@@ -403,8 +398,3 @@ async def _run_in_new_thread(fn: Callable[[], object], *, name: str) -> None:
 
     threading.Thread(target=run, name=name, daemon=True).start()
     await asyncio.wrap_future(done)
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__

@@ -33,6 +33,13 @@ from deepinfer.engine.api.outputs import RequestOutput
 from deepinfer.engine.api.sampling_params import SamplingParams
 
 
+def one_line(exc: BaseException) -> str:
+    """The first non-blank line of an exception's message (its type's name when it has none): how
+    every error here reaches a client or a log line."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
 class InvalidPromptError(ValueError):
     """A prompt the engine cannot take (wrong shape, empty, too long, ids outside the vocabulary)."""
 

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
+from deepinfer.engine.api.protocol import one_line
+
 KINDS = ("json", "regex", "grammar", "json_object")
 # Longest run of whitespace a JSON schema grammar allows between tokens (any_whitespace mode):
 # room for pretty-printed JSON nested 7 deep at indent 4, while a weak model can no longer fill
@@ -225,8 +227,8 @@ _KIND_NAMES = {"json": "JSON schema", "regex": "regex", "grammar": "EBNF grammar
 
 
 def _one_line(e: Exception) -> str:
-    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
-    msg = lines[0] if lines else type(e).__name__
+    """``one_line`` without xgrammar's log prefixes."""
+    msg = one_line(e)
     msg = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", msg)  # xgrammar's "[time] file.cc:NN: " prefix
     msg = re.sub(r"^Check failed: \(.*?\) is false:\s*", "", msg)
     return msg

@@ -1,29 +1,26 @@
 """The gateway's ``EngineClient`` for a disaggregated cluster (engine/api/protocol.py).
 
-``generate`` picks a prefill and a decode engine together (routing.py: by default the tiered
-router over the prefix index the engines' cache events feed, with the KV store's presence, and
-the two-dimensional decode balancer; ``routing="round-robin" | "affinity-only"`` for the
-baselines) from the engines' load reports, sends ``PdDispatch`` to the prefill and yields the
-deltas the decode engine streams back (or the prefill's final delta when the first token ends
-the request), with the prompt tokens the prefill found cached. Each try is an *attempt*; engine
+``generate`` picks a prefill and a decode engine together from their load reports (routing.py:
+by default the tiered router over the prefix index the engines' cache events feed, with the KV
+store's presence, and the two-dimensional decode balancer; ``"round-robin"`` or
+``"affinity-only"`` for the baselines), sends ``PdDispatch`` to the prefill and yields the deltas
+the decode engine streams back (or the prefill's final delta when the first token ends the
+request), with the prompt tokens the prefill found cached. Each try is an *attempt*; engine
 request ids are ``<id>@<attempt>``, so outputs of an abandoned attempt are never mixed in.
 
-An attempt is lost when its prefill or decode instance goes down (heartbeats), when the
-prefill reports a failed handoff, or when the decode engine reports a failed request. Policy:
-
-- ``RECOMPUTE`` (default): a new attempt on up engines, excluding the lost ones, carrying the
-  tokens already streamed (``resume_token_ids``); sampling is counter-based (seed, position),
-  so the continuation equals what the lost engine would have produced;
-- ``FAIL``: ``EngineLostError`` naming the lost engine (the gateway turns it into an error).
-
-An abort meant for an engine that is down (a cut link) waits until that engine is up again
+An attempt is lost when its prefill or decode instance goes down (heartbeats), when the prefill
+reports a failed handoff, or when the decode engine reports a failed request. Policy:
+``RECOMPUTE`` (default): a new attempt on up engines, excluding the lost ones, carrying the tokens
+already streamed (``resume_token_ids``; sampling is counter-based, so the continuation equals
+what the lost engine would have produced); ``FAIL``: ``EngineLostError`` naming the lost engine.
+An abort meant for an engine that is down (a cut link) waits until it is up again
 (``MAX_PENDING_ABORTS`` per engine), so an engine that rejoins drops the attempts it still runs.
 
-No request outlives ``request_timeout_s``: every wait is bounded by the request's deadline.
-A decode that acknowledged a handoff sends the request's first delta at once (before the ack),
-so an attempt whose decode stays silent for ``decode_silence_s`` after the prefill's
-``HANDED_OFF`` reply is lost too (the KV or the stream went astray while the engine looks
-alive): it is recomputed or failed by the same policy instead of hanging until the deadline.
+No request outlives ``request_timeout_s``: every wait is bounded by the request's deadline. A
+decode that acknowledged a handoff sends the request's first delta at once (before the ack), so
+an attempt whose decode stays silent for ``decode_silence_s`` after the prefill's ``HANDED_OFF``
+is lost too (the KV or the stream went astray while the engine looks alive): recomputed or failed
+by the same policy instead of hanging until the deadline.
 """
 
 from __future__ import annotations
@@ -162,12 +159,9 @@ class PdEngineClient:
 
     async def wait_ready(self, timeout_s: float) -> None:
         """Until at least one prefill and one decode engine are up and reporting load."""
-        loop = asyncio.get_running_loop()
-        end = loop.time() + timeout_s
-        while not (self.directory.prefill_loads(loop.time(), set()) and self.directory.decode_loads(set())):
-            if loop.time() > end:
-                raise TimeoutError(f"no prefill + decode engine came up within {timeout_s:g}s")
-            await self.directory.wait_changed(0.1)
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        if isinstance(await self.directory.wait_for_candidates(set(), deadline), str):
+            raise TimeoutError(f"no prefill + decode engine came up within {timeout_s:g}s")
 
     # ---- EngineClient ---------------------------------------------------------------------------
     @property
@@ -249,16 +243,10 @@ class PdEngineClient:
     async def _choose(self, request_id: str, number: int, token_ids: list[int], excluded: set[str],
                       deadline: float) -> _Attempt:
         loop = asyncio.get_running_loop()
-        while True:
-            now = loop.time()
-            prefill_loads = self.directory.prefill_loads(now, excluded) or self.directory.prefill_loads(now, set())
-            decode_loads = self.directory.decode_loads(excluded) or self.directory.decode_loads(set())
-            if prefill_loads and decode_loads:
-                break
-            if now >= deadline:
-                missing = "prefill" if not prefill_loads else "decode"
-                raise EngineLostError(f"request {request_id}: no {missing} engine is up")
-            await self.directory.wait_changed(min(0.2, deadline - now))
+        candidates = await self.directory.wait_for_candidates(excluded, deadline)
+        if isinstance(candidates, str):
+            raise EngineLostError(f"request {request_id}: no {candidates} engine is up")
+        prefill_loads, decode_loads, now = candidates
         info = self.routing.request_info(request_id, token_ids)
         p, d = self.routing.choose(info, prefill_loads, decode_loads, now)
         self.directory.prefill_view.on_routed(now, p.engine_id, p.predicted_s)

@@ -127,6 +127,22 @@ class EngineDirectory:
         except TimeoutError:
             pass
 
+    async def wait_for_candidates(self, exclude: set[str], deadline: float
+                                  ) -> tuple[list[PrefillLoad], list[DecodeLoad], float] | str:
+        """The up engines' loads to route over, outside ``exclude`` when any are (else every up
+        engine): ``(prefill loads, decode loads, now)`` once both roles have one, waiting for
+        changes until ``deadline`` (loop time); past it the missing role, "prefill" or "decode"."""
+        loop = asyncio.get_running_loop()
+        while True:
+            now = loop.time()
+            prefill = self.prefill_loads(now, exclude) or self.prefill_loads(now, set())
+            decode = self.decode_loads(exclude) or self.decode_loads(set())
+            if prefill and decode:
+                return prefill, decode, now
+            if now >= deadline:
+                return "prefill" if not prefill else "decode"
+            await self.wait_changed(min(0.2, deadline - now))
+
     def prefill_loads(self, now: float, exclude: set[str]) -> list[PrefillLoad]:
         ids = {e.engine_id for e in self.up(NodeRole.PREFILL) if e.name not in exclude}
         return [load for load in self.prefill_view.loads(now) if load.engine_id in ids]

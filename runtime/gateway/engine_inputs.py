@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from deepinfer.engine.api.protocol import GatewayTokenizer
+from deepinfer.engine.api.protocol import GatewayTokenizer, one_line
 from deepinfer.engine.api.sampling_params import SamplingParams, SamplingParamsError
 from deepinfer.runtime.gateway.errors import GatewayError, bad_request
 from deepinfer.runtime.gateway.openai_protocol import (
@@ -174,16 +174,11 @@ async def chat_prompt(
         ids = await _off_loop(num_chars, tok.apply_chat_template, conversation,
                               add_generation_prompt=add_generation_prompt, tokenize=True, **kwargs)
     except (ValueError, TypeError) as exc:  # template refused the conversation (raise_exception) or bad kwargs
-        raise bad_request(f"messages could not be rendered with the chat template: {_one_line(exc)}",
+        raise bad_request(f"messages could not be rendered with the chat template: {one_line(exc)}",
                           "messages", code="invalid_chat") from None
     if not isinstance(ids, list):
         raise GatewayError("the tokenizer's chat template returned no token ids", status=500)
     return _check_ids(ids, "messages")
-
-
-def _one_line(exc: Exception) -> str:
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    return lines[0] if lines else type(exc).__name__
 
 
 # ---- max_tokens ----------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import msgspec
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError, LineTooLong
 
-from deepinfer.engine.api.protocol import EngineOverloadedError, InvalidPromptError
+from deepinfer.engine.api.protocol import EngineOverloadedError, InvalidPromptError, one_line
 from deepinfer.engine.api.sampling_params import SamplingParamsError
 
 _TYPE_BY_STATUS = {
@@ -190,18 +190,13 @@ def from_engine_error(exc: Exception, structured_param: str | None,
         message = f"{structured_param}: {exc}" if structured_param else str(exc)
         return GatewayError(message, status=422, param=structured_param, code="invalid_structured_output")
     if isinstance(exc, InvalidPromptError) and prompt_param is not None:
-        return bad_request(f"{prompt_param}: {_one_line(exc)}", prompt_param)
+        return bad_request(f"{prompt_param}: {one_line(exc)}", prompt_param)
     if isinstance(exc, SamplingParamsError):
         field = str(exc).split(" ", 1)[0]
         return bad_request(str(exc), field)
     if isinstance(exc, ValueError):
-        return bad_request(_one_line(exc))
+        return bad_request(one_line(exc))
     return None
-
-
-def _one_line(exc: Exception) -> str:
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    return lines[0] if lines else type(exc).__name__
 
 
 def _lower_first(s: str) -> str:

@@ -31,6 +31,7 @@ from xgrammar.structural_tag import (
     TagsWithSeparatorFormat,
 )
 
+from deepinfer.engine.api.protocol import one_line
 from deepinfer.engine.sample.structured_output import json_string_chars_fixed
 from deepinfer.engine.text.markup import (
     END_THINK,
@@ -90,10 +91,5 @@ def _which_function(parameters: Mapping[str, dict[str, Any]], names: list[str], 
         try:
             xgr.Grammar.from_json_schema(json.dumps(parameters[name]))
         except (RuntimeError, ValueError, TypeError) as one:
-            return f"the parameters of function {name!r} are not a usable JSON schema: {_one_line(one)}"
-    return f"the tool-call grammar could not be built: {_one_line(exc)}"
-
-
-def _one_line(exc: Exception) -> str:
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    return lines[0][:300] if lines else type(exc).__name__
+            return f"the parameters of function {name!r} are not a usable JSON schema: {one_line(one)[:300]}"
+    return f"the tool-call grammar could not be built: {one_line(exc)[:300]}"
