@@ -93,19 +93,20 @@ def test_disaggregated_images_equal_co_located(tiny_dir):
             pool = cluster.client.encoders
             pool.placements = []
 
-            finished = []
+            started = []
 
-            async def kill_when_busy():  # a quarter of the requests in, while it encodes
-                while len(finished) < NUM_REQUESTS // 4 or not any(
+            # a quarter of the requests sent, while it encodes (by the time a quarter have
+            # *finished* on a loaded machine every image may be encoded: nothing to kill it under)
+            async def kill_when_busy():
+                while len(started) < NUM_REQUESTS // 4 or not any(
                         e.pending_tokens for e in pool._encoders if e.ref.name == "encoder-0"):
-                    await asyncio.sleep(0.002)
+                    await asyncio.sleep(0.001)
                 await cluster.supervisor.kill("encoder-0")
 
             async def staggered(r, prompt):
                 await asyncio.sleep(0.03 * r)  # arrivals over ~1 s
-                out = await _generate(cluster.client, f"r{r}", prompt, params)
-                finished.append(r)
-                return out
+                started.append(r)
+                return await _generate(cluster.client, f"r{r}", prompt, params)
 
             killer = asyncio.ensure_future(kill_when_busy())
             got = await asyncio.gather(*(staggered(r, p) for r, p in enumerate(reqs)))
