@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -169,8 +170,14 @@ def corpus(num_lines: int = 12000, seed: int = 1234) -> list[str]:
 
 def build_tokenizer(vocab_size: int = 4096) -> Tokenizer:
     """Train the tiny byte-level BPE (added tokens at ids 0..13; the markup ones not special)."""
+    return train_bpe(corpus(), vocab_size, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
+
+
+def train_bpe(documents: Iterable[str], vocab_size: int, pre_tokenizer: pre_tokenizers.PreTokenizer) -> Tokenizer:
+    """A byte-level BPE over ``documents`` to ``vocab_size`` tokens: the control tokens first
+    (``SPECIAL_TOKENS``, the markup ones decoding as text), BOS before every sequence."""
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tokenizer.pre_tokenizer = pre_tokenizer
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -179,7 +186,7 @@ def build_tokenizer(vocab_size: int = 4096) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(corpus(), trainer=trainer)
+    tokenizer.train_from_iterator(documents, trainer=trainer)
     bos_id = tokenizer.token_to_id(BOS)
     tokenizer.post_processor = processors.Sequence([
         processors.ByteLevel(trim_offsets=False),

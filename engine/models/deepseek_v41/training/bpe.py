@@ -15,12 +15,9 @@ cut after its newline or its indentation ends on a boundary the model has seen.
 
 from __future__ import annotations
 
-import json
+from tokenizers import Regex, Tokenizer, pre_tokenizers
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-from deepinfer.engine.text.tiny_tokenizer import MARKUP_TOKENS, SPECIAL_TOKENS, write_tokenizer_files
-from deepinfer.engine.text.markup import BOS
+from deepinfer.engine.text.tiny_tokenizer import train_bpe, write_tokenizer_files
 
 __all__ = ["LINE_START", "pre_tokenizer", "train_tokenizer", "write_tokenizer_files"]
 
@@ -37,19 +34,4 @@ def pre_tokenizer() -> pre_tokenizers.PreTokenizer:
 
 def train_tokenizer(documents: list[str], vocab_size: int) -> Tokenizer:
     """BPE over ``documents`` to ``vocab_size`` tokens (the control tokens included)."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizer()
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tokenizer.train_from_iterator(documents, trainer=trainer)
-    bos_id = tokenizer.token_to_id(BOS)
-    tokenizer.post_processor = processors.Sequence([
-        processors.ByteLevel(trim_offsets=False),
-        processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]),
-    ])
-    data = json.loads(tokenizer.to_str())
-    for added in data["added_tokens"]:
-        if added["content"] in MARKUP_TOKENS:
-            added["special"] = False  # the trainer makes every added token special
-    return Tokenizer.from_str(json.dumps(data, ensure_ascii=False))
+    return train_bpe(documents, vocab_size, pre_tokenizer())
