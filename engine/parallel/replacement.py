@@ -63,6 +63,9 @@ class Replacement:
         self.phy2log: np.ndarray | None = None  # the plan, once broadcast
         self.planned_imbalance = 0.0  # the group's window under the plan (the drift trigger's base)
         self._thread: threading.Thread | None = None
+        # (phase, layer, start, end) of the background work on the perf_counter clock: what a
+        # step-time measurement sets next to its steps (-1: no layer)
+        self.timeline: list[tuple[str, int, float, float]] = []
 
     def start(self, total: np.ndarray, history: np.ndarray | None, current: np.ndarray) -> None:
         """total: [layers, E] this rank's window; history: [T, layers, E] or None; current:
@@ -76,17 +79,21 @@ class Replacement:
         _lower_priority(self.nice)  # on a shared CPU the step loop's threads come first
         try:
             with torch.no_grad():
+                started = time.perf_counter()
                 new = self._plan(total, history, current)
+                self.timeline.append(("plan", -1, started, time.perf_counter()))
                 changed = [layer for layer in range(current.shape[0]) if not np.array_equal(new[layer], current[layer])]
                 with self._lock:
                     self.phy2log = new
                     self._num_changed = len(changed)
                 for layer in changed:
+                    started = time.perf_counter()
                     buffers = self.pool.take()
                     if buffers is None:  # shutting down
                         return
+                    self.timeline.append(("wait", layer, started, time.perf_counter()))
                     sources = slot_sources(current[layer], new[layer], self.ep.size)
-                    self._stage(self.layers[layer].slots, sources, buffers)
+                    self._stage(layer, self.layers[layer].slots, sources, buffers)
                     with self._lock:
                         self.num_remote_slots += sources.num_remote
                         self._staged.append((layer, new[layer], buffers))
@@ -108,16 +115,19 @@ class Replacement:
         self.planned_imbalance = window_imbalance(total_t.numpy(), new.numpy(), ep.size)
         return new.numpy()
 
-    def _stage(self, slots, sources: SlotSources, buffers) -> None:
+    def _stage(self, layer: int, slots, sources: SlotSources, buffers) -> None:
         """Fill ``buffers`` with the new slots of this rank: local copies, then one all-to-all."""
         ep, me = self.ep, self.ep.rank
+        started = time.perf_counter()
         gate_up, down = buffers
         local = np.flatnonzero(sources.src_rank[me] == me)
         src = torch.from_numpy(sources.src_slot[me, local])
         dst = torch.from_numpy(local)
         gate_up.index_copy_(0, dst.to(gate_up.device), slots.gate_up.index_select(0, src.to(gate_up.device)))
         down.index_copy_(0, dst.to(down.device), slots.down.index_select(0, src.to(down.device)))
+        self.timeline.append(("copy", layer, started, time.perf_counter()))
         if ep.size > 1:
+            started = time.perf_counter()
             width = gate_up[0].numel() + down[0].numel()
             sends = [sources.sends(me, r) if r != me else (np.empty(0, np.int64),) * 2 for r in range(ep.size)]
             recvs = [sources.sends(q, me) if q != me else (np.empty(0, np.int64),) * 2 for q in range(ep.size)]
@@ -133,7 +143,10 @@ class Replacement:
                 index = torch.from_numpy(in_slots).to(gate_up.device)
                 gate_up.index_copy_(0, index, recv[:, :split].reshape(-1, *gate_up.shape[1:]).to(gate_up.device))
                 down.index_copy_(0, index, recv[:, split:].reshape(-1, *down.shape[1:]).to(down.device))
+            self.timeline.append(("send", layer, started, time.perf_counter()))
+        started = time.perf_counter()
         prepare(gate_up, down)
+        self.timeline.append(("pack", layer, started, time.perf_counter()))
 
     # ---- the step loop's side -----------------------------------------------------------------------
     @property

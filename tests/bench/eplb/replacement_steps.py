@@ -1,67 +1,76 @@
 """Step times around expert re-placements in a real EP group (``deepinfer bench eplb --traces steps``).
 
-Two rank processes over gloo (tests/engine/parallel/ep_rank.py) decode the tiny V4 (8 layers
-WWCHCHCH, 16 experts top-4, 2 redundant slots per rank) for ``steps`` steps with a re-placement
+Two rank processes over gloo (this file run as a script, one per rank) decode a V4 of the tiny
+model's shape (8 layers WWCHCHCH, 16 experts top-4, 2 redundant slots per rank) widened so that a
+step is compute, not scheduler noise: hidden ``hidden`` and expert width ``intermediate``
+(default 1024 / 512, ``seqs`` 64 sequences: about 0.14 s a step, 6 MB of weights per expert slot). Each
+rank is pinned to a core of its own (``pin``). A run decodes ``steps`` steps with a re-placement
 every ``period`` steps (window ``window``): rank 0 plans in its planner child, every rank stages
-the new slots in the background and the layers swap one per step boundary. Figures, from rank 0:
+the new slots in the background and the layers swap at step boundaries. Each re-placing run is
+followed, in the same processes, by a control run of the same workload with no re-placement
+(period 0); ``rounds`` pairs. Figures, from rank 0 (a step: from one step boundary to the next,
+the boundary's agreement and swaps included):
 
     median_step_ms            all decode steps of the re-placing runs
     replacement_max_over_median
                               the longest step from 3 steps before a re-placement's first swap to
-                              1 after its last over the run's median step, worst over all
+                              1 after its last, over the run's median step: worst over all
                               re-placements (the target: within 1.2x); ``..._typical_...``: the
                               median over re-placements
+    control_max_over_median   the same statistic over the same steps of the control run, over the
+                              control's median: the machine's own noise in the same run. What
+                              re-placement adds is the difference; ``excess_max``: the largest
+                              difference of one stretch
     quiet_max_over_median     the longest step of a stretch of as many steps away from any
-                              re-placement, typical over all such stretches: the noise floor of
-                              this machine in the same run (a loaded 2-core machine: 2-3x)
-    swap_loop_ms_max          the step loop's own time at a swap (begin_step: the agreement, which
-                              waits for the slower rank to reach the boundary, and the swap)
-    swap_work_ms_max          of that, the swap itself (weights' pointers and the layer's maps)
-    control_max_over_median   the control: the same statistic over the same steps of a run of the
-                              same group and workload with no re-placement (period 0), run
-                              alternately with the measured one (``rounds`` of each). On a loaded
-                              shared machine the longest of a dozen steps is the machine's noise,
-                              not the re-placement's; what re-placement adds is
-                              ``replacement_max_over_median - control_max_over_median``
+                              re-placement, typical over all such stretches
     replacement_mean_over_control, swap_step_mean_over_control
                               mean step while a re-placement is in flight (plan to last swap) and
                               mean step right after a swap, over the control's mean step
+    <phase>_step_mean_over_control
+                              mean step of the steps that overlapped the background's ``phase``
+                              (plan, copy, send, pack: replacement.Replacement.timeline) over the
+                              control's mean step
+    swap_loop_ms_max          the step loop's own time at a swap (begin_step: the agreement, which
+                              waits for the slower rank to reach the boundary, and the swap)
+    swap_work_ms_max          of that, the swap itself (weights' pointers and the layer's maps)
+    stage_layer_ms_median     the background's time to stage one layer (copy + send + pack)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 
-RANK_SCRIPT = Path(__file__).resolve().parents[2] / "engine" / "parallel" / "ep_rank.py"
+HARNESS_DIR = Path(__file__).resolve().parents[2] / "engine" / "parallel"  # ep_harness: prompts, lockstep loop
+PHASES = ("plan", "copy", "send", "pack")
+LAYERS, NUM_HASH = "WWCHCHCH", 2
 
 
-def measure(steps: int = 240, window: int = 20, period: int = 40, rounds: int = 2,
-            timeout_s: float = 900) -> dict[str, float]:
+def measure(steps: int = 240, window: int = 20, period: int = 80, rounds: int = 2, hidden: int = 1024,
+            intermediate: int = 512, seqs: int = 64, pin: bool = True, timeout_s: float = 1800) -> dict[str, float]:
     """``rounds`` pairs of runs in one pair of rank processes: re-placing, then the control."""
-    if not RANK_SCRIPT.is_file():
-        raise FileNotFoundError(f"the EP rank script {RANK_SCRIPT} is missing (a checkout without tests/engine?)")
-    if rounds < 1:
-        raise ValueError(f"rounds must be at least 1, got {rounds}")
+    if not (HARNESS_DIR / "ep_harness.py").is_file():
+        raise FileNotFoundError(f"the EP test harness {HARNESS_DIR / 'ep_harness.py'} is missing "
+                                "(a checkout without tests/engine?)")
+    if rounds < 1 or steps < 2 * period:
+        raise ValueError(f"need rounds >= 1 and steps >= 2 * period, got rounds {rounds}, steps {steps}, "
+                         f"period {period}")
     with tempfile.TemporaryDirectory(prefix="eplb-steps-") as out:
-        cases = []
-        for r in range(rounds):
-            for name, every in ((f"steps{r}", period), (f"control{r}", 0)):
-                cases.append(dict(name=name, model="v4", layers="WWCHCHCH", hash=2, groups=[[0, 1]],
-                                  settings=dict(redundant_per_rank=2, window=window, period=every, drift_margin=0.0),
-                                  workload=dict(lengths=[20] * 8, gens=[steps] * 8)))
-        spec = dict(world=2, port=_free_port(), out=out, v41_dir=None, cases=cases)
+        spec = dict(world=2, port=_free_port(), out=out, steps=steps, window=window, period=period, rounds=rounds,
+                    hidden=hidden, intermediate=intermediate, seqs=seqs, pin=pin)
         spec_file = Path(out) / "spec.json"
         spec_file.write_text(json.dumps(spec))
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        procs = [subprocess.Popen([sys.executable, str(RANK_SCRIPT), str(spec_file), str(r)], env=env,
+        procs = [subprocess.Popen([sys.executable, __file__, str(spec_file), str(r)], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
         try:
             logs = [p.communicate(timeout=timeout_s)[0] for p in procs]
@@ -73,31 +82,41 @@ def measure(steps: int = 240, window: int = 20, period: int = 40, rounds: int = 
         for r, p in enumerate(procs):
             if p.returncode != 0:
                 raise RuntimeError(f"EP rank {r} exited with {p.returncode}: {logs[r][-2000:]}")
-        import torch
-
-        runs = [Run.of(torch.load(Path(out) / f"steps{r}.g0.r0.pt", weights_only=False),
-                       torch.load(Path(out) / f"control{r}.g0.r0.pt", weights_only=False)) for r in range(rounds)]
+        records = json.loads((Path(out) / "rank0.json").read_text())
+    runs = [Run.of(records[f"steps{r}"], records[f"control{r}"]) for r in range(rounds)]
     return figures(runs)
 
 
 class Run:
     """One re-placing run and its control (rank 0's record, ms): step_ms[i] is step i (0: the
     prefill); swaps[i] the layers swapped at the boundary before step i; in_flight[i] whether a
-    re-placement was in flight during step i."""
+    re-placement was in flight during step i; phases[name][i] whether step i overlapped that
+    background phase."""
 
-    def __init__(self, step_ms, swaps, begin_ms, in_flight, num_replacements, control_ms, swap_work_ms=0.0):
+    def __init__(self, step_ms, swaps, begin_ms, in_flight, num_replacements, control_ms, swap_work_ms=0.0,
+                 phases=None, stage_ms=()):
         n = min(len(step_ms), len(control_ms))
         self.step_ms, self.control_ms = np.asarray(step_ms[:n], float), np.asarray(control_ms[:n], float)
         self.swaps, self.begin_ms = np.asarray(swaps[:n]), np.asarray(begin_ms[:n], float)
         self.in_flight = np.asarray(in_flight[:n], bool)
         self.num_replacements = num_replacements
         self.swap_work_ms = swap_work_ms
+        self.phases = {name: np.asarray(mask[:n], bool) for name, mask in (phases or {}).items()}
+        self.stage_ms = np.asarray(stage_ms, float)
 
     @classmethod
     def of(cls, result: dict, control: dict) -> "Run":
+        starts = np.asarray(result["step_start_s"], float)
+        phases = {name: overlaps(starts, [(a, b) for _, p, _, a, b in result["timeline"] if p == name])
+                  for name in PHASES}
+        staged: dict[tuple[int, int], float] = {}  # (re-placement, layer) -> seconds staging it
+        for i, p, layer, a, b in result["timeline"]:
+            if p in ("copy", "send", "pack"):
+                staged[i, layer] = staged.get((i, layer), 0.0) + b - a
         ms = lambda xs: np.asarray(xs, float) * 1e3  # noqa: E731
-        return cls(ms(result["step_s"]), result["swaps"], ms(result["begin_s"]), result["step_in_flight"],
-                   result["num_replacements"], ms(control["step_s"]), 1e3 * result.get("swap_work_s", 0.0))
+        return cls(ms(np.diff(starts)), result["swaps"], ms(result["begin_s"]), result["step_in_flight"],
+                   result["num_replacements"], ms(np.diff(control["step_start_s"])), 1e3 * result["swap_work_s"],
+                   phases, ms(list(staged.values())))
 
     def stretches(self) -> list[tuple[int, int]]:
         """[first, end) of each re-placement's stretch: 3 steps before its first swap to 1 after its
@@ -114,9 +133,18 @@ class Run:
         return spans
 
 
+def overlaps(starts: np.ndarray, spans: list[tuple[float, float]]) -> np.ndarray:
+    """[steps] whether step i ([starts[i], starts[i + 1])) overlaps any of ``spans``."""
+    mask = np.zeros(max(len(starts) - 1, 0), dtype=bool)
+    for a, b in spans:
+        mask |= (starts[:-1] < b) & (starts[1:] > a)
+    return mask
+
+
 def figures(runs: list[Run]) -> dict[str, float]:
     near_max, control_max, quiet_max, near_median = [], [], [], []
     in_flight, control_all, swap_steps = [], [], []
+    by_phase: dict[str, list[np.ndarray]] = {name: [] for name in PHASES}
     for run in runs:
         n = len(run.step_ms)
         decode = np.arange(n) >= 1
@@ -137,29 +165,127 @@ def figures(runs: list[Run]) -> dict[str, float]:
         in_flight.append(run.step_ms[decode & run.in_flight])
         swap_steps.append(run.step_ms[decode & (run.swaps > 0)])
         control_all.append(run.control_ms[decode])
+        for name, mask in run.phases.items():
+            by_phase[name].append(run.step_ms[decode & mask])
     control_mean = np.mean(np.concatenate(control_all))
     worst = lambda xs: float(max(xs)) if xs else 0.0  # noqa: E731
+    typical = lambda xs: float(np.median(xs)) if len(xs) else 0.0  # noqa: E731
+    over_control = lambda xs: float(xs.mean() / control_mean) if xs.size else 0.0  # noqa: E731
     flying, swapped = np.concatenate(in_flight), np.concatenate(swap_steps)
-    return dict(
+    stage_ms = np.concatenate([r.stage_ms for r in runs])
+    result = dict(
         median_step_ms=float(np.median(np.concatenate([r.step_ms[1:] for r in runs]))),
+        control_median_step_ms=float(np.median(np.concatenate(control_all))),
         replacement_max_over_median=worst(near_max),
         control_max_over_median=worst(control_max),
-        replacement_typical_max_over_median=float(np.median(near_max)) if near_max else 0.0,
-        control_typical_max_over_median=float(np.median(control_max)) if control_max else 0.0,
-        quiet_max_over_median=float(np.median(quiet_max)) if quiet_max else 0.0,
-        replacement_median_over_median=float(np.median(near_median)) if near_median else 0.0,
-        replacement_mean_over_control=float(flying.mean() / control_mean) if flying.size else 0.0,
-        swap_step_mean_over_control=float(swapped.mean() / control_mean) if swapped.size else 0.0,
+        replacement_typical_max_over_median=typical(near_max),
+        control_typical_max_over_median=typical(control_max),
+        excess_max=worst([a - b for a, b in zip(near_max, control_max)]),
+        quiet_max_over_median=typical(quiet_max),
+        replacement_median_over_median=typical(near_median),
+        replacement_mean_over_control=over_control(flying),
+        swap_step_mean_over_control=over_control(swapped),
         swap_loop_ms_max=float(max((r.begin_ms[r.swaps > 0].max() for r in runs if (r.swaps > 0).any()),
                                    default=0.0)),
         swap_work_ms_max=float(max(r.swap_work_ms for r in runs)),
-        replacements=float(sum(r.num_replacements for r in runs)),
+        stage_layer_ms_median=typical(stage_ms),
+        replacements=float(sum(len(r.stretches()) for r in runs)),
         swapped_layers=float(sum(r.swaps.sum() for r in runs)),
         rounds=float(len(runs)),
     )
+    for name, steps in by_phase.items():
+        overlapped = np.concatenate(steps) if steps else np.empty(0)
+        if overlapped.size:  # a phase no step overlapped has no figure
+            result[f"{name}_step_mean_over_control"] = over_control(overlapped)
+    return result
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# ---- one rank (this file as a script: python replacement_steps.py SPEC.json RANK) --------------------
+def _rank_main(spec: dict, rank: int) -> None:
+    if spec["pin"] and hasattr(os, "sched_setaffinity"):
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})  # threads and the planner child inherit it
+    import torch
+
+    sys.path.insert(0, str(HARNESS_DIR))
+    import ep_harness as harness
+
+    from deepinfer.engine.core.model_runner import ModelRunner
+    from deepinfer.engine.models.deepseek_v4.tiny_model import init_weights, tiny_config
+    from deepinfer.engine.parallel.expert_parallel import EpSettings, ExpertParallel
+    from deepinfer.engine.parallel.group import EpGroup
+
+    torch.set_num_threads(1)
+    sys.setswitchinterval(0.0005)  # the engine's setting (engine/core/step_loop.tune_interpreter)
+    cfg = dataclasses.replace(tiny_config(LAYERS, NUM_HASH), hidden_size=spec["hidden"],
+                              moe_intermediate_size=spec["intermediate"])
+    weights = init_weights(cfg, seed=3)
+    steps = spec["steps"]
+    work = harness.workload(cfg.vocab_size, lengths=[20] * spec["seqs"], gens=[steps] * spec["seqs"])
+    num_owned = len(work.owned(rank, spec["world"]))
+    world = EpGroup.init(rank, spec["world"], f"tcp://127.0.0.1:{spec['port']}", timeout_s=120)
+    records = {}
+    try:
+        for r in range(spec["rounds"]):
+            for name, period in ((f"steps{r}", spec["period"]), (f"control{r}", 0)):
+                runner = ModelRunner(cfg, weights, num_blocks=num_owned * work.blocks_per_seq,
+                                     num_slots=num_owned,
+                                     block_size=harness.BLOCK_SIZE)
+                settings = EpSettings(redundant_per_rank=2, window=spec["window"], period=period, drift_margin=0.0)
+                started = time.perf_counter()
+                records[name] = _run(harness, runner, ExpertParallel(runner.model, world, settings), work, world)
+                print(f"rank {rank}: {name} {time.perf_counter() - started:.1f} s", flush=True)
+                del runner
+    finally:
+        world.close()
+    if rank == 0:
+        (Path(spec["out"]) / "rank0.json").write_text(json.dumps(records))
+
+
+def _run(harness, runner, parallel, work, ep) -> dict:
+    """One run of the lockstep workload, timed at every step boundary."""
+    starts: list[float] = []  # perf_counter at each step boundary, and one at the end
+    swaps: list[int] = []
+    begin: list[float] = []  # seconds inside begin_step (agreements and swaps)
+    in_flight: list[bool] = []  # a re-placement was in flight during the step (planned, staging, swapping)
+    swap_work = [0.0]
+    replacements: list = []  # every re-placement started, for its timeline
+
+    def before_step():
+        now = time.perf_counter()
+        starts.append(now)
+        replacement = parallel.replacement
+        swapped_before = replacement.num_swapped if replacement is not None else 0
+        parallel.begin_step()
+        begin.append(time.perf_counter() - now)
+        in_flight.append(replacement is not None or parallel.replacement is not None)
+        swaps.append(replacement.num_swapped - swapped_before if replacement is not None else 0)
+        if replacement is not None:
+            swap_work[0] = max(swap_work[0], replacement.swap_work_s)
+        if parallel.replacement is not None and parallel.replacement is not replacement:
+            replacements.append(parallel.replacement)
+
+    harness.run_lockstep(runner, work, work.owned(ep.rank, ep.size), before_step, parallel.idle_step)
+    starts.append(time.perf_counter())
+    # a re-placement still in flight finishes untimed (the condition is agreed by the group, so
+    # every rank runs the same extra boundaries)
+    for _ in range(2000):
+        if parallel.replacement is None:
+            break
+        parallel.begin_step()
+        parallel.idle_step()
+        time.sleep(0.002)
+    timeline = [(i, *entry) for i, replacement in enumerate(replacements) for entry in replacement.timeline]
+    parallel.close()
+    return dict(step_start_s=starts, swaps=swaps, begin_s=begin, step_in_flight=in_flight, timeline=timeline,
+                swap_work_s=swap_work[0], num_replacements=parallel.num_replacements)
+
+
+if __name__ == "__main__":
+    _rank_main(json.loads(Path(sys.argv[1]).read_text()), int(sys.argv[2]))

@@ -44,3 +44,26 @@ def test_a_stall_at_a_swap_shows_over_the_control_and_noise_shows_in_both():
     assert got["replacement_max_over_median"] > 2.2 and got["control_max_over_median"] < 1.2
     assert got["swap_step_mean_over_control"] > 1.4
     assert got["replacement_mean_over_control"] > 1.1
+
+
+def test_a_step_overlapping_a_background_phase_is_counted_in_that_phase():
+    load_bench_package()
+    from deepinfer_bench.eplb.replacement_steps import figures, overlaps
+
+    starts = np.array([0.0, 1.0, 2.0, 3.0, 4.0])  # four steps of 1 s
+    assert overlaps(starts, [(1.5, 2.5)]).tolist() == [False, True, True, False]
+    assert overlaps(starts, [(0.2, 0.3), (3.9, 5.0)]).tolist() == [True, False, False, True]
+    n = 40
+    swaps, flight = np.zeros(n, int), np.zeros(n, bool)
+    flight[10:14] = True
+    swaps[13] = 1
+    step_ms = np.full(n, 10.0)
+    pack = np.zeros(n, bool)
+    pack[[11, 12]] = True
+    step_ms[pack] = 15.0  # the steps the packing overlapped, slower
+    run = run_of(step_ms, swaps, flight, np.full(n, 10.0))
+    run.phases = {"pack": pack, "copy": np.zeros(n, bool)}
+    got = figures([run])
+    assert abs(got["pack_step_mean_over_control"] - 1.5) < 1e-9
+    assert "copy_step_mean_over_control" not in got  # no step overlapped a copy
+    assert abs(got["excess_max"] - 0.5) < 1e-9
