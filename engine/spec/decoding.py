@@ -26,10 +26,23 @@ back by the scheduler (num_computed_tokens, blocks past the need); every cache r
 rings, Engram's history ring and the drafter's context ring are position-addressed, and the
 grammar advances only over committed tokens.
 
+The drafter gate (schedule "confidence"): drafting costs a drafter pass every step and, below,
+the step overlap. When the step being planned is not worth drafting after, its drafter pass is
+skipped (the context ring is still written: a later proposal reads those positions). The test
+is the schedule's own objective in steady state, over every decoding request of the step, with
+its last known confidences (a request never drafted yet: the running mean of all proposals):
+
+    draft after this step   iff   max_L E(L) x SPS_with_drafter(R + sum L)  >  R x SPS_target(R)
+
+A skipped step has no fresh drafts to learn from, so after ``interval`` skipped steps in a row
+one step drafts anyway (a probe); the interval doubles while probes find drafting not worth it
+(1, 2, 4 .. MAX_PROBE_INTERVAL) and is reset to 1 when the test passes. "fixed" and "bounded"
+always draft.
+
 Async scheduling: a step whose requests will draft cannot have its successor scheduled before
 its own sampling (the successor's tokens are the drafts, its positions depend on how many were
 accepted), so the pipelined loop runs such steps one at a time (``must_commit_first``); steps
-without sample rows (middle prefill chunks) still overlap.
+without sample rows (middle prefill chunks) and steps the gate keeps from drafting still overlap.
 """
 
 from __future__ import annotations
@@ -41,6 +54,7 @@ import numpy as np
 
 from deepinfer.engine.core.request import RequestStatus
 from deepinfer.engine.spec.length_policy import SCHEDULES, make_length_policy
+from deepinfer.engine.spec.length_schedule import schedule_lengths
 from deepinfer.engine.spec.proposer import DraftProposer, StepDrafts
 from deepinfer.engine.spec.sps_table import SpsTable
 
@@ -50,6 +64,7 @@ class SpecConfig:
     num_draft_tokens: int = 5  # D: drafts a request may verify per step (<= the drafter's block)
     schedule: str = "confidence"  # "confidence" | "fixed" (every request verifies D)
     budget_delay: int = 0  # confidence schedule: size the budget from confidences this many steps old
+    gate_drafter: bool = True  # confidence schedule: skip the drafter when drafting does not pay
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -71,9 +86,24 @@ class SpecStats:
     num_accepted: int = 0  # drafts the target accepted
     num_request_steps: int = 0  # a request's decode step (root + 0..D drafts), drafts or not
     draft_seconds: float = 0.0  # device time of the drafter
+    num_drafter_skips: int = 0  # steps after which the drafter gate skipped the drafter's pass
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
+
+
+MAX_PROBE_INTERVAL = 16  # longest run of skipped drafter passes before a probe
+PRIOR_WEIGHT = 0.05  # weight of one proposal in the running mean confidence (prior for new requests)
+
+
+@dataclass(frozen=True, slots=True)
+class DraftPlan:
+    """Whether the drafter runs after a planned step (StepPlan.draft_plan)."""
+
+    enabled: bool = True
+
+
+_DRAFT, _SKIP = DraftPlan(True), DraftPlan(False)
 
 
 @dataclass(slots=True)
@@ -95,6 +125,9 @@ class SpecDecoding:
         self.policy = make_length_policy(config.schedule, sps.profile(1), num_drafts=config.num_draft_tokens,
                                          delay=config.budget_delay, max_verify_tokens=max_verify_tokens)
         self.stats = SpecStats()
+        self._gated = config.gate_drafter and config.schedule == "confidence"
+        self._prior: np.ndarray | None = None  # running mean confidence [D] over all proposals
+        self._probe_interval, self._num_skipped = 1, 0  # the drafter gate's probe backoff
         self._fresh: dict[str, _Fresh] = {}
         self._counts: dict[str, list[int]] = {}  # request id -> [drafted, verified, accepted]
 
@@ -103,45 +136,74 @@ class SpecDecoding:
         return self.config.num_draft_tokens
 
     # ---- loop thread: before schedule() ------------------------------------------------------
-    def plan_lengths(self, requests, running) -> None:
-        """Set ``spec_token_ids`` of the running requests with fresh drafts to the policy's lengths."""
+    def plan_lengths(self, requests, running) -> DraftPlan:
+        """Set ``spec_token_ids`` of the running requests with fresh drafts to the policy's lengths;
+        returns whether the drafter runs after this step (the gate of the module docstring)."""
         fresh = self._fresh
-        if not fresh:
-            return
-        picked, confs, caps = [], [], []
-        for req in running:
-            f = fresh.get(req.request_id)
-            if f is None:
-                continue
-            if (req.status != RequestStatus.RUNNING or req.num_output_placeholders or req.is_awaiting_verification
-                    or req.num_computed_tokens != f.anchor + 1 or req.num_tokens != f.anchor + 2):
-                req.spec_token_ids = []
-                continue  # stale (preempted, rolled over) or with a step in flight: no drafts now
-            picked.append((req, f))
-            confs.append(f.confidence)
-            caps.append(_length_cap(req, len(f.tokens)))
         for rid in [rid for rid in fresh if rid not in requests]:
             del fresh[rid]
         for rid in [rid for rid in self._counts if rid not in requests]:
             del self._counts[rid]  # finished (reported) or aborted
-        if not picked:
-            return
-        self.policy.sps = self.sps.profile(len(picked))
-        schedule = self.policy(np.stack(confs), max_lengths=np.asarray(caps, dtype=np.int64))
-        for (req, f), length in zip(picked, schedule.lengths.tolist()):
-            req.spec_token_ids = f.tokens[:length]
+        d = self.config.num_draft_tokens
+        decoding, confs, caps, num_fresh = [], [], [], 0
+        for req in running:
+            if req.status != RequestStatus.RUNNING or req.num_output_tokens == 0:
+                continue  # prefilling: not a decode step (the SPS table's R counts decodes)
+            f = fresh.get(req.request_id)
+            is_fresh = f is not None and not (
+                req.num_output_placeholders or req.is_awaiting_verification
+                or req.num_computed_tokens != f.anchor + 1 or req.num_tokens != f.anchor + 2)
+            if not is_fresh:
+                req.spec_token_ids = []  # stale (preempted, rolled over, skipped) or a step in flight
+            decoding.append((req, f if is_fresh else None))
+            confs.append(f.confidence if f is not None else self._prior)
+            caps.append(_length_cap(req, len(f.tokens) if is_fresh else 0))
+            num_fresh += is_fresh
+        if not decoding:
+            return _DRAFT
+        plan = self._gate(decoding, confs)
+        if not num_fresh:
+            return plan
+        conf = np.stack([c if c is not None else np.zeros(d) for c in confs])
+        self.policy.sps = self.sps.profile(len(decoding), drafter=plan.enabled)
+        schedule = self.policy(conf, max_lengths=np.asarray(caps, dtype=np.int64))
+        for (req, f), length in zip(decoding, schedule.lengths.tolist()):
+            if f is not None:
+                req.spec_token_ids = f.tokens[:length]
+        return plan
+
+    def _gate(self, decoding, confs) -> DraftPlan:
+        """The drafter gate: draft after this step when it pays in steady state, or as a probe."""
+        if not self._gated:
+            return _DRAFT
+        if any(c is None for c in confs):
+            return _DRAFT  # a request with no confidences yet and no prior: learn first
+        num = len(decoding)
+        caps = np.asarray([_length_cap(req, self.config.num_draft_tokens) for req, _ in decoding], dtype=np.int64)
+        with_drafts = schedule_lengths(np.stack(confs), self.sps.profile(num), max_lengths=caps)
+        plain = num * self.sps.profile(num, drafter=False)(num)
+        if with_drafts.expected_tokens_per_s > plain:
+            self._probe_interval, self._num_skipped = 1, 0
+            return _DRAFT
+        if self._num_skipped >= self._probe_interval:  # a probe: fresh confidences for the test
+            self._probe_interval = min(2 * self._probe_interval, MAX_PROBE_INTERVAL)
+            self._num_skipped = 0
+            return _DRAFT
+        self._num_skipped += 1
+        return _SKIP
 
     # ---- loop thread: can the next step be scheduled before this one is sampled? -------------
     @staticmethod
     def must_commit_first(plan) -> bool:
         """True when ``plan`` samples anything: its requests draft after sampling, and the next
         step needs those drafts (ARCHITECTURE.md, "The step timeline")."""
-        return plan.sched.num_logits > 0
+        return plan.sched.num_logits > 0 and (plan.draft_plan is None or plan.draft_plan.enabled)
 
     # ---- device thread: after sampling -------------------------------------------------------
     def propose(self, plan, accepted: dict[str, list[int]]) -> StepDrafts:
         t0 = time.perf_counter()
-        drafts = self.proposer.propose(plan.sched.scheduled, accepted)
+        draft = plan.draft_plan is None or plan.draft_plan.enabled
+        drafts = self.proposer.propose(plan.sched.scheduled, accepted, draft=draft)
         drafts.seconds = time.perf_counter() - t0
         return drafts
 
@@ -170,8 +232,14 @@ class SpecDecoding:
         if drafts is None:
             return
         st.draft_seconds += drafts.seconds
+        if plan.draft_plan is not None and not plan.draft_plan.enabled:
+            st.num_drafter_skips += 1
         d = self.config.num_draft_tokens
         fresh = self._fresh
+        if len(drafts):
+            mean = drafts.confidence[:, :d].mean(axis=0)
+            w = min(1.0, PRIOR_WEIGHT * len(drafts))
+            self._prior = mean if self._prior is None else (1 - w) * self._prior + w * mean
         for i, rid in enumerate(drafts.request_ids):
             req = requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:

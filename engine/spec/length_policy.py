@@ -1,5 +1,12 @@
-"""The verify-length policies an engine holds: ``fixed`` and ``confidence`` (with the production
-variant that sizes the budget two steps ahead).
+"""The verify-length policies an engine holds: ``fixed``, ``confidence`` (with the production
+variant that sizes the budget two steps ahead) and ``bounded``.
+
+``bounded`` is the confidence schedule restricted to draft counts whose expected committed tokens
+are at least ``BOUNDED_SHARE`` of verifying every draft: a floor on the accepted length. Where
+a verify token costs about as much as a decode token (a compute-bound CPU with many sequences)
+the unrestricted optimum gives up far more accepted length than DeepSeek's memory-bound GPU
+steps; ``bounded`` trades that throughput for staying near fixed-5's accepted length. It also
+drafts every step (no drafter gate, decoding.py).
 
 Why the delay: with asynchronous scheduling the host prepares step ``s`` while the device runs
 step ``s - 1``, so when step ``s``'s verify batch must be laid out (buffer sizes, captured graph,
@@ -31,7 +38,8 @@ from deepinfer.engine.spec.length_schedule import (
     schedule_lengths,
 )
 
-SCHEDULES = ("confidence", "fixed")  # the engine option --spec-schedule
+SCHEDULES = ("confidence", "fixed", "bounded")  # the engine option --spec-schedule
+BOUNDED_SHARE = 0.95  # "bounded": E at least this share of E with every draft verified
 
 
 class LengthPolicy(Protocol):
@@ -51,16 +59,19 @@ class FixedPolicy:
 class ConfidencePolicy:
     """The hardware-aware prefix schedule; ``delay=0`` exact per step, ``delay=2`` production."""
 
-    def __init__(self, sps: StepsPerSecond, *, delay: int = 0, max_verify_tokens: int | None = None) -> None:
+    def __init__(self, sps: StepsPerSecond, *, delay: int = 0, max_verify_tokens: int | None = None,
+                 min_share: float = 0.0) -> None:
         if delay < 0:
             raise ValueError(f"budget delay must be >= 0 steps, got {delay}")
         self.sps, self.delay, self.max_verify_tokens = sps, delay, max_verify_tokens
+        self.min_share = min_share
         # (draft budget chosen, requests it was chosen for), oldest first
         self._history: deque[tuple[int, int]] = deque(maxlen=delay + 1)
 
     def __call__(self, confidences, max_lengths=None) -> Schedule:
         conf = check_confidences(confidences)
-        exact = schedule_lengths(conf, self.sps, max_lengths=max_lengths, max_verify_tokens=self.max_verify_tokens)
+        exact = schedule_lengths(conf, self.sps, max_lengths=max_lengths, max_verify_tokens=self.max_verify_tokens,
+                                 min_share=self.min_share)
         self._history.append((exact.num_draft_tokens, len(exact.lengths)))
         if self.delay == 0 or len(self._history) <= self.delay:
             return exact
@@ -89,4 +100,6 @@ def make_length_policy(
         return FixedPolicy(sps, num_drafts)
     if name == "confidence":
         return ConfidencePolicy(sps, delay=delay, max_verify_tokens=max_verify_tokens)
+    if name == "bounded":
+        return ConfidencePolicy(sps, delay=delay, max_verify_tokens=max_verify_tokens, min_share=BOUNDED_SHARE)
     raise ValueError(f"unknown spec schedule {name!r}; choose one of {', '.join(SCHEDULES)}")

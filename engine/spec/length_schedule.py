@@ -150,11 +150,14 @@ def schedule_lengths(
     max_lengths=None,
     max_verify_tokens: int | None = None,
     early_stop: bool = True,
+    min_share: float = 0.0,
 ) -> Schedule:
     """The confidence schedule: verify lengths maximising ``E x SPS(B)``.
 
     ``confidences [R, D]``; ``max_lengths [R]`` optional per-request caps on L;
-    ``max_verify_tokens`` optional cap on B (it must leave room for the R root tokens).
+    ``max_verify_tokens`` optional cap on B (it must leave room for the R root tokens);
+    ``min_share``: only draft counts whose E is at least this share of E with every allowed
+    candidate (the "bounded" schedule: a floor on the expected accepted length).
     ``early_stop`` applies the lossless stop rules of the module docstring; they assume SPS is
     non-increasing in B (true of SpsProfile). With another callable that may rise, pass False.
     """
@@ -170,11 +173,15 @@ def schedule_lengths(
     expected = num_requests + np.concatenate(([0.0], np.cumsum(gain[:num_max])))  # E(0..num_max)
     expected_max = float(expected[-1])
     unimodal = early_stop and isinstance(sps, SpsProfile) and sps.is_step_time_convex
-    # Step 2: scan K = 0, 1, ..., keeping the first best f(K) = E(K) x SPS(R + K)
+    if not 0.0 <= min_share <= 1.0:
+        raise ValueError(f"min_share must lie in [0, 1], got {min_share}")
+    # the smallest K meeting the floor (E(K) is non-decreasing); the scan starts there
+    first_k = int(np.searchsorted(expected, min_share * expected_max * (1 - 1e-12))) if min_share else 0
+    # Step 2: scan K = first_k, first_k + 1, ..., keeping the first best f(K) = E(K) x SPS(R + K)
     rates = _rates(sps, num_requests, num_max)
-    best_k, best_f = 0, float(expected[0]) * rates(0)
+    best_k, best_f = first_k, float(expected[first_k]) * rates(first_k)
     prev_f = best_f
-    for k in range(1, num_max + 1):
+    for k in range(first_k + 1, num_max + 1):
         rate = rates(k)
         if early_stop and expected_max * rate <= best_f:
             break  # bound rule: no later K can beat best_f

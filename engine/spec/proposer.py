@@ -43,9 +43,10 @@ class DraftProposer:
         self.ring = ContextRing(num_stages=model.num_stages, num_slots=num_slots, window=model.window,
                                 width=model.row_width, device=model.device, dtype=model.dtype)
 
-    def propose(self, scheduled, accepted: dict[str, list[int]]) -> StepDrafts:
+    def propose(self, scheduled, accepted: dict[str, list[int]], *, draft: bool = True) -> StepDrafts:
         """``scheduled``: the step's ScheduledSeqs in batch order; ``accepted``: request id ->
-        the tokens the step committed (1 + accepted drafts) for those with sample rows."""
+        the tokens the step committed (1 + accepted drafts) for those with sample rows.
+        ``draft=False``: only the context ring is written (the drafter gate skipped this step)."""
         captured = self.model.take_features()
         write_rows, write_pos, write_slots = [], [], []
         ids, anchors, ys, slots = [], [], [], []
@@ -66,7 +67,7 @@ class DraftProposer:
             write_rows.append(np.arange(first + lo, first + num_valid))
             write_pos.append(np.arange(step.start_pos + lo, step.start_pos + num_valid))
             write_slots.append(np.full(keep, step.slot))
-            if s.num_sample_rows:
+            if s.num_sample_rows and draft:
                 ids.append(s.request_id)
                 anchors.append(step.start_pos + num_valid - 1)
                 ys.append(toks[-1])

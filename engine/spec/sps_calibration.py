@@ -9,17 +9,23 @@ model runner and drafter, before the engine takes requests: the scratch sequence
 0..R-1 and the first blocks of the pool, which no request holds yet (every later request writes
 its positions before reading them).
 
-Noise only ever adds time (another process on the cores, a first call's allocations), so each
-point keeps its fastest of ``reps`` timings over ``passes`` sweeps of the whole grid (a burst of
-load hits different points in each sweep), and the table keeps the envelope
-``t(R, L) = min over R' >= R, L' >= L of t(R', L')``: a step of R requests verifying L drafts each
-can always be padded to R' requests of L' drafts, so that time is achievable (the same holds
-for the drafter's pass over R proposals). About ``passes x len(grid) x (len(depths) + 1) x
-(reps + 1)`` forwards.
+Timings on a shared machine are noisy and the noise moves with the load from minute to minute,
+so one table of fastest timings gave the scheduler different choices in every run. Now every point
+(a target step of R requests x depth L, or a drafter pass over R proposals) is warmed up once,
+then timed once per round for ``rounds`` rounds, all points of a round in a shuffled order (a burst
+of load hits random points, not one end of the grid). Per R, step time is fitted as a line
+``a_R + b_R B`` to the points' medians (sps_fit.py); the drafter keeps its median. The fitted
+table then gets the envelope ``t(R, L) = min over R' >= R, L' >= L of t(R', L')``: a step of R
+requests verifying L drafts each can always be padded to R' requests of L' drafts, so that time
+is achievable (the same holds for the drafter's pass over R proposals). About
+``len(grid) x (len(depths) + 1) x (rounds + 1)`` forwards.
 """
 
 from __future__ import annotations
 
+import logging
+import random
+import statistics
 import time
 from collections.abc import Sequence
 
@@ -27,7 +33,10 @@ import torch
 
 from deepinfer.engine.core.batch import ForwardBatch, SeqStep
 from deepinfer.engine.spec.draft_model import DraftModel
+from deepinfer.engine.spec.sps_fit import fit_step_table
 from deepinfer.engine.spec.sps_table import SpsTable
+
+log = logging.getLogger(__name__)
 
 DEFAULT_DEPTHS = (0, 1, 3, 5)
 
@@ -41,23 +50,20 @@ def request_grid(max_num_seqs: int, *, base: int = 4) -> list[int]:
     return grid
 
 
-def _timed(fn, reps: int) -> float:
-    fn()  # warm-up (allocations, first-call dispatch)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+def _time_once(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 @torch.inference_mode()
 def calibrate_sps(runner, draft_model: DraftModel, *, max_num_seqs: int, num_blocks: int, block_size: int,
                   max_depth: int, context: int = 256, depths: Sequence[int] = DEFAULT_DEPTHS,
-                  grid: Sequence[int] | None = None, reps: int = 2, passes: int = 2) -> SpsTable:
+                  grid: Sequence[int] | None = None, rounds: int = 5, seed: int = 0) -> SpsTable:
     """Time the grid on ``runner`` (the plain ModelRunner, not a wrapper) and ``draft_model``:
-    per point the fastest of ``reps`` timings after a warm-up, over ``passes`` sweeps, then the
-    padding envelope (module docstring)."""
+    one warm-up per point, then ``rounds`` interleaved timings, fitted per R (module docstring)."""
+    if rounds < 1:
+        raise ValueError(f"SPS calibration needs >= 1 round of timings, got {rounds}")
     depths = sorted({d for d in depths if d <= max_depth} | {0, max_depth})
     grid = list(grid) if grid is not None else request_grid(max_num_seqs)
     blocks_per_seq = -(-(context + max_depth + 1) // block_size)
@@ -67,12 +73,10 @@ def calibrate_sps(runner, draft_model: DraftModel, *, max_num_seqs: int, num_blo
     grid = sorted({min(r, fit, max_num_seqs) for r in grid})
     vocab = getattr(runner.config, "vocab_size", 2)
     token = min(5, vocab - 1)
-    steps_s: dict[int, dict[int, float]] = {}
-    draft_s: dict[int, float] = {}
     dev = draft_model.device
-    for r in [r for _ in range(passes) for r in grid]:
+    points = []  # (request count, verify tokens or None for the drafter, the timed call)
+    for r in grid:
         tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(r)]
-        row = {}
         for depth in depths:
             n = 1 + depth
             batch = ForwardBatch([SeqStep(i, i, tables[i], context, [token] * n, n) for i in range(r)])
@@ -80,9 +84,7 @@ def calibrate_sps(runner, draft_model: DraftModel, *, max_num_seqs: int, num_blo
             def step(batch=batch):
                 runner.execute(batch).argmax(dim=-1).cpu()
 
-            row[r * n] = min(_timed(step, reps), steps_s.get(r, {}).get(r * n, float("inf")))
-        draft_model.take_features()  # the scratch forwards' features are nobody's
-        steps_s[r] = row
+            points.append((r, r * n, step))
         y = torch.full((r,), token, dtype=torch.int64, device=dev)
         anchors = torch.full((r,), context, dtype=torch.int64, device=dev)
         ctx = torch.zeros(draft_model.num_stages, r, draft_model.window, draft_model.row_width,
@@ -92,7 +94,22 @@ def calibrate_sps(runner, draft_model: DraftModel, *, max_num_seqs: int, num_blo
         def draft(y=y, anchors=anchors, ctx=ctx, valid=valid):
             draft_model.propose(y, anchors, ctx, valid).confidence.cpu()
 
-        draft_s[r] = min(_timed(draft, reps), draft_s.get(r, float("inf")))
+        points.append((r, None, draft))
+    timings: dict[int, dict[int, list[float]]] = {r: {} for r in grid}
+    draft_timings: dict[int, list[float]] = {r: [] for r in grid}
+    for _, _, fn in points:  # warm-up (allocations, first-call dispatch)
+        fn()
+    order = random.Random(seed)
+    for _ in range(rounds):
+        for r, b, fn in order.sample(points, len(points)):
+            seconds = _time_once(fn)
+            (draft_timings[r] if b is None else timings[r].setdefault(b, [])).append(seconds)
+    draft_model.take_features()  # the scratch forwards' features are nobody's
+    steps_s, lines = fit_step_table(timings)
+    draft_s = {r: float(statistics.median(ts)) for r, ts in draft_timings.items()}
+    for r, line in lines.items():
+        log.info("SPS fit R=%d: %.3f ms + %.4f ms/token (spread %.0f %%), drafter %.3f ms", r, line.intercept * 1e3,
+                 line.slope * 1e3, line.spread * 100, draft_s[r] * 1e3)
     steps_s, draft_s = padding_envelope(steps_s, draft_s, depths)
     return SpsTable(steps_s, draft_s, max_depth=max_depth, device=str(dev))
 

@@ -12,7 +12,9 @@ whatever is verified). ``profile(R)`` is the profile the scheduler uses for a st
     R outside         the nearest two grid points extended the same way (never below the
                       smallest measured time)
 
-evaluated at B = R (1 + j), j = 0 .. max depth. Profiles are cached per R.
+evaluated at B = R (1 + j), j = 0 .. max depth. ``profile(R, drafter=False)`` leaves the
+drafter's time out: a step after which nobody drafts (decoding.py's drafter gate). Profiles are
+cached per R.
 """
 
 from __future__ import annotations
@@ -44,15 +46,17 @@ class SpsTable:
             raise ValueError("drafter times must be finite and >= 0 seconds")
         self.max_depth = max_depth
         self.device = device
-        self._cache: dict[int, SpsProfile] = {}
+        self._cache: dict[tuple[int, bool], SpsProfile] = {}
 
-    def profile(self, num_requests: int) -> SpsProfile:
-        """``SPS(B)`` for a step of ``num_requests`` requests, drafter pass included."""
+    def profile(self, num_requests: int, *, drafter: bool = True) -> SpsProfile:
+        """``SPS(B)`` for a step of ``num_requests`` requests, the drafter's pass included unless
+        ``drafter`` is False."""
         if num_requests < 1:
             raise ValueError(f"a step profile needs >= 1 request, got {num_requests}")
-        found = self._cache.get(num_requests)
+        key = (num_requests, drafter)
+        found = self._cache.get(key)
         if found is None:
-            found = self._cache[num_requests] = self._build(num_requests)
+            found = self._cache[key] = self._build(num_requests, drafter)
         return found
 
     def target_seconds(self, num_requests: int, num_tokens: float) -> float:
@@ -76,9 +80,9 @@ class SpsTable:
         share = num_tokens / num_requests
         return (1.0 - w) * at(r0, share * r0) + w * at(r1, share * r1)
 
-    def _build(self, num_requests: int) -> SpsProfile:
+    def _build(self, num_requests: int, drafter: bool) -> SpsProfile:
         floor = min(min(p.seconds) for p in self._measured.values())
-        draft = self.draft_time(num_requests)
+        draft = self.draft_time(num_requests) if drafter else 0.0
         points = {}
         for depth in range(self.max_depth + 1):
             b = num_requests * (1 + depth)

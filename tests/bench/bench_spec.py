@@ -4,11 +4,13 @@ model (default) or on a simulated drafter (``--simulated``).
 Model-backed (tests/bench/spec_engine.py says how each figure is measured): per concurrency the
 engine runs the same greedy requests with no speculation, fixed-5 verification and the
 confidence schedule; columns ``ver_*`` / ``acc_*`` / ``tok_s_*`` as below, ``identical`` (every
-request's tokens equal no speculation's), ``cpu_*`` (tokens per CPU second) and ``draft_s`` (the drafter's seconds in the scheduled run).
+request's tokens, in every round, equal no speculation's), ``cpu_*`` (tokens per CPU second) and ``draft_s`` (the drafter's seconds in the scheduled run).
 Figures: ``mode`` = "engine", at concurrency 60 the issue's keys (``verified_per_step_fixed`` /
 ``_sched``, ``accepted_len_fixed`` / ``_sched``, ``tok_s_off`` / ``_fixed`` / ``_sched``),
 ``greedy_identical`` (1 when every request at every concurrency matched), per concurrency
-``cC_<figure>_<mode>``, ``wall_s``.
+``cC_<figure>_<mode>`` (medians over the interleaved rounds; ``cC_tok_s_spread_<mode>`` the
+spread, ``cC_ratio_<a>_<b>`` the median per-round tok/s ratio), ``wall_s``. ``--bounded`` adds
+the "bounded" schedule (length_policy.py) as a fourth mode.
 
 Simulated (``--simulated``):
 
@@ -81,7 +83,9 @@ def build_parser():
     p.add_argument("--simulated", action="store_true", help="use the simulated-acceptance drafter instead of the engine")
     p.add_argument("--model", default=None, help="model directory (default: the trained tiny checkpoint in the package)")
     p.add_argument("--max-tokens", type=int, default=64, help="engine run: tokens generated per request (default %(default)s)")
-    p.add_argument("--repeats", type=int, default=2, help="engine run: runs per mode, best kept (default %(default)s)")
+    p.add_argument("--repeats", type=int, default=3, help="engine run: interleaved rounds per concurrency, median "
+                   "reported (default %(default)s)")
+    p.add_argument("--bounded", action="store_true", help="engine run: also the 'bounded' schedule (accepted-length floor)")
     p.add_argument("--num-draft-tokens", type=int, default=5, help="engine run: drafts per step (default %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="engine run: torch threads (default torch's)")
     p.add_argument("--concurrency", default=DEFAULT_CONCURRENCY, help="sequences per rank (default %(default)s)")
@@ -161,8 +165,9 @@ def run_engine(args) -> int:
     start = time.perf_counter()
     concurrencies = _ints(args.concurrency)
     prompts = spec_engine.prompts_of(model_dir, max(concurrencies))
+    modes = dict(spec_engine.MODES, **(spec_engine.EXTRA_MODES if args.bounded else {}))
     engines = spec_engine.start_engines(model_dir, max(concurrencies), max_model_len=512, num_threads=args.threads,
-                                        num_draft_tokens=args.num_draft_tokens)
+                                        num_draft_tokens=args.num_draft_tokens, modes=modes)
     report = Report(f"spec (engine, {model_dir}, D={args.num_draft_tokens}, greedy, {args.max_tokens} tokens per "
                     f"request): verified drafts and committed tokens per request per decode step")
     report.figure("mode", "engine")
@@ -170,19 +175,28 @@ def run_engine(args) -> int:
     try:
         spec_engine.warm_up(engines, prompts)
         for c in concurrencies:
-            res = spec_engine.run_concurrency(engines, prompts[:c], args.max_tokens, args.repeats)
+            res, ratio = spec_engine.run_concurrency(engines, prompts[:c], args.max_tokens, args.repeats)
             off, fixed, sched = res["off"], res["fixed"], res["sched"]
-            identical = fixed.tokens == off.tokens and sched.tokens == off.tokens
+            identical = off.tokens is not None and all(r.tokens == off.tokens for r in res.values())
             all_identical &= identical
-            report.row(conc=c, ver_fixed=fixed.verified_per_step, ver_sched=sched.verified_per_step,
+            row = dict(conc=c, ver_fixed=fixed.verified_per_step, ver_sched=sched.verified_per_step,
                        acc_fixed=fixed.accepted_len, acc_sched=sched.accepted_len,
                        tok_s_off=round(off.tok_s, 1), tok_s_fixed=round(fixed.tok_s, 1), tok_s_sched=round(sched.tok_s, 1),
-                       sched_vs_fixed=f"{sched.tok_s / fixed.tok_s - 1:+.2%}", sched_vs_off=f"{sched.tok_s / off.tok_s:.2f}x",
+                       spread=" / ".join(f"{res[n].tok_s_spread:.0%}" for n in ("off", "fixed", "sched")),
+                       sched_vs_fixed=f"{ratio['sched', 'fixed'] - 1:+.2%}", sched_vs_off=f"{ratio['sched', 'off']:.2f}x",
                        cpu_off=round(off.tok_cpu_s, 1), cpu_fixed=round(fixed.tok_cpu_s, 1), cpu_sched=round(sched.tok_cpu_s, 1),
                        draft_s=round(sched.draft_seconds, 2), identical=int(identical))  # fmt: skip
+            if "bounded" in res:
+                b = res["bounded"]
+                row.update(ver_bounded=b.verified_per_step, acc_bounded=b.accepted_len, tok_s_bounded=round(b.tok_s, 1),
+                           bounded_vs_fixed=f"{ratio['bounded', 'fixed'] - 1:+.2%}")
+            report.row(**row)
+            for (a, b), value in ratio.items():
+                report.figure(f"c{c}_ratio_{a}_{b}", value)
             for name, r in res.items():
                 report.figure(f"c{c}_tok_s_{name}", r.tok_s)
                 report.figure(f"c{c}_tok_cpu_s_{name}", r.tok_cpu_s)
+                report.figure(f"c{c}_tok_s_spread_{name}", r.tok_s_spread)
                 if name != "off":
                     report.figure(f"c{c}_verified_per_step_{name}", r.verified_per_step)
                     report.figure(f"c{c}_accepted_len_{name}", r.accepted_len)

@@ -16,13 +16,17 @@ function headers (the checkpoint's ``heldout_headers.json``, cycled) decoded gre
                 (1 + num_accepted / num_request_steps; off: 1)
     identical   every request's tokens equal no speculation's
 
-Modes run in turn at each C (off, fixed, confidence), ``repeats`` times, keeping each one's best
-wall time and best CPU time: the machine's load only ever adds time.
+Fair on a noisy machine: at each C the modes run interleaved, ``repeats`` rounds, each round in
+a rotated order (off, fixed, sched / fixed, sched, off / ...), so a burst of load from another job
+falls on every mode alike; the same prompts every time. Each figure is the median over the rounds,
+with its spread ``(max - min) / median``; ``*_vs_*`` ratios are medians of the per-round ratios
+(both modes measured within a minute of each other).
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -31,6 +35,7 @@ from deepinfer import LLM, SamplingParams
 
 MODES = {"off": {}, "fixed": dict(speculative="dspark", spec_schedule="fixed"),
          "sched": dict(speculative="dspark", spec_schedule="confidence")}
+EXTRA_MODES = {"bounded": dict(speculative="dspark", spec_schedule="bounded")}
 
 
 @dataclass(slots=True)
@@ -41,6 +46,8 @@ class ModeResult:
     accepted_len: float = 1.0
     tokens: list | None = None
     draft_seconds: float = 0.0
+    tok_s_spread: float = 0.0  # (max - min) / median of tok_s over the rounds
+    rounds: list | None = None  # tok_s of each round
 
 
 def prompts_of(model_dir: Path, count: int) -> list[str]:
@@ -50,43 +57,57 @@ def prompts_of(model_dir: Path, count: int) -> list[str]:
 
 
 def start_engines(model_dir: Path, max_seqs: int, *, max_model_len: int, num_threads: int | None,
-                  num_draft_tokens: int) -> dict[str, LLM]:
+                  num_draft_tokens: int, modes=MODES) -> dict[str, LLM]:
     engines = {}
-    for name, spec in MODES.items():
+    for name, spec in modes.items():
         kw = dict(spec, num_draft_tokens=num_draft_tokens) if spec else {}
         engines[name] = LLM(str(model_dir), max_num_seqs=max_seqs, block_size=16, max_model_len=max_model_len,
                             num_threads=num_threads, seed=0, **kw)
     return engines
 
 
-def run_concurrency(engines: dict[str, LLM], prompts: list[str], max_tokens: int, repeats: int) -> dict[str, ModeResult]:
+def _run_once(llm: LLM, prompts: list[str], params: SamplingParams) -> ModeResult:
+    spec = llm.engine.core.spec
+    before = replace(spec.stats) if spec is not None else None
+    t0, c0 = time.perf_counter(), time.process_time()
+    outs = llm.generate(prompts, params)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    tokens = [o.outputs[0].token_ids for o in outs]
+    num = sum(map(len, tokens))
+    res = ModeResult(tok_s=num / wall, tok_cpu_s=num / max(cpu, 1e-9), tokens=tokens)
+    if spec is not None:
+        st = spec.stats
+        steps = st.num_request_steps - before.num_request_steps
+        if steps:
+            res.verified_per_step = (st.num_verified - before.num_verified) / steps
+            res.accepted_len = 1 + (st.num_accepted - before.num_accepted) / steps
+        res.draft_seconds = st.draft_seconds - before.draft_seconds
+    return res
+
+
+def run_concurrency(engines: dict[str, LLM], prompts: list[str], max_tokens: int, repeats: int
+                    ) -> tuple[dict[str, ModeResult], dict[tuple[str, str], float]]:
+    """Interleaved rounds (module docstring). Returns per mode its median figures, and per pair
+    (a, b) the median over rounds of tok_s(a) / tok_s(b)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    best: dict[str, ModeResult] = {}
-    for _ in range(repeats):
-        for name, llm in engines.items():
-            spec = llm.engine.core.spec
-            before = replace(spec.stats) if spec is not None else None
-            t0, c0 = time.perf_counter(), time.process_time()
-            outs = llm.generate(prompts, params)
-            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-            tokens = [o.outputs[0].token_ids for o in outs]
-            num = sum(map(len, tokens))
-            res = ModeResult(tok_s=num / wall, tok_cpu_s=num / max(cpu, 1e-9), tokens=tokens)
-            if spec is not None:
-                st = spec.stats
-                steps = st.num_request_steps - before.num_request_steps
-                if steps:
-                    res.verified_per_step = (st.num_verified - before.num_verified) / steps
-                    res.accepted_len = 1 + (st.num_accepted - before.num_accepted) / steps
-                res.draft_seconds = st.draft_seconds - before.draft_seconds
-            if name not in best:
-                best[name] = res
-            elif res.tok_s > best[name].tok_s:
-                res.tok_cpu_s = max(res.tok_cpu_s, best[name].tok_cpu_s)
-                best[name] = res
-            else:
-                best[name].tok_cpu_s = max(res.tok_cpu_s, best[name].tok_cpu_s)
-    return best
+    names = list(engines)
+    runs: dict[str, list[ModeResult]] = {n: [] for n in names}
+    for i in range(repeats):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            runs[name].append(_run_once(engines[name], prompts, params))
+    out = {}
+    for name, rs in runs.items():
+        tok_s = [r.tok_s for r in rs]
+        med = statistics.median(tok_s)
+        out[name] = ModeResult(tok_s=med, tok_cpu_s=statistics.median(r.tok_cpu_s for r in rs),
+                               verified_per_step=statistics.median(r.verified_per_step for r in rs),
+                               accepted_len=statistics.median(r.accepted_len for r in rs),
+                               tokens=rs[0].tokens if all(r.tokens == rs[0].tokens for r in rs) else None,
+                               draft_seconds=statistics.median(r.draft_seconds for r in rs),
+                               tok_s_spread=(max(tok_s) - min(tok_s)) / med, rounds=tok_s)
+    ratios = {(a, b): statistics.median(x.tok_s / y.tok_s for x, y in zip(runs[a], runs[b]))
+              for a in names for b in names if a != b}
+    return out, ratios
 
 
 def warm_up(engines: dict[str, LLM], prompts: list[str]) -> None:

@@ -1,0 +1,96 @@
+"""The SPS calibration's fit (engine/spec/sps_fit.py), the drafter gate and the bounded schedule."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from deepinfer.engine.spec.length_schedule import schedule_lengths
+from deepinfer.engine.spec.sps_fit import fit_line, fit_step_table
+from deepinfer.engine.spec.sps_profile import SpsProfile
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def _noisy(true, rng, bursts):
+    """Five timings of ``true`` seconds: small jitter, and a burst (x 1.5 .. 3) in ``bursts`` of them."""
+    ts = [true * (1 + rng.uniform(0, 0.03)) for _ in range(5)]
+    for i in rng.sample(range(5), bursts):
+        ts[i] *= rng.uniform(1.5, 3.0)
+    return ts
+
+
+def test_line_fit_recovers_the_cost_under_bursts_of_load():
+    rng = random.Random(1)
+    for _ in range(50):
+        a, b = rng.uniform(1e-3, 1e-2), rng.uniform(1e-5, 1e-4)
+        points = {bt: _noisy(a + b * bt, rng, rng.randint(0, 2)) for bt in (60, 120, 240, 360)}
+        line = fit_line(points)
+        # medians ignore a minority of bursts: the slope / intercept ratio (what the scheduler uses) holds
+        assert line.intercept == pytest.approx(a, rel=0.1, abs=3e-4)
+        assert line.slope == pytest.approx(b, rel=0.1)
+
+
+def test_fit_is_monotone_and_non_negative():
+    assert fit_line({1: [2e-3], 2: [1e-3, 1e-3]}).slope == 0.0  # noise that made more tokens faster
+    through_origin = fit_line({10: [1e-3], 20: [2.5e-3]})
+    assert through_origin.intercept == 0.0 and through_origin.slope > 0
+    fitted, lines = fit_step_table({4: {4: [1e-3], 8: [1.5e-3], 24: [3.5e-3]}})
+    assert fitted[4][8] == pytest.approx(lines[4](8))
+    assert SpsProfile.from_table(fitted[4]).is_step_time_convex
+    with pytest.raises(ValueError, match="at least one timing"):
+        fit_line({4: []})
+
+
+def test_bounded_schedule_keeps_the_expected_length_floor():
+    rng = np.random.default_rng(0)
+    conf = rng.uniform(0.2, 0.95, size=(16, 5))
+    steep = SpsProfile.from_table({16: 1e-3, 96: 1e-2})  # verify tokens cost a lot: the optimum cuts deep
+    free = schedule_lengths(conf, steep)
+    everything = schedule_lengths(conf, steep, min_share=1.0)
+    bounded = schedule_lengths(conf, steep, min_share=0.95)
+    assert free.expected_tokens < 0.95 * everything.expected_tokens
+    assert bounded.expected_tokens >= 0.95 * everything.expected_tokens - 1e-9
+    assert bounded.num_verify_tokens < everything.num_verify_tokens  # the low-survival tail is still cut
+
+
+def _request(rid, anchor):
+    from deepinfer.engine.core.request import RequestStatus
+
+    return SimpleNamespace(request_id=rid, status=RequestStatus.RUNNING, num_output_tokens=3, num_output_placeholders=0,
+                           is_awaiting_verification=False, num_computed_tokens=anchor + 1, num_tokens=anchor + 2,
+                           sampling_params=SimpleNamespace(max_tokens=100), max_model_len=1000, spec_token_ids=[])
+
+
+def _spec(per_token_s, draft_s, schedule="confidence"):
+    from deepinfer.engine.spec.decoding import SpecConfig, SpecDecoding, _Fresh
+    from deepinfer.engine.spec.sps_table import SpsTable
+
+    steps = {r: {r * (1 + d): 1e-3 + per_token_s * r * (1 + d) for d in (0, 5)} for r in (1, 8)}
+    table = SpsTable(steps, {1: draft_s, 8: draft_s}, max_depth=5)
+    proposer = SimpleNamespace(model=SimpleNamespace(block_size=5))
+    spec = SpecDecoding(proposer, table, SpecConfig(schedule=schedule))
+    reqs = {f"r{i}": _request(f"r{i}", 10) for i in range(8)}
+    for rid in reqs:
+        spec._fresh[rid] = _Fresh(10, [1, 2, 3, 4, 5], np.full(5, 0.9))
+    return spec, reqs
+
+
+def test_drafter_gate_drafts_when_it_pays_and_probes_when_it_does_not():
+    spec, reqs = _spec(per_token_s=1e-6, draft_s=1e-4)  # cheap verify tokens, cheap drafter
+    assert spec.plan_lengths(reqs, list(reqs.values())).enabled
+    assert all(len(r.spec_token_ids) == 5 for r in reqs.values())
+    spec, reqs = _spec(per_token_s=1e-3, draft_s=5e-3)  # compute bound, costly drafter: plain decode wins
+    gates = []
+    for step in range(12):
+        for r in reqs.values():  # the drafts are stale from the second step on (nothing drafted)
+            r.num_computed_tokens, r.num_tokens = 11 + step, 12 + step
+        gates.append(spec.plan_lengths(reqs, list(reqs.values())).enabled)
+    # skip 1, probe, skip 2, probe, skip 4, probe, ...: the probe interval doubles
+    assert gates[:9] == [False, True, False, False, True, False, False, False, False]
+    assert gates[9] is True
+    fixed, reqs = _spec(per_token_s=1e-3, draft_s=5e-3, schedule="fixed")
+    assert fixed.plan_lengths(reqs, list(reqs.values())).enabled  # fixed-5 always drafts
