@@ -338,6 +338,10 @@ class Repairer:
         for target, items in node2items.items():
             stored = await self._put(target, items)
             self.stats.num_repaired += sum(stored)
+            if log.isEnabledFor(logging.DEBUG):
+                for (record, _), ok in zip(items, stored):
+                    log.debug("%s: rebuilt %s index %d on %s: %s", self.name, record.header.key.hex()[:12],
+                              record.header.index, target, "stored" if ok else "not stored")
 
     async def _put(self, target: str, items: list) -> list[bool]:
         """PutFragments of (record, payload) items to ``target``, keeping each record's expiry."""
