@@ -38,6 +38,7 @@ from deepinfer.engine.parallel.group import EpGroup
 from deepinfer.engine.parallel.layer_placement import LayerPlacement
 
 NOT_PLANNED = -1  # this rank's plan has not arrived yet
+CHUNK_SLOTS = 1  # expert slots per peer in one background all-to-all (a V4-Flash slot: 25 M weights)
 FAILED = -(1 << 40)  # this rank's re-placement failed (FAILED + rank: the lowest failed rank wins the min)
 
 
@@ -116,37 +117,50 @@ class Replacement:
         return new.numpy()
 
     def _stage(self, layer: int, slots, sources: SlotSources, buffers) -> None:
-        """Fill ``buffers`` with the new slots of this rank: local copies, then one all-to-all."""
+        """Fill ``buffers`` with the new slots of this rank: local copies, then all-to-alls of
+        ``CHUNK_SLOTS`` slots per peer at a time. Each piece is one short burst of memory and
+        socket traffic with a yield after it, so the step loop (and the gloo threads it waits
+        on) never queue behind a whole layer's copy."""
         ep, me = self.ep, self.ep.rank
         started = time.perf_counter()
         gate_up, down = buffers
-        local = np.flatnonzero(sources.src_rank[me] == me)
-        src = torch.from_numpy(sources.src_slot[me, local])
-        dst = torch.from_numpy(local)
-        gate_up.index_copy_(0, dst.to(gate_up.device), slots.gate_up.index_select(0, src.to(gate_up.device)))
-        down.index_copy_(0, dst.to(down.device), slots.down.index_select(0, src.to(down.device)))
+        for j in np.flatnonzero(sources.src_rank[me] == me).tolist():
+            src = int(sources.src_slot[me, j])
+            gate_up[j].copy_(slots.gate_up[src])
+            down[j].copy_(slots.down[src])
+            time.sleep(0)  # let the step loop take the GIL
         self.timeline.append(("copy", layer, started, time.perf_counter()))
         if ep.size > 1:
             started = time.perf_counter()
-            width = gate_up[0].numel() + down[0].numel()
             sends = [sources.sends(me, r) if r != me else (np.empty(0, np.int64),) * 2 for r in range(ep.size)]
             recvs = [sources.sends(q, me) if q != me else (np.empty(0, np.int64),) * 2 for q in range(ep.size)]
-            out_slots = np.concatenate([s for s, _ in sends])
-            split = gate_up[0].numel()
-            send = torch.cat([slots.gate_up[out_slots].reshape(len(out_slots), split),
-                              slots.down[out_slots].reshape(len(out_slots), width - split)], dim=1).cpu()
-            in_slots = np.concatenate([d for _, d in recvs])
-            recv = torch.empty(len(in_slots), width, dtype=send.dtype)
-            ep.side_all_to_all(recv.view(-1), send.reshape(-1), [len(d) * width for _, d in recvs],
-                               [len(s) * width for s, _ in sends])
-            if len(in_slots):
-                index = torch.from_numpy(in_slots).to(gate_up.device)
-                gate_up.index_copy_(0, index, recv[:, :split].reshape(-1, *gate_up.shape[1:]).to(gate_up.device))
-                down.index_copy_(0, index, recv[:, split:].reshape(-1, *down.shape[1:]).to(down.device))
+            # the same count on every rank: the table is the same everywhere
+            most = max(len(sources.sends(q, r)[0]) for q in range(ep.size) for r in range(ep.size) if q != r)
+            for first in range(0, most, CHUNK_SLOTS):
+                part = slice(first, first + CHUNK_SLOTS)
+                self._exchange(slots, gate_up, down, [s[part] for s, _ in sends], [d[part] for _, d in recvs])
+                time.sleep(0)
             self.timeline.append(("send", layer, started, time.perf_counter()))
         started = time.perf_counter()
         prepare(gate_up, down)
         self.timeline.append(("pack", layer, started, time.perf_counter()))
+
+    def _exchange(self, slots, gate_up, down, out_slots: list[np.ndarray], in_slots: list[np.ndarray]) -> None:
+        """One side all-to-all: ``out_slots[r]`` (local old slots) go to rank r, rank q's rows land
+        in the new slots ``in_slots[q]``."""
+        split = gate_up[0].numel()
+        width = split + down[0].numel()
+        out = np.concatenate(out_slots)
+        send = torch.cat([slots.gate_up[out].reshape(len(out), split),
+                          slots.down[out].reshape(len(out), width - split)], dim=1).cpu()
+        into = np.concatenate(in_slots)
+        recv = torch.empty(len(into), width, dtype=send.dtype)
+        self.ep.side_all_to_all(recv.view(-1), send.reshape(-1), [len(d) * width for d in in_slots],
+                                [len(s) * width for s in out_slots])
+        if len(into):
+            index = torch.from_numpy(into).to(gate_up.device)
+            gate_up.index_copy_(0, index, recv[:, :split].reshape(-1, *gate_up.shape[1:]).to(gate_up.device))
+            down.index_copy_(0, index, recv[:, split:].reshape(-1, *down.shape[1:]).to(down.device))
 
     # ---- the step loop's side -----------------------------------------------------------------------
     @property
