@@ -79,7 +79,8 @@ def add_parser(subparsers, name):
     e.add_argument("--ep", type=int, default=1, metavar="N",
                    help="expert parallel over N rank processes (attention data-parallel: each request runs on "
                         "one rank; the MoE layers' experts are spread over all of them and re-placed by EPLB). "
-                        "A rank that dies fails the requests in flight and the group restarts (default 1)")
+                        "A rank that dies fails the requests in flight and the group restarts. With "
+                        "--disaggregated every prefill and decode engine is such a group (default 1)")
     e.add_argument("--ep-redundant-experts", type=int, default=0, metavar="R",
                    help="with --ep: replica slots per rank beyond the experts it owns, for EPLB (default 0)")
     add_spec_arguments(p)
@@ -250,8 +251,6 @@ def _check_args(args) -> None:
     if args.ep < 1 or args.ep_redundant_experts < 0:
         raise CliError(f"--ep must be >= 1 and --ep-redundant-experts >= 0, got {args.ep} and "
                        f"{args.ep_redundant_experts}", code=2)
-    if args.ep > 1 and args.disaggregated:
-        raise CliError("--ep with --disaggregated is not built yet: serve --ep N runs the co-located engine", code=2)
     if not 0 <= args.shutdown_grace <= 3600:
         raise CliError(f"--shutdown-grace must be between 0 and 3600 seconds, got {args.shutdown_grace}", code=2)
     if args.api_key is not None and not args.api_key.strip():

@@ -72,8 +72,14 @@ class LocalPdCluster:
                  failure_policy: FailurePolicy = FailurePolicy.RECOMPUTE, request_timeout_s: float = 300.0,
                  lease_s: float = 5.0, heartbeat_interval_s: float = 0.2, served_model_name: str | None = None,
                  log_dir: str | Path | None = None, env: Mapping[str, str] | None = None,
-                 decode_silence_s: float = 15.0, detector: DetectorSettings | None = None, num_encoders: int = 0):
+                 decode_silence_s: float = 15.0, detector: DetectorSettings | None = None, num_encoders: int = 0,
+                 ep_size: int = 1, ep_redundant_experts: int = 0):
         self.model_dir = Path(model_dir)
+        if ep_size < 1 or ep_redundant_experts < 0:
+            raise ValueError(f"ep_size must be >= 1 and ep_redundant_experts >= 0, got {ep_size} and "
+                             f"{ep_redundant_experts}")
+        # each prefill/decode node an EP group of ep_size rank processes (runtime/ep/node_group.py)
+        self.ep_size, self.ep_redundant_experts = ep_size, ep_redundant_experts
         self.num_prefill, self.num_decode = num_prefill, num_decode
         if num_encoders < 0:
             raise ValueError(f"num_encoders must be >= 0, got {num_encoders}")
@@ -122,6 +128,8 @@ class LocalPdCluster:
                 argv += [flag, str(self.engine_options[key])]
         if role == "prefill" and self.swa_directory is not None:
             argv += ["--swa-directory", self.swa_directory.address]
+        if self.ep_size > 1:
+            argv += ["--ep", str(self.ep_size), "--ep-redundant-experts", str(self.ep_redundant_experts)]
         return argv
 
     def _swa_directory_address(self) -> str | None:
@@ -224,10 +232,12 @@ async def launch_disaggregated(spec, args, *, print_fn: Callable[[str], None] = 
     cluster = LocalPdCluster(spec.model_dir, num_prefill=args.prefill, num_decode=args.decode,
                              engine_options=spec.engine_options, transport=args.pd_transport, failure_policy=policy,
                              decode_silence_s=args.pd_decode_silence, detector=serve_detector(args),
-                             num_encoders=num_encoders)
+                             num_encoders=num_encoders, ep_size=spec.ep_size,
+                             ep_redundant_experts=spec.ep_settings.get("redundant_per_rank", 0))
     with stop_on_signals(stop):
         encoders = f" + {num_encoders} vision encoders" if num_encoders else ""
-        print_fn(f"Starting {args.prefill} prefill + {args.decode} decode engines{encoders} on {spec.model_dir} ...")
+        ep = f" (each expert-parallel over {spec.ep_size} ranks)" if spec.ep_size > 1 else ""
+        print_fn(f"Starting {args.prefill} prefill + {args.decode} decode engines{ep}{encoders} on {spec.model_dir} ...")
         starting = asyncio.ensure_future(cluster.start())
         waiter = asyncio.ensure_future(stop.wait())
         await asyncio.wait({starting, waiter}, return_when=asyncio.FIRST_COMPLETED)
