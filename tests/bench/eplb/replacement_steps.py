@@ -34,6 +34,9 @@ the boundary's agreement and swaps included):
                               waits for the slower rank to reach the boundary, and the swap)
     swap_work_ms_max          of that, the swap itself (weights' pointers and the layer's maps)
     stage_layer_ms_median     the background's time to stage one layer (copy + send + pack)
+    worst_step_over_control_step, worst_step_in_<phase>
+                              the longest step of any stretch over the control's same step, and
+                              whether it overlapped each background phase (1 or 0)
 """
 
 from __future__ import annotations
@@ -145,6 +148,7 @@ def figures(runs: list[Run]) -> dict[str, float]:
     near_max, control_max, quiet_max, near_median = [], [], [], []
     in_flight, control_all, swap_steps = [], [], []
     by_phase: dict[str, list[np.ndarray]] = {name: [] for name in PHASES}
+    worst_step = (0.0, 0.0, ())  # (over median, over the control's same step, phases it overlapped)
     for run in runs:
         n = len(run.step_ms)
         decode = np.arange(n) >= 1
@@ -155,6 +159,10 @@ def figures(runs: list[Run]) -> dict[str, float]:
             near[a:b] = True
             near_max.append(run.step_ms[a:b].max() / median)
             control_max.append(run.control_ms[a:b].max() / control_median)
+            i = a + int(np.argmax(run.step_ms[a:b]))
+            if run.step_ms[i] / median > worst_step[0]:
+                worst_step = (run.step_ms[i] / median, run.step_ms[i] / run.control_ms[i],
+                              tuple(name for name, mask in run.phases.items() if mask[i]))
         if spans:
             near_median.append(np.median(run.step_ms[near]) / median)
             # the noise floor inside this run: the longest of a quiet stretch of as many steps, typical
@@ -193,6 +201,9 @@ def figures(runs: list[Run]) -> dict[str, float]:
         swapped_layers=float(sum(r.swaps.sum() for r in runs)),
         rounds=float(len(runs)),
     )
+    result["worst_step_over_control_step"] = float(worst_step[1])
+    for name in PHASES:  # 1: the longest step of any stretch overlapped this background phase
+        result[f"worst_step_in_{name}"] = float(name in worst_step[2])
     for name, steps in by_phase.items():
         overlapped = np.concatenate(steps) if steps else np.empty(0)
         if overlapped.size:  # a phase no step overlapped has no figure

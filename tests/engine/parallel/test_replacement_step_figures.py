@@ -67,3 +67,5 @@ def test_a_step_overlapping_a_background_phase_is_counted_in_that_phase():
     assert abs(got["pack_step_mean_over_control"] - 1.5) < 1e-9
     assert "copy_step_mean_over_control" not in got  # no step overlapped a copy
     assert abs(got["excess_max"] - 0.5) < 1e-9
+    assert got["worst_step_in_pack"] == 1.0 and got["worst_step_in_copy"] == 0.0
+    assert abs(got["worst_step_over_control_step"] - 1.5) < 1e-9
