@@ -67,6 +67,9 @@ def add_parser(subparsers, name):
     p.add_argument("--audit-interval", type=float, default=60.0, help="seconds between repair audits of every object")
     p.add_argument("--audit-rate", type=float, default=2000.0, help="objects per second the repair audit checks at most")
     p.add_argument("--repair-rate", default="200MB", help="repair traffic per second at most (decode reads + writes), e.g. 200MB")
+    p.add_argument("--audit-min-age", type=float, default=2.0,
+                   help="seconds after a write before the audit judges its object (the write's other "
+                        "fragments may still be on their way; hinted repairs do not wait)")
     p.add_argument("--repair-retry", type=float, default=1.0, help="first wait before an object still short is tried again")
     p.add_argument("--membership-poll", type=float, default=1.0, help="seconds between checks of the --cluster file")
     p.add_argument("--scrub-interval", type=float, default=3600.0, help="seconds between checksum scrubs of every fragment")
@@ -100,9 +103,11 @@ def _config(args):
                         ("--scrub-interval", args.scrub_interval)):  # fmt: skip
         if not value > 0:
             raise CliError(f"{flag} must be positive, got {value}")
+    if not args.audit_min_age >= 0:
+        raise CliError(f"--audit-min-age must be >= 0, got {args.audit_min_age}")
     repair = RepairConfig(audit_interval_s=args.audit_interval, audit_keys_per_s=args.audit_rate,
                           repair_bytes_per_s=parse_size(args.repair_rate, "--repair-rate"), retry_s=args.repair_retry,
-                          membership_poll_s=args.membership_poll)  # fmt: skip
+                          membership_poll_s=args.membership_poll, audit_min_age_s=args.audit_min_age)  # fmt: skip
     scrub = ScrubConfig(interval_s=args.scrub_interval, bytes_per_s=parse_size(args.scrub_rate, "--scrub-rate"))
 
     try:

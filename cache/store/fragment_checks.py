@@ -5,6 +5,8 @@
     take_lost()         keys lost since the last call (damage found by reads or the scrub): the
                         repair has their objects' leaders rebuild them
     holding(key)        (index, write id, payload crc) of the held fragment: HasFragments answers
+    write_age_s(key)    seconds since the fragment was written: the audit leaves young keys for
+                        later (a write's other fragments may still be on their way)
     record_of / read_fragment   a fragment's record and payload for a move or a rebuild
     was_evicted(key)    LRU GC deleted it lately: repair leaves such objects to age out
 """
@@ -25,6 +27,12 @@ class FragmentChecks:
         """LRU GC deleted this key's fragment lately (the object is on its way out of the cache)."""
         with self._lock:
             return key in self._evicted
+
+    def write_age_s(self, key: bytes) -> float | None:
+        """Seconds since this key's fragment was written here, or None if not held."""
+        with self._lock:
+            entry = self._lru.get(key)
+            return None if entry is None else self.clock() - entry.written_at
 
     def holding(self, key: bytes) -> tuple[int, int, int] | None:
         """(fragment index, write id, payload crc) of the fragment held for ``key``, or None."""

@@ -46,6 +46,7 @@ class _Entry:
     index: int = -1  # fragment index, write id, payload crc: -1 until known (the index db does not keep them)
     write_id: int = 0
     payload_crc: int = 0
+    written_at: float = 0.0  # 0: adopted from the index db after a restart (an old write)
 
 
 
@@ -161,7 +162,7 @@ class FragmentStore(FragmentChecks):
                 self._stats.num_corrupt += 1
                 continue
             h = record.header
-            adopt[key] = _Entry(size, record.expires_at, record.written_at, h.index, record.write_id, h.payload_crc)
+            adopt[key] = _Entry(size, record.expires_at, record.written_at, h.index, record.write_id, h.payload_crc, record.written_at)
         rows = {k: v for k, v in rows.items() if k in on_disk}
         rows.update(adopt)
         with self._lock:
@@ -219,7 +220,7 @@ class FragmentStore(FragmentChecks):
                 os.replace(tmp_path, path)
                 self._forget(header.key)
                 self._evicted.pop(header.key, None)
-                self._lru[header.key] = _Entry(num_bytes, record.expires_at, now, header.index, write_id, header.payload_crc)
+                self._lru[header.key] = _Entry(num_bytes, record.expires_at, now, header.index, write_id, header.payload_crc, now)
                 self._used_bytes += num_bytes
                 heapq.heappush(self._expiry_heap, (record.expires_at, header.key))
                 self._db.execute(

@@ -58,6 +58,10 @@ class RepairConfig:
     repair_bytes_per_s: float = 200e6  # decode reads + rebuilt and moved writes
     retry_s: float = 1.0  # first look again at an object still short; doubles up to max_retry_s
     hint_delay_s: float = 0.2  # hints are gathered this long, then audited as one batch
+    # an audited key written this recently is looked at once its write is this old: the write may
+    # still be on its way to the other nodes, and rebuilding a fragment in flight is wasted work
+    # (hinted keys are not delayed: a hint comes after its write ended)
+    audit_min_age_s: float = 2.0
     max_retry_s: float = 30.0
     membership_poll_s: float = 1.0
     request_timeout_s: float = 5.0
@@ -85,6 +89,7 @@ class Repairer:
         self.peers = None  # a ClusterStore over the membership, once this node is in it
         self._hinted: OrderedDict[bytes, float] = OrderedDict()  # key -> when hinted
         self._retry: dict[bytes, tuple[float, float]] = {}  # key -> (due at, current back-off)
+        self._young: dict[bytes, float] = {}  # audited keys too recently written: key -> due at
         self._pass: list[bytes] = []
         self._pass_pos = 0
         self._next_pass_at = 0.0
@@ -190,6 +195,12 @@ class Repairer:
                 break
             if due <= now and key not in urgent:
                 batch.append(key)
+        for key, due in list(self._young.items()):
+            if len(batch) >= size:
+                break
+            if due <= now:
+                del self._young[key]
+                batch.append(key)
         if len(batch) < size:
             batch += await self._audit_keys(size - len(batch))
         return list(dict.fromkeys(batch)), set(urgent)
@@ -204,9 +215,16 @@ class Repairer:
             self._next_pass_at = time.monotonic() + self.config.audit_interval_s
         chunk = self._pass[self._pass_pos : self._pass_pos + num]
         self._pass_pos += len(chunk)
-        held = await self._run_io(lambda: [(k, self.store.holding(k)) for k in chunk])
-        m = self.peers.config.ec.m
-        return [k for k, h in held if h is not None and (h[0] <= m or self.name not in self._group(k))]
+        held = await self._run_io(lambda: [(k, self.store.holding(k), self.store.write_age_s(k)) for k in chunk])
+        m, now, keys = self.peers.config.ec.m, time.monotonic(), []
+        for key, h, age in held:
+            if h is None or not (h[0] <= m or self.name not in self._group(key)):
+                continue
+            if age is not None and age < self.config.audit_min_age_s and len(self._young) < MAX_HINTED:
+                self._young.setdefault(key, now + self.config.audit_min_age_s - age)
+            else:
+                keys.append(key)
+        return keys
 
     def _num_placeable(self, unusable: set[str]) -> int:
         peers = self.peers
