@@ -99,10 +99,11 @@ def add_spec_arguments(p) -> None:
                         "off (default)")
     d.add_argument("--num-draft-tokens", type=int, default=None, metavar="N",
                    help="drafts a request may verify per step (default 5; at most the drafter's block)")
-    d.add_argument("--spec-schedule", default=None, choices=("confidence", "fixed"),
+    d.add_argument("--spec-schedule", default=None, choices=("confidence", "fixed", "bounded"),
                    help="which drafts are verified: confidence (default) picks each request's length across the "
-                        "batch from the drafter's confidences and the step times measured at start-up; fixed "
-                        "verifies all of them")
+                        "batch from the drafter's confidences and the step times fitted at start-up, and skips "
+                        "drafting while it does not pay; fixed verifies all of them; bounded is confidence "
+                        "keeping at least 95%% of the expected tokens of verifying all (drafter always on)")
 
 
 # the SWA flags a `deepinfer node` prefill/decode engine takes too (bin/node.py)
