@@ -43,7 +43,6 @@ from deepinfer.engine.sample.sampler import SampledStep, Sampler
 from deepinfer.engine.sample.structured_output import GrammarState, StructuredOutputBackend
 from deepinfer.engine.sched.cost_model import CostModel
 from deepinfer.engine.sched.scheduler import Scheduler, SchedulerConfig, SchedulerError, SchedulerOutput
-from deepinfer.engine.spec.decoding import DraftPlan
 from deepinfer.engine.spec.proposer import StepDrafts
 from deepinfer.engine.text.output_processor import DetokenizerFactory, OutputProcessor, format_logprobs
 
@@ -78,8 +77,8 @@ class StepPlan:
     device_io: Callable[[], None] | None = None
     # DSpark: the drafts proposed after this plan's sampling (device thread), counted at commit
     drafts: StepDrafts | None = None
-    # DSpark: whether the drafter runs after this plan's sampling (None: no speculation)
-    draft_plan: DraftPlan | None = None
+    # DSpark: whether the drafter runs after this plan's sampling (its gate may skip a step)
+    drafter_runs: bool = True
 
     @property
     def is_empty(self) -> bool:
@@ -255,11 +254,11 @@ class EngineCore:
 
     # ---- the step, as calls (step_loop.py drives them) -------------------------------------
     def schedule_step(self) -> StepPlan:
-        draft_plan = None
+        drafter_runs = True
         if self.spec is not None:
-            draft_plan = self.spec.plan_lengths(self.scheduler.requests, self.scheduler.running)
+            drafter_runs = self.spec.plan_lengths(self.scheduler.requests, self.scheduler.running)
         sched = self.scheduler.schedule()
-        plan = StepPlan(sched, sched.batch, draft_plan=draft_plan)
+        plan = StepPlan(sched, sched.batch, drafter_runs=drafter_runs)
         if self.kv_offload is not None and not sched.is_empty:
             plan.device_io = self.kv_offload.take_device_io()
         return plan

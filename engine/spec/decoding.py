@@ -96,16 +96,6 @@ MAX_PROBE_INTERVAL = 16  # longest run of skipped drafter passes before a probe
 PRIOR_WEIGHT = 0.05  # weight of one proposal in the running mean confidence (prior for new requests)
 
 
-@dataclass(frozen=True, slots=True)
-class DraftPlan:
-    """Whether the drafter runs after a planned step (StepPlan.draft_plan)."""
-
-    enabled: bool = True
-
-
-_DRAFT, _SKIP = DraftPlan(True), DraftPlan(False)
-
-
 @dataclass(slots=True)
 class _Fresh:
     anchor: int
@@ -136,7 +126,7 @@ class SpecDecoding:
         return self.config.num_draft_tokens
 
     # ---- loop thread: before schedule() ------------------------------------------------------
-    def plan_lengths(self, requests, running) -> DraftPlan:
+    def plan_lengths(self, requests, running) -> bool:
         """Set ``spec_token_ids`` of the running requests with fresh drafts to the policy's lengths;
         returns whether the drafter runs after this step (the gate of the module docstring)."""
         fresh = self._fresh
@@ -160,50 +150,49 @@ class SpecDecoding:
             caps.append(_length_cap(req, len(f.tokens) if is_fresh else 0))
             num_fresh += is_fresh
         if not decoding:
-            return _DRAFT
-        plan = self._gate(decoding, confs)
+            return True
+        drafter_runs = self._gate(decoding, confs)
         if not num_fresh:
-            return plan
+            return drafter_runs
         conf = np.stack([c if c is not None else np.zeros(d) for c in confs])
-        self.policy.sps = self.sps.profile(len(decoding), drafter=plan.enabled)
+        self.policy.sps = self.sps.profile(len(decoding), drafter=drafter_runs)
         schedule = self.policy(conf, max_lengths=np.asarray(caps, dtype=np.int64))
         for (req, f), length in zip(decoding, schedule.lengths.tolist()):
             if f is not None:
                 req.spec_token_ids = f.tokens[:length]
-        return plan
+        return drafter_runs
 
-    def _gate(self, decoding, confs) -> DraftPlan:
+    def _gate(self, decoding, confs) -> bool:
         """The drafter gate: draft after this step when it pays in steady state, or as a probe."""
         if not self._gated:
-            return _DRAFT
+            return True
         if any(c is None for c in confs):
-            return _DRAFT  # a request with no confidences yet and no prior: learn first
+            return True  # a request with no confidences yet and no prior: learn first
         num = len(decoding)
         caps = np.asarray([_length_cap(req, self.config.num_draft_tokens) for req, _ in decoding], dtype=np.int64)
         with_drafts = schedule_lengths(np.stack(confs), self.sps.profile(num), max_lengths=caps)
         plain = num * self.sps.profile(num, drafter=False)(num)
         if with_drafts.expected_tokens_per_s > plain:
             self._probe_interval, self._num_skipped = 1, 0
-            return _DRAFT
+            return True
         if self._num_skipped >= self._probe_interval:  # a probe: fresh confidences for the test
             self._probe_interval = min(2 * self._probe_interval, MAX_PROBE_INTERVAL)
             self._num_skipped = 0
-            return _DRAFT
+            return True
         self._num_skipped += 1
-        return _SKIP
+        return False
 
     # ---- loop thread: can the next step be scheduled before this one is sampled? -------------
     @staticmethod
     def must_commit_first(plan) -> bool:
         """True when ``plan`` samples anything: its requests draft after sampling, and the next
         step needs those drafts (ARCHITECTURE.md, "The step timeline")."""
-        return plan.sched.num_logits > 0 and (plan.draft_plan is None or plan.draft_plan.enabled)
+        return plan.sched.num_logits > 0 and plan.drafter_runs
 
     # ---- device thread: after sampling -------------------------------------------------------
     def propose(self, plan, accepted: dict[str, list[int]]) -> StepDrafts:
         t0 = time.perf_counter()
-        draft = plan.draft_plan is None or plan.draft_plan.enabled
-        drafts = self.proposer.propose(plan.sched.scheduled, accepted, draft=draft)
+        drafts = self.proposer.propose(plan.sched.scheduled, accepted, draft=plan.drafter_runs)
         drafts.seconds = time.perf_counter() - t0
         return drafts
 
@@ -232,7 +221,7 @@ class SpecDecoding:
         if drafts is None:
             return
         st.draft_seconds += drafts.seconds
-        if plan.draft_plan is not None and not plan.draft_plan.enabled:
+        if not plan.drafter_runs:
             st.num_drafter_skips += 1
         d = self.config.num_draft_tokens
         fresh = self._fresh

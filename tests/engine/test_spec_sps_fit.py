@@ -81,16 +81,16 @@ def _spec(per_token_s, draft_s, schedule="confidence"):
 
 def test_drafter_gate_drafts_when_it_pays_and_probes_when_it_does_not():
     spec, reqs = _spec(per_token_s=1e-6, draft_s=1e-4)  # cheap verify tokens, cheap drafter
-    assert spec.plan_lengths(reqs, list(reqs.values())).enabled
+    assert spec.plan_lengths(reqs, list(reqs.values()))
     assert all(len(r.spec_token_ids) == 5 for r in reqs.values())
     spec, reqs = _spec(per_token_s=1e-3, draft_s=5e-3)  # compute bound, costly drafter: plain decode wins
     gates = []
     for step in range(12):
         for r in reqs.values():  # the drafts are stale from the second step on (nothing drafted)
             r.num_computed_tokens, r.num_tokens = 11 + step, 12 + step
-        gates.append(spec.plan_lengths(reqs, list(reqs.values())).enabled)
+        gates.append(spec.plan_lengths(reqs, list(reqs.values())))
     # skip 1, probe, skip 2, probe, skip 4, probe, ...: the probe interval doubles
     assert gates[:9] == [False, True, False, False, True, False, False, False, False]
     assert gates[9] is True
     fixed, reqs = _spec(per_token_s=1e-3, draft_s=5e-3, schedule="fixed")
-    assert fixed.plan_lengths(reqs, list(reqs.values())).enabled  # fixed-5 always drafts
+    assert fixed.plan_lengths(reqs, list(reqs.values()))  # fixed-5 always drafts
