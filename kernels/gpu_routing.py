@@ -2,8 +2,8 @@
 
 Each wrapper looks at the op's first tensor argument: a CUDA tensor (with a shape the kernel
 takes) goes to the kernel, anything else to the routing the op had before, so CPU numbers never
-change. The kernels live in gpu_norm / gpu_mhc / gpu_attention / gpu_moe; their torch_ref
-counterparts are their oracles (tests/kernels/test_gpu_*.py).
+change. The kernels live in gpu_norm / gpu_mhc / gpu_attention / gpu_indexer / gpu_moe; their
+torch_ref counterparts are their oracles (tests/kernels/test_gpu_*.py).
 """
 
 from __future__ import annotations
@@ -12,15 +12,22 @@ from collections.abc import Callable
 
 import torch
 
-from deepinfer.kernels import gpu_attention, gpu_mhc, gpu_moe, gpu_norm
+from deepinfer.kernels import gpu_attention, gpu_indexer, gpu_mhc, gpu_moe, gpu_norm
 
 _MAX_HEAD_DIM = 1024  # one head row of q and the accumulator stay in registers
 _MAX_STREAMS = 16
 _MAX_EXPERTS = 4096
+_MAX_INDEX_HEADS = 128  # all heads of a token and their [H, BN] scores stay in registers
+_MAX_INDEX_DIM = 256
 
 
 def _gathered_ok(q, *_args, **_kw) -> bool:
     return q.shape[-1] <= _MAX_HEAD_DIM and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _index_ok(q, head_weights, keys, *_args, **_kw) -> bool:
+    return (q.dim() == 3 and q.shape[1] <= _MAX_INDEX_HEADS and q.shape[2] <= _MAX_INDEX_DIM
+            and q.dtype == keys.dtype and keys.dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 
 def _streams_ok(streams, *_args, **_kw) -> bool:
@@ -53,6 +60,7 @@ KERNELS: dict[str, tuple[Callable, Callable]] = {
     "rms_norm_rope": (gpu_norm.rms_norm_rope, _always),
     "apply_rope_": (gpu_norm.apply_rope_, _rope_ok),
     "gathered_attention": (gpu_attention.gathered_attention, _gathered_ok),
+    "index_scores": (gpu_indexer.index_scores, _index_ok),
     "sinkhorn": (gpu_mhc.sinkhorn, lambda comb, *a, **k: comb.dim() == 3 and comb.shape[1] <= _MAX_STREAMS),
     "hc_pre": (gpu_mhc.hc_pre, _streams_ok),
     "hc_post": (gpu_mhc.hc_post, _post_ok),

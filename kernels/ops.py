@@ -32,6 +32,7 @@ OP_NAMES = (
     "apply_rope_",
     "attention_with_sink",
     "gathered_attention",
+    "index_scores",
     "sinkhorn",
     "hc_pre",
     "hc_post",
@@ -114,6 +115,7 @@ rope_tables = torch_ref.rope_tables
 apply_rope_ = torch_ref.apply_rope_
 attention_with_sink = torch_ref.attention_with_sink
 gathered_attention = torch_ref.gathered_attention
+index_scores = torch_ref.index_scores
 sinkhorn = torch_ref.sinkhorn
 hc_pre = cpu_native.hc_pre
 hc_post = torch_ref.hc_post

@@ -176,6 +176,23 @@ def gathered_attention(
     return attention_with_sink(q, keys, bias, sinks, width - 1, scale, batch_invariant)
 
 
+def index_scores(
+    q: torch.Tensor,
+    head_weights: torch.Tensor,
+    keys: torch.Tensor,
+    cand_valid: torch.Tensor,
+    batch_invariant: bool = False,
+) -> torch.Tensor:
+    """CSA lightning-indexer scores ``sum_h w_h * relu(q_h . k) / sqrt(Di)`` ``[G, B]`` float32,
+    -inf where ``cand_valid`` is False: ``q [G, H, Di]`` (keys' dtype), ``head_weights [G, H]``
+    float32, ``keys [G, B, Di]`` (each token's own candidates), ``cand_valid [G, B]`` bool. The
+    products are rounded to the keys' dtype, the rest is float32."""
+    scores = bmm(q, keys.transpose(1, 2), batch_invariant).float()  # [G, H, B]
+    scores = torch.relu(scores) * q.shape[-1] ** -0.5
+    total = (scores * head_weights[:, :, None]).sum(dim=1)  # [G, B]
+    return total.masked_fill(~cand_valid, float("-inf"))
+
+
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """Sinkhorn-Knopp on ``[T, N, N]`` (columns first, then ``iters - 1`` row/column rounds).
 

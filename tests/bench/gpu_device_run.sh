@@ -20,8 +20,8 @@ STAGES=${STAGES:-kernels,bench,model}
 status=0
 if [[ ",$STAGES," == *",kernels,"* ]]; then
   timeout "${KERNEL_CAP:-150}" python3 -m pytest -q --maxfail=8 tests/kernels/test_gpu_norm.py \
-    tests/kernels/test_gpu_mhc.py tests/kernels/test_gpu_attention.py tests/kernels/test_gpu_moe.py \
-    tests/kernels/test_gpu_routing.py tests/kernels/test_gpu_sampling.py 2>&1 | tee "$OUT/kernel_tests.log" | tail -25 || status=1
+    tests/kernels/test_gpu_mhc.py tests/kernels/test_gpu_attention.py tests/kernels/test_gpu_indexer.py \
+    tests/kernels/test_gpu_moe.py tests/kernels/test_gpu_routing.py tests/kernels/test_gpu_sampling.py 2>&1 | tee "$OUT/kernel_tests.log" | tail -25 || status=1
 fi
 if [[ ",$STAGES," == *",bench,"* ]]; then
   timeout "${BENCH_CAP:-270}" python3 tests/bench/package_loader.py gpu --kernels --json "$OUT/bench.json" \

@@ -1,20 +1,23 @@
 """Kernel microbenchmarks of `deepinfer bench gpu --kernels`: each Triton kernel next to its
-torch form at V4-Flash decode shapes (1 and 64 tokens), median time per call of back-to-back
-launches (``triton.testing.do_bench``: launch cost included, as a decode step pays it), and the
-bytes the call must move over that time."""
+torch form at V4-Flash decode shapes (1 and 64 tokens), and the indexer's scores at a prefill
+shape (2048 tokens x 2048 candidates); median time per call of back-to-back launches
+(``triton.testing.do_bench``: launch cost included, as a decode step pays it), and the bytes the
+call must move over that time."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from deepinfer.kernels import gpu_attention, gpu_mhc, gpu_moe, gpu_norm, torch_ref
+from deepinfer.kernels import gpu_attention, gpu_indexer, gpu_mhc, gpu_moe, gpu_norm, torch_ref
 
 HIDDEN, HEADS, HEAD_DIM, ROPE, HC = 4096, 64, 512, 64, 4
 EXPERTS, TOP_K, INTER = 64, 6, 2048
 WINDOW, PICKED = 128, 512
+INDEX_HEADS, INDEX_DIM, INDEX_TOKENS, CANDIDATES = 64, 128, 2048, 2048
 
 
 @dataclass(slots=True)
@@ -93,12 +96,25 @@ def _cases(t: int, g: torch.Generator):
            used * (_nbytes(gate_up) + _nbytes(down)) // EXPERTS)
 
 
+def _prefill_cases(g: torch.Generator):
+    """The CSA indexer's scores of a prefill chunk: every token's own candidate keys (the torch
+    form materialises [T, H, B] float32: 1 GiB here)."""
+    t = INDEX_TOKENS
+    q = torch.randn(t, INDEX_HEADS, INDEX_DIM, generator=g, device="cuda").to(torch.bfloat16)
+    keys = torch.randn(t, CANDIDATES, INDEX_DIM, generator=g, device="cuda").to(torch.bfloat16)
+    weights = torch.randn(t, INDEX_HEADS, generator=g, device="cuda") * INDEX_HEADS**-0.5
+    valid = torch.rand(t, CANDIDATES, generator=g, device="cuda") < 0.9
+    args = (q, weights, keys, valid)
+    yield (t, "index_scores", lambda: gpu_indexer.index_scores(*args), lambda: torch_ref.index_scores(*args),
+           _nbytes(*args) + t * CANDIDATES * 4)
+
+
 def run(token_counts=(1, 64), seed: int = 0) -> list[Timing]:
     g = torch.Generator(device="cuda").manual_seed(seed)
     out = []
-    for t in token_counts:
-        for name, ours, ref, nbytes in _cases(t, g):
-            ours()
-            ref()
-            out.append(Timing(name, t, _median_us(ours), _median_us(ref), nbytes))
+    decode = ((t, *case) for t in token_counts for case in _cases(t, g))
+    for t, name, ours, ref, nbytes in itertools.chain(decode, _prefill_cases(g)):
+        ours()
+        ref()
+        out.append(Timing(name, t, _median_us(ours), _median_us(ref), nbytes))
     return out

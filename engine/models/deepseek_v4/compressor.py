@@ -135,10 +135,7 @@ def index_scores(q: torch.Tensor, head_weights: torch.Tensor, keys: torch.Tensor
                  batch_invariant: bool) -> torch.Tensor:
     """``sum_h w_h * relu(q_h . k) / sqrt(Di)`` per candidate ``[G, B]`` float32, -inf where the
     candidate never closed before the token (shapes as in ``Indexer.select``)."""
-    scores = ops.bmm(q, keys.transpose(1, 2), batch_invariant).float()  # [G, H, B]
-    scores = torch.relu(scores) * q.shape[-1] ** -0.5
-    total = (scores * head_weights[:, :, None]).sum(dim=1)  # [G, B]
-    return total.masked_fill(~group.cand_valid, NEG_INF)
+    return ops.index_scores(q, head_weights, keys, group.cand_valid, batch_invariant)
 
 
 def top_entries(total: torch.Tensor, group: TokenGroup, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
