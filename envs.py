@@ -56,11 +56,14 @@ class Envs:
     # DeepSeek-V4.1's numerics: "float" (weights dequantised exactly, nothing rounded; the CPU
     # parity path) or "official" (FP8 activation rounding and the released FP8/FP4 KV grids).
     v41_numerics: str = "float"
+    # Set to 0 to run every forward eagerly on a CUDA device (no CUDA graphs of decode steps).
+    cuda_graphs: bool = True
 
 
 _ENV_NAMES = {
     "hf_model_dir": "DEEPINFER_HF_MODEL_DIR",
     "v41_numerics": "DEEPINFER_V41_NUMERICS",
+    "cuda_graphs": "DEEPINFER_CUDA_GRAPHS",
     "cache_dir": "DEEPINFER_CACHE_DIR",
     "builtin_model": "DEEPINFER_BUILTIN_MODEL",
     "accelerator": "DEEPINFER_ACCELERATOR",

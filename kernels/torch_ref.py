@@ -32,15 +32,24 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([x, pad], dim=0)
 
 
+INVARIANT_ROWS = 16  # rows of every GEMM call of a batch-invariant ``linear``
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
-    """``x [M, K] @ weight[N, K].T``; with ``batch_invariant`` every row takes the M >= 16 kernel."""
+    """``x [M, K] @ weight[N, K].T``; with ``batch_invariant`` every row is computed in a GEMM of
+    exactly ``INVARIANT_ROWS`` rows (padded), so its sums do not depend on M: the BLAS picks its
+    kernel by the row count, and where it switches depends on the machine (on an AVX-512 host
+    M = 1 .. 128 each took another kernel at K = 1024, against M < 12 only on AVX2)."""
     m = x.shape[0]
-    if batch_invariant:
+    if batch_invariant and m:
         # one memory layout on every path: a strided input takes another GEMM variant
         x = x.contiguous()
-        rows = gemm_rows(m)
+        rows = -(-m // INVARIANT_ROWS) * INVARIANT_ROWS
         if rows != m:
-            return F.linear(_pad_rows(x, rows), weight)[:m]
+            x = _pad_rows(x, rows)
+        if rows == INVARIANT_ROWS:
+            return F.linear(x, weight)[:m]
+        return torch.cat([F.linear(part, weight) for part in x.split(INVARIANT_ROWS)])[:m]
     return F.linear(x, weight)
 
 

@@ -36,9 +36,14 @@ import torch
 
 from deepinfer.cache.block_cache import BlockCache
 from deepinfer.cache.swa_state import SwaArena
+from deepinfer import envs
 from deepinfer.engine.core.batch import ForwardBatch
+from deepinfer.engine.core.cuda_graphs import GraphedForward
 from deepinfer.engine.kv.layout import KvLayout, KvTensor
 from deepinfer.engine.models.registry import FamilyConfig, family
+
+
+_HOST = torch.device("cpu")
 
 
 class WeightsError(ValueError):
@@ -89,7 +94,10 @@ class ModelRunner:
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         batch_invariant: bool | None = None,
+        cuda_graphs: bool | None = None,
     ) -> None:
+        """``cuda_graphs``: replay decode-sized forwards from CUDA graphs (engine/core/cuda_graphs.py;
+        None = on for a CUDA device unless ``DEEPINFER_CUDA_GRAPHS=0``)."""
         if lookahead < 0:
             raise ValueError(f"lookahead must be >= 0, got {lookahead}")
         self.config = config
@@ -110,6 +118,12 @@ class ModelRunner:
             num_blocks = num_blocks(paged_bytes_per_block(specs, block_size, dtype))
         self.blocks = BlockCache(specs, num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=self.device)
         self.swa = SwaArena(self.model.ring_specs(lookahead), num_slots=num_slots, dtype=dtype, device=self.device)
+        if cuda_graphs is None:
+            cuda_graphs = envs.get().cuda_graphs
+        self.graphs: GraphedForward | None = None
+        if cuda_graphs and self.device.type == "cuda":
+            self.graphs = GraphedForward(lambda ctx: self.model(ctx, self.blocks, self.swa), self.device)
+        self._modules = list(self.model.modules())
 
     @property
     def block_size(self) -> int:
@@ -166,14 +180,23 @@ class ModelRunner:
         self.swa.write_slot(slot, dict(tensors))
 
     # ---- forward ------------------------------------------------------------------------------
+    def _forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, bool]:
+        """(final hidden states, whether they are a CUDA graph's output buffer)."""
+        self._validate(batch, self.geometry, self.swa.num_slots)
+        if self.graphs is None:
+            ctx = self._build_context(batch, self.geometry, device=self.device, batch_invariant=self.batch_invariant)
+            return self.model(ctx, self.blocks, self.swa), False
+        ctx = self._build_context(batch, self.geometry, device=_HOST, batch_invariant=self.batch_invariant)
+        hooked = any(m._forward_hooks or m._forward_pre_hooks for m in self._modules)  # replays skip hooks
+        return self.graphs.run(ctx, batch.num_tokens, graphable=not hooked)
+
     @torch.inference_mode()
     def execute_hidden(self, batch: ForwardBatch) -> torch.Tensor:
         """Final hidden states ``[num_logits, hidden]`` (the seam for speculative decoding)."""
-        self._validate(batch, self.geometry, self.swa.num_slots)
-        ctx = self._build_context(batch, self.geometry, device=self.device, batch_invariant=self.batch_invariant)
-        return self.model(ctx, self.blocks, self.swa)
+        hidden, replayed = self._forward(batch)
+        return hidden.clone() if replayed else hidden
 
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
-        hidden = self.execute_hidden(batch)
+        hidden, _ = self._forward(batch)  # a graph's buffer is read here, before the next forward
         return self.model.compute_logits(hidden, self.batch_invariant)

@@ -20,6 +20,7 @@ Prints the tables and, with ``--json PATH``, writes the figures (issue 26's keys
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import traceback
 from pathlib import Path
@@ -83,11 +84,19 @@ def _same(a: list[list[int]], b: list[list[int]]) -> float:
 
 def count_launches(runner, prompts, blocks_per_seq: int, first_step: int, num_steps: int, table_path: Path | None):
     """(kernels, memcpys/memsets) per decoded token and device milliseconds per step (the step's
-    kernels back to back: what a CUDA-graph replay would cost) over ``num_steps`` decode steps."""
+    kernels back to back: what a CUDA-graph replay costs) over ``num_steps`` eager decode steps."""
+    tokens = [1] * len(prompts)
+    graphs, runner.graphs = getattr(runner, "graphs", None), None  # the eager path's kernels
+    try:
+        return _count_launches(runner, prompts, blocks_per_seq, first_step, num_steps, table_path, tokens)
+    finally:
+        runner.graphs = graphs
+
+
+def _count_launches(runner, prompts, blocks_per_seq, first_step, num_steps, table_path, tokens):
     from deepinfer_bench.gpu_slice import decode_batch
     from torch.profiler import ProfilerActivity, profile
 
-    tokens = [1] * len(prompts)
     runner.execute(decode_batch(prompts, blocks_per_seq, first_step, tokens))  # warm
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -164,10 +173,28 @@ def slice_part(report: Report, args, copy_gbps: float, mm_tflops: float, profile
         hf_generate(ref, warm[:1], 3)
     for b, plen, new in zip(batches, lengths, news):
         prompts = _prompts(ref.config.vocab_size, b, plen, args.seed + b)
-        our_generate(runner, prompts, 3, bps)  # the kernel variants of these shapes compiled
+        graphs = runner.graphs
+        eager = None
+        if graphs is not None:  # the same generate eagerly first: the graphs' gain in this run
+            runner.graphs = None
+            our_generate(runner, prompts, 3, bps)
+            eager = our_generate(runner, prompts, new, bps)
+            runner.graphs = graphs
+        # warm-up of the whole length: kernels compiled and, with graphs, every step's graph
+        # captured (a server captures its decode shapes once; a signature repeats every step)
+        our_generate(runner, prompts, new, bps)
+        before = dataclasses.replace(graphs.stats) if graphs is not None else None
         ours = our_generate(runner, prompts, new, bps)
         row = dict(model="slice", batch=b, prompt=plen, new=new, ours_tok_s=b * new / ours.seconds,
                    ours_decode_tok_s=b * (new - 1) / ours.decode_seconds)  # fmt: skip
+        if eager is not None:
+            after = graphs.stats
+            row.update(eager_tok_s=b * new / eager.seconds, graphs_vs_eager=eager.seconds / ours.seconds,
+                       same_as_eager=_same(ours.tokens, eager.tokens), replays=after.replays - before.replays,
+                       captures=after.captures - before.captures, graph_failures=after.failed)  # fmt: skip
+            report.figure(f"ours_eager_tok_s_b{b}", b * new / eager.seconds)
+            report.figure(f"graphs_vs_eager_b{b}", eager.seconds / ours.seconds)
+            report.figure(f"graph_replays_b{b}", after.replays - before.replays)
         report.figure(f"ours_tok_s_b{b}", b * new / ours.seconds)
         report.figure(f"ours_decode_tok_s_b{b}", b * (new - 1) / ours.decode_seconds)
         if not args.skip_hf:

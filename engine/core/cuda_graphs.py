@@ -1,0 +1,242 @@
+"""A forward's context in one pinned copy, and CUDA graphs of small forwards (decode steps).
+
+A model family builds its forward context on the host: a tree of dataclasses, lists and dicts
+whose leaves are index tensors, rope rows, masks and plain fields (counts, group sizes).
+
+``pack`` lays every tensor of that tree into one pinned byte buffer, copies it to the device in
+one transfer and points the tree at views of the device buffer: one host-to-device copy per
+step instead of one pageable copy per tensor (~30 for a V4 decode step).
+
+``GraphedForward`` replays forwards from CUDA graphs. A context's *signature* is its tree with
+every tensor replaced by (dtype, shape) and every plain field kept: two contexts of one
+signature make the model launch the same kernels on buffers of the same shapes, so a graph
+captured over one replays the other once the new context's bytes are in the graph's buffer.
+A signature is captured at its second sighting (the first runs eagerly and compiles the Triton
+kernels of those shapes) and replayed from then on; graphs are kept LRU. The caches are the
+runner's own tensors, so a replay reads and writes them in place, as an eager forward does.
+
+Not graphed: forwards of more than ``max_tokens`` tokens (prefill chunks: their shapes rarely
+repeat), contexts holding device tensors or tuples of tensors (image embeddings), a model with
+forward hooks (they are Python side effects a replay would skip), and a signature whose capture
+failed (an op that waits on the host): those run eagerly, and the failure is logged once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_ALIGN = 64  # byte alignment of each tensor in the packed buffer (Triton specialises on 16)
+
+
+@dataclasses.dataclass(slots=True)
+class _Leaf:
+    owner: object  # dataclass instance, list or dict holding the tensor
+    key: object  # field name, index or dict key
+    tensor: torch.Tensor
+    offset: int = 0
+
+
+def _fields(obj) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(obj))
+
+
+def _walk(obj, owner, key, leaves: list[_Leaf], sig: list) -> bool:
+    """Append ``obj``'s tensors to ``leaves`` and its shape to ``sig``; False if not packable."""
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type != "cpu":
+            return False
+        leaves.append(_Leaf(owner, key, obj))
+        sig.append((obj.dtype, tuple(obj.shape)))
+        return True
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        names = _fields(obj)
+        sig.append((type(obj).__qualname__, names))
+        return all(_walk(getattr(obj, n), obj, n, leaves, sig) for n in names)
+    if isinstance(obj, list):
+        sig.append(("list", len(obj)))
+        return all(_walk(v, obj, i, leaves, sig) for i, v in enumerate(obj))
+    if isinstance(obj, dict):
+        sig.append(("dict", tuple(obj)))
+        return all(_walk(v, obj, k, leaves, sig) for k, v in obj.items())
+    if isinstance(obj, tuple):
+        if any(isinstance(v, torch.Tensor) for v in obj):
+            return False
+        sig.append(obj)
+        return True
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        sig.append(obj)
+        return True
+    return False
+
+
+def _set(leaf: _Leaf, value: torch.Tensor) -> None:
+    if isinstance(leaf.owner, (list, dict)):
+        leaf.owner[leaf.key] = value
+    else:
+        object.__setattr__(leaf.owner, leaf.key, value)  # frozen dataclasses too
+
+
+@dataclasses.dataclass(slots=True)
+class Layout:
+    """Where each tensor of one context lies in its packed buffer."""
+
+    leaves: list[_Leaf]
+    nbytes: int
+    signature: tuple | None  # None: the context holds something no graph may key on
+
+
+def layout(ctx) -> Layout | None:
+    """The packed layout of ``ctx``'s tensors, or None when the context cannot be packed."""
+    leaves: list[_Leaf] = []
+    sig: list = []
+    if not _walk(ctx, None, None, leaves, sig):
+        return None
+    offset = 0
+    for leaf in leaves:
+        leaf.offset = offset
+        offset += -(-leaf.tensor.numel() * leaf.tensor.element_size() // _ALIGN) * _ALIGN
+    return Layout(leaves, max(offset, _ALIGN), tuple(sig))
+
+
+def _fill_host(lay: Layout) -> torch.Tensor:
+    # pinned blocks come from torch's caching host allocator, reused once their copy has run
+    host = torch.empty(lay.nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    for leaf in lay.leaves:
+        t = leaf.tensor
+        n = t.numel() * t.element_size()
+        if n:
+            host[leaf.offset : leaf.offset + n].view(t.dtype).copy_(t.reshape(-1))
+    return host
+
+
+def _point_at(lay: Layout, device_buffer: torch.Tensor) -> None:
+    for leaf in lay.leaves:
+        t = leaf.tensor
+        n = t.numel() * t.element_size()
+        _set(leaf, device_buffer[leaf.offset : leaf.offset + n].view(t.dtype).view(t.shape))
+
+
+def pack(ctx, lay: Layout, device: torch.device, into: torch.Tensor | None = None):
+    """Copy ``ctx``'s tensors to ``device`` in one transfer (into ``into`` if given) and point
+    ``ctx`` at the device copies; returns ``ctx``."""
+    host = _fill_host(lay)
+    buffer = into if into is not None else torch.empty(lay.nbytes, dtype=torch.uint8, device=device)
+    buffer.copy_(host, non_blocking=True)
+    _point_at(lay, buffer)
+    return ctx
+
+
+@dataclasses.dataclass(slots=True)
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    buffer: torch.Tensor  # the graph's context bytes on the device
+    output: torch.Tensor  # the forward's result, rewritten by every replay
+
+
+@dataclasses.dataclass(slots=True)
+class GraphStats:
+    replays: int = 0
+    captures: int = 0
+    eager: int = 0  # forwards run without a graph (first sightings, large or unpackable ones)
+    failed: int = 0  # signatures whose capture failed
+
+
+class GraphedForward:
+    """``run(ctx)`` = ``forward(ctx)`` for a host-built context, from a CUDA graph when one fits."""
+
+    def __init__(self, forward: Callable[[object], torch.Tensor], device: torch.device, *, max_tokens: int = 512,
+                 max_graphs: int = 64) -> None:
+        self.forward = forward
+        self.device = device
+        self.max_tokens = max_tokens
+        self.max_graphs = max_graphs
+        self.stats = GraphStats()
+        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self._seen: OrderedDict[tuple, None] = OrderedDict()
+        self._failed: set[tuple] = set()
+        self._pool = torch.cuda.graph_pool_handle()
+        self._stream = torch.cuda.Stream(device)
+
+    def run(self, ctx, num_tokens: int, graphable: bool = True) -> tuple[torch.Tensor, bool]:
+        """(result, from a graph). A graph's result is its own buffer: read it before the next run."""
+        lay = layout(ctx)
+        if lay is None:
+            self.stats.eager += 1
+            return self.forward(_to_device(ctx, self.device)), False
+        key = lay.signature if graphable and num_tokens <= self.max_tokens else None
+        entry = self._graphs.get(key) if key is not None else None
+        if entry is not None:
+            self._graphs.move_to_end(key)
+            pack(ctx, lay, self.device, into=entry.buffer)
+            entry.graph.replay()
+            self.stats.replays += 1
+            return entry.output, True
+        if key is None or key in self._failed or key not in self._seen:
+            if key is not None and key not in self._failed:
+                self._seen[key] = None
+                if len(self._seen) > 4 * self.max_graphs:
+                    self._seen.popitem(last=False)
+            self.stats.eager += 1
+            return self.forward(pack(ctx, lay, self.device)), False
+        return self._capture(key, ctx, lay), False
+
+    def _capture(self, key: tuple, ctx, lay: Layout) -> torch.Tensor:
+        buffer = torch.empty(lay.nbytes, dtype=torch.uint8, device=self.device)
+        pack(ctx, lay, self.device, into=buffer)
+        current = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream):  # the real forward of this step, off the capture
+            result = self.forward(ctx)
+        current.wait_stream(self._stream)
+        result.record_stream(current)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
+                output = self.forward(ctx)
+        except RuntimeError as exc:  # an op that cannot be captured (e.g. it waits on the host)
+            self._failed.add(key)
+            self.stats.failed += 1
+            log.warning("forward not captured as a CUDA graph, running it eagerly: %s", str(exc).splitlines()[0])
+            torch.cuda.synchronize(self.device)
+            return result
+        self._graphs[key] = _Graph(graph, buffer, output)
+        self.stats.captures += 1
+        if len(self._graphs) > self.max_graphs:
+            self._graphs.popitem(last=False)
+        return result
+
+
+def _to_device(ctx, device: torch.device):
+    """Fallback for a context ``layout`` refuses: every CPU tensor moved on its own."""
+    leaves: list[_Leaf] = []
+
+    def walk(obj, owner, key):
+        if isinstance(obj, torch.Tensor):
+            if obj.device.type == "cpu":
+                leaves.append(_Leaf(owner, key, obj))
+        elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            for n in _fields(obj):
+                walk(getattr(obj, n), obj, n)
+        elif isinstance(obj, list):
+            for i, v in enumerate(obj):
+                walk(v, obj, i)
+        elif isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, obj, k)
+
+    walk(ctx, None, None)
+    for leaf in leaves:
+        _set(leaf, leaf.tensor.to(device, non_blocking=True))
+    return ctx
+
+
+def has_hooks(model: torch.nn.Module) -> bool:
+    """True when any submodule has forward hooks (a graph replay would not run them)."""
+    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())

@@ -1,0 +1,159 @@
+"""CUDA graphs of decode steps and the packed context (engine/core/cuda_graphs.py).
+
+CPU: the packed layout and signature of real V4 contexts (built from ForwardBatches by the model's
+own builder), a round trip through one byte buffer, and what refuses to pack. GPU (gpu marker):
+the runner with graphs against the same runner eager, on the tiny V4 and the tiny V4.1, bf16 and
+float32: decode steps of sequences at different positions (window filling, compressed entries
+closing, candidate buckets growing) give bitwise the eager logits, graphs are replayed, and a model
+with forward hooks never replays.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from deepinfer.engine.core.batch import ForwardBatch, SeqStep
+from deepinfer.engine.core.cuda_graphs import layout, pack
+from deepinfer.engine.core.model_runner import ModelRunner
+from deepinfer.engine.models.deepseek_v4.context import build_context
+from deepinfer.engine.models.deepseek_v4.testing import CSA, HCA, SLIDING, hf_reference
+
+pytestmark = pytest.mark.timeout(240)
+LAYERS = dict(layer_types=[SLIDING, CSA, HCA, CSA], hc_mult=2)
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return hf_reference(seed=3, **LAYERS)
+
+
+def _runner(ref, device, dtype, graphs, num_seqs=4, max_len=400):
+    per = -(-max_len // BLOCK)
+    return ModelRunner(ref.config, ref.state_dict, num_blocks=num_seqs * per, num_slots=num_seqs, block_size=BLOCK,
+                       device=device, dtype=dtype, cuda_graphs=graphs)  # fmt: skip
+
+
+def _decode_batch(positions: list[int], per: int) -> ForwardBatch:
+    return ForwardBatch([SeqStep(i, i, list(range(i * per, (i + 1) * per)), p, [5 + i], num_logits=1)
+                         for i, p in enumerate(positions)])  # fmt: skip
+
+
+def test_signature_keys_on_shapes_not_values(ref):
+    runner = _runner(ref, "cpu", torch.float32, False)
+    geo = runner.geometry
+    per = 400 // BLOCK + 1
+
+    def sig(positions, token=5):
+        batch = _decode_batch(positions, per)
+        for s in batch.steps:
+            s.token_ids = [token]
+        ctx = build_context(batch, geo, device=torch.device("cpu"), batch_invariant=False)
+        return layout(ctx).signature
+
+    # same shapes (full window, no entry closing at either position, same candidate bucket)
+    assert sig([301]) == sig([302], token=9)
+    assert sig([301]) != sig([301, 302])  # another batch size
+    assert sig([301]) != sig([40])  # window still filling: fewer window rows
+    assert sig([299]) != sig([301])  # 299 closes a ratio-4 entry (300 % 4 == 0), 301 does not
+
+
+def test_pack_round_trip_keeps_every_tensor(ref):
+    runner = _runner(ref, "cpu", torch.float32, False)
+    per = 400 // BLOCK + 1
+    rng = random.Random(0)
+    for _ in range(5):
+        positions = [rng.randrange(0, 380) for _ in range(rng.randrange(1, 4))]
+        batch = ForwardBatch([SeqStep(i, i, list(range(i * per, (i + 1) * per)), p, [rng.randrange(100)
+                              for _ in range(rng.randrange(1, 9))], num_logits=1) for i, p in enumerate(positions)])
+        ctx = build_context(batch, runner.geometry, device=torch.device("cpu"), batch_invariant=False)
+        lay = layout(ctx)
+        before = [leaf.tensor.clone() for leaf in lay.leaves]
+        buffer = torch.full((lay.nbytes,), 0xA5, dtype=torch.uint8)  # poisoned: padding never read
+        pack(ctx, lay, torch.device("cpu"), into=buffer)
+        after = layout(ctx)
+        assert len(after.leaves) == len(before) and after.signature == lay.signature
+        for old, leaf in zip(before, after.leaves):
+            assert leaf.tensor.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+            assert torch.equal(old, leaf.tensor)
+
+
+def test_layout_refuses_what_it_cannot_key_on():
+    class Opaque:
+        pass
+
+    assert layout({"a": torch.zeros(3), "b": Opaque()}) is None
+    assert layout({"a": (torch.zeros(2), 1)}) is None
+    assert layout({"a": [torch.zeros(2, dtype=torch.bool), 3, None, "x"]}).signature is not None
+
+
+def needs_cuda(test):
+    skip = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+    return pytest.mark.gpu(skip(test))
+
+
+def _decode_run(runner, prompts, steps, per):
+    """Prefill each prompt, then ``steps`` batched greedy decode steps; every step's logits."""
+    batch = ForwardBatch([SeqStep(i, i, list(range(i * per, (i + 1) * per)), 0, p, num_logits=1)
+                          for i, p in enumerate(prompts)])  # fmt: skip
+    logits = runner.execute(batch)
+    out = [logits.float().cpu()]
+    positions = [len(p) for p in prompts]
+    for _ in range(steps):
+        tokens = logits.argmax(-1).tolist()
+        batch = ForwardBatch([SeqStep(i, i, list(range(i * per, (i + 1) * per)), positions[i], [tokens[i]],
+                                      num_logits=1) for i in range(len(prompts))])  # fmt: skip
+        logits = runner.execute(batch)
+        out.append(logits.float().cpu())
+        positions = [p + 1 for p in positions]
+    return torch.stack(out)
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graphed_decode_equals_eager_v4(ref, dtype):
+    per = 400 // BLOCK + 1
+    rng = random.Random(1)
+    prompts = [[rng.randrange(ref.config.vocab_size) for _ in range(n)] for n in (7, 130, 251)]
+    eager = _decode_run(_runner(ref, "cuda", dtype, False), prompts, 60, per)
+    runner = _runner(ref, "cuda", dtype, True)
+    graphed = _decode_run(runner, prompts, 60, per)
+    stats = runner.graphs.stats
+    assert stats.failed == 0, stats
+    assert stats.replays >= 30, stats
+    assert torch.equal(eager, graphed)
+
+
+@needs_cuda
+def test_hooks_turn_graphs_off(ref):
+    per = 400 // BLOCK + 1
+    runner = _runner(ref, "cuda", torch.bfloat16, True)
+    seen = []
+    handle = runner.model.layers[1].register_forward_pre_hook(lambda m, a: seen.append(1))
+    try:
+        _decode_run(runner, [[1, 2, 3]], 8, per)
+    finally:
+        handle.remove()
+    assert runner.graphs.stats.replays == 0 and runner.graphs.stats.captures == 0
+
+
+@needs_cuda
+def test_graphed_decode_equals_eager_v41(tmp_path):
+    from tests.conftest import load_test_helper
+
+    harness = load_test_helper("engine/v41/v41_harness")
+    model_dir = tmp_path / "m"
+    harness.write_tiny_v41(model_dir, seed=0, **harness.TEST_SIZES)
+    per = 24
+    rng = random.Random(2)
+    prompts = [[rng.randrange(50, 200) for _ in range(n)] for n in (5, 70, 150)]
+    runs = []
+    for graphs in (False, True):
+        runner = harness.load_runner(model_dir, num_blocks=3 * per, num_slots=3, block_size=BLOCK, device="cuda",
+                             dtype=torch.bfloat16, cuda_graphs=graphs)  # fmt: skip
+        runs.append(_decode_run(runner, prompts, 40, per))
+    assert runner.graphs.stats.failed == 0 and runner.graphs.stats.replays >= 20, runner.graphs.stats
+    assert torch.equal(runs[0], runs[1])
