@@ -28,6 +28,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 log = logging.getLogger(__name__)
@@ -43,8 +44,14 @@ class _Leaf:
     offset: int = 0
 
 
+_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
 def _fields(obj) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(obj))
+    names = _FIELDS.get(type(obj))
+    if names is None:
+        names = _FIELDS[type(obj)] = tuple(f.name for f in dataclasses.fields(obj))
+    return names
 
 
 def _walk(obj, owner, key, leaves: list[_Leaf], sig: list) -> bool:
@@ -108,11 +115,12 @@ def layout(ctx) -> Layout | None:
 def _fill_host(lay: Layout) -> torch.Tensor:
     # pinned blocks come from torch's caching host allocator, reused once their copy has run
     host = torch.empty(lay.nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+    raw = host.numpy()  # numpy slices: a few hundred ns each, torch's views cost microseconds
     for leaf in lay.leaves:
         t = leaf.tensor
-        n = t.numel() * t.element_size()
-        if n:
-            host[leaf.offset : leaf.offset + n].view(t.dtype).copy_(t.reshape(-1))
+        if t.numel():
+            src = t.numpy() if t.dtype is not torch.bfloat16 else t.view(torch.int16).numpy()
+            raw[leaf.offset : leaf.offset + src.nbytes] = src.reshape(-1).view(np.uint8)
     return host
 
 
@@ -123,13 +131,14 @@ def _point_at(lay: Layout, device_buffer: torch.Tensor) -> None:
         _set(leaf, device_buffer[leaf.offset : leaf.offset + n].view(t.dtype).view(t.shape))
 
 
-def pack(ctx, lay: Layout, device: torch.device, into: torch.Tensor | None = None):
-    """Copy ``ctx``'s tensors to ``device`` in one transfer (into ``into`` if given) and point
-    ``ctx`` at the device copies; returns ``ctx``."""
+def pack(ctx, lay: Layout, device: torch.device, into: torch.Tensor | None = None, *, point: bool = True):
+    """Copy ``ctx``'s tensors to ``device`` in one transfer (into ``into`` if given) and, with
+    ``point``, point ``ctx`` at the device copies; returns ``ctx``."""
     host = _fill_host(lay)
     buffer = into if into is not None else torch.empty(lay.nbytes, dtype=torch.uint8, device=device)
     buffer.copy_(host, non_blocking=True)
-    _point_at(lay, buffer)
+    if point:
+        _point_at(lay, buffer)
     return ctx
 
 
@@ -174,7 +183,7 @@ class GraphedForward:
         entry = self._graphs.get(key) if key is not None else None
         if entry is not None:
             self._graphs.move_to_end(key)
-            pack(ctx, lay, self.device, into=entry.buffer)
+            pack(ctx, lay, self.device, into=entry.buffer, point=False)  # the graph reads its own views
             entry.graph.replay()
             self.stats.replays += 1
             return entry.output, True
