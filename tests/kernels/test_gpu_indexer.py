@@ -89,6 +89,7 @@ def test_routing_keeps_cpu_on_the_reference():
     """CPU tensors keep the default routing (the torch reference, so the model's CPU numbers are
     those of the inline code it replaced); CUDA tensors take the kernel."""
     q, weights, keys, valid = (t.cpu() for t in _case(5, 8, 64, 40, 0.5, torch.bfloat16, 4))
+    ops.reset()  # a CUDA model built earlier in this process routed the GPU kernels in
     assert ops._active["index_scores"] is torch_ref.index_scores
     inline = (torch.relu(torch.bmm(q, keys.transpose(1, 2)).float()) * 64**-0.5 * weights[:, :, None]).sum(1)
     assert torch.equal(ops.index_scores(q, weights, keys, valid), inline.masked_fill(~valid, float("-inf")))
