@@ -38,5 +38,5 @@ def build_spec_decoding(runner, drafter: DraftModel, *, num_draft_tokens: int, s
         sps = calibrate_sps(runner, drafter, max_num_seqs=max_num_seqs, num_blocks=runner.blocks.num_blocks,
                             block_size=block_size, max_depth=num_draft_tokens, context=context)
         log.info("DSpark: SPS table over %s requests calibrated in %.1f s", list(sps.grid), time.perf_counter() - t0)
-    proposer = DraftProposer(drafter, num_slots=max_num_seqs)
+    proposer = DraftProposer(drafter, num_slots=max_num_seqs, draft_threads=sps.draft_threads)
     return SpecDecoding(proposer, sps, config, max_verify_tokens=max_num_batched_tokens)

@@ -10,10 +10,20 @@ For every sequence of the step (its SeqStep covers positions ``[start, start + n
 
 All proposals of a step run as one batch through the ``DraftModel``. A request that finished or
 was aborted while the step ran has no accepted tokens in the step's result: it is skipped.
+
+Threads: the pass (context rows and drafts) runs with the intra-op thread count the SPS
+calibration found fastest for a batch of that size (``SpsTable.draft_threads``,
+sps_calibration.py), then the count is set back. A pass over a few requests is a few hundred
+tiny ops; splitting each over the cores gains little and stalls at every op when another job
+holds the second core (2-core CPU here, one request: 5.7 ms with 1 thread, 6.4 ms with 2 when
+idle, 12 ms with 2 under load). With OpenMP the count is the calling thread's (the device
+thread's), so the loop thread's work is not touched.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -37,16 +47,46 @@ class StepDrafts:
         return len(self.request_ids)
 
 
+@contextmanager
+def intra_op_threads(num_threads: int | None) -> Iterator[None]:
+    """Run the calling thread's torch ops with ``num_threads`` intra-op threads (None, 0 or the
+    current count: unchanged), then restore the count."""
+    current = torch.get_num_threads()
+    if not num_threads or num_threads == current:
+        yield
+        return
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(current)
+
+
+def threads_for(draft_threads: Mapping[int, int] | None, num_requests: int) -> int | None:
+    """The thread count measured for the smallest grid request count >= ``num_requests`` (the
+    largest past the grid); None without measurements."""
+    if not draft_threads:
+        return None
+    grid = sorted(draft_threads)
+    return draft_threads[next((r for r in grid if r >= num_requests), grid[-1])]
+
+
 class DraftProposer:
-    def __init__(self, model: DraftModel, num_slots: int) -> None:
+    def __init__(self, model: DraftModel, num_slots: int, *, draft_threads: Mapping[int, int] | None = None) -> None:
+        """``draft_threads``: request count -> intra-op threads for the pass (module docstring)."""
         self.model = model
         self.ring = ContextRing(num_stages=model.num_stages, num_slots=num_slots, window=model.window,
                                 width=model.row_width, device=model.device, dtype=model.dtype)
+        self.draft_threads = dict(draft_threads or {})
 
     def propose(self, scheduled, accepted: dict[str, list[int]], *, draft: bool = True) -> StepDrafts:
         """``scheduled``: the step's ScheduledSeqs in batch order; ``accepted``: request id ->
         the tokens the step committed (1 + accepted drafts) for those with sample rows.
         ``draft=False``: only the context ring is written (the drafter gate skipped this step)."""
+        with intra_op_threads(threads_for(self.draft_threads, len(scheduled))):
+            return self._propose(scheduled, accepted, draft)
+
+    def _propose(self, scheduled, accepted: dict[str, list[int]], draft: bool) -> StepDrafts:
         captured = self.model.take_features()
         write_rows, write_pos, write_slots = [], [], []
         ids, anchors, ys, slots = [], [], [], []

@@ -19,6 +19,10 @@ table then gets the envelope ``t(R, L) = min over R' >= R, L' >= L of t(R', L')`
 requests verifying L drafts each can always be padded to R' requests of L' drafts, so that time
 is achievable (the same holds for the drafter's pass over R proposals). About
 ``len(grid) x (len(depths) + 1) x (rounds + 1)`` forwards.
+
+The drafter's pass is timed with torch's intra-op thread count and, when that is more than one,
+with a single thread too (interleaved like every other point); per R the faster median is kept,
+and with it the thread count the proposer runs that pass with (``SpsTable.draft_threads``).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import torch
 
 from deepinfer.engine.core.batch import ForwardBatch, SeqStep
 from deepinfer.engine.spec.draft_model import DraftModel
+from deepinfer.engine.spec.proposer import intra_op_threads
 from deepinfer.engine.spec.sps_fit import fit_step_table
 from deepinfer.engine.spec.sps_table import SpsTable
 
@@ -56,6 +61,12 @@ def _time_once(fn) -> float:
     return time.perf_counter() - t0
 
 
+def draft_thread_options() -> list[int]:
+    """Intra-op thread counts the drafter's pass is timed with: torch's, and 1 when that is more."""
+    n = torch.get_num_threads()
+    return [n] if n <= 1 else [n, 1]
+
+
 @torch.inference_mode()
 def calibrate_sps(runner, draft_model: DraftModel, *, max_num_seqs: int, num_blocks: int, block_size: int,
                   max_depth: int, context: int = 256, depths: Sequence[int] = DEFAULT_DEPTHS,
@@ -74,7 +85,8 @@ def calibrate_sps(runner, draft_model: DraftModel, *, max_num_seqs: int, num_blo
     vocab = getattr(runner.config, "vocab_size", 2)
     token = min(5, vocab - 1)
     dev = draft_model.device
-    points = []  # (request count, verify tokens or None for the drafter, the timed call)
+    thread_options = draft_thread_options()
+    points = []  # (request count, verify tokens of a target step or None for the drafter, threads, the timed call)
     for r in grid:
         tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(r)]
         for depth in depths:
@@ -84,34 +96,49 @@ def calibrate_sps(runner, draft_model: DraftModel, *, max_num_seqs: int, num_blo
             def step(batch=batch):
                 runner.execute(batch).argmax(dim=-1).cpu()
 
-            points.append((r, r * n, step))
+            points.append((r, r * n, None, step))
         y = torch.full((r,), token, dtype=torch.int64, device=dev)
         anchors = torch.full((r,), context, dtype=torch.int64, device=dev)
         ctx = torch.zeros(draft_model.num_stages, r, draft_model.window, draft_model.row_width,
                           dtype=draft_model.dtype, device=dev)
         valid = torch.ones(r, draft_model.window, dtype=torch.bool, device=dev)
 
-        def draft(y=y, anchors=anchors, ctx=ctx, valid=valid):
-            draft_model.propose(y, anchors, ctx, valid).confidence.cpu()
+        for threads in thread_options:
 
-        points.append((r, None, draft))
+            def draft(y=y, anchors=anchors, ctx=ctx, valid=valid, threads=threads):
+                with intra_op_threads(threads):
+                    draft_model.propose(y, anchors, ctx, valid).confidence.cpu()
+
+            points.append((r, None, threads, draft))
     timings: dict[int, dict[int, list[float]]] = {r: {} for r in grid}
-    draft_timings: dict[int, list[float]] = {r: [] for r in grid}
-    for _, _, fn in points:  # warm-up (allocations, first-call dispatch)
+    draft_timings: dict[tuple[int, int], list[float]] = {}
+    for *_, fn in points:  # warm-up (allocations, first-call dispatch)
         fn()
     order = random.Random(seed)
     for _ in range(rounds):
-        for r, b, fn in order.sample(points, len(points)):
+        for r, b, threads, fn in order.sample(points, len(points)):
             seconds = _time_once(fn)
-            (draft_timings[r] if b is None else timings[r].setdefault(b, [])).append(seconds)
+            (draft_timings.setdefault((r, threads), []) if b is None else timings[r].setdefault(b, [])).append(seconds)
     draft_model.take_features()  # the scratch forwards' features are nobody's
     steps_s, lines = fit_step_table(timings)
-    draft_s = {r: float(statistics.median(ts)) for r, ts in draft_timings.items()}
+    draft_s, draft_threads = fastest_drafter(draft_timings)
     for r, line in lines.items():
-        log.info("SPS fit R=%d: %.3f ms + %.4f ms/token (spread %.0f %%), drafter %.3f ms", r, line.intercept * 1e3,
-                 line.slope * 1e3, line.spread * 100, draft_s[r] * 1e3)
+        log.info("SPS fit R=%d: %.3f ms + %.4f ms/token (spread %.0f %%), drafter %.3f ms at %d thread(s)", r,
+                 line.intercept * 1e3, line.slope * 1e3, line.spread * 100, draft_s[r] * 1e3, draft_threads[r])
     steps_s, draft_s = padding_envelope(steps_s, draft_s, depths)
-    return SpsTable(steps_s, draft_s, max_depth=max_depth, device=str(dev))
+    return SpsTable(steps_s, draft_s, max_depth=max_depth, device=str(dev), draft_threads=draft_threads)
+
+
+def fastest_drafter(timings: dict[tuple[int, int], list[float]]) -> tuple[dict[int, float], dict[int, int]]:
+    """``timings[(R, threads)]`` -> per R the smallest median over the thread counts, and that count
+    (ties: the larger count)."""
+    seconds: dict[int, float] = {}
+    threads: dict[int, int] = {}
+    for (r, n), ts in sorted(timings.items(), key=lambda kv: (kv[0][0], -kv[0][1])):
+        med = float(statistics.median(ts))
+        if r not in seconds or med < seconds[r]:
+            seconds[r], threads[r] = med, n
+    return seconds, threads
 
 
 def padding_envelope(steps_s: dict[int, dict[int, float]], draft_s: dict[int, float],

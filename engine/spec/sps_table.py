@@ -14,7 +14,8 @@ whatever is verified). ``profile(R)`` is the profile the scheduler uses for a st
 
 evaluated at B = R (1 + j), j = 0 .. max depth. ``profile(R, drafter=False)`` leaves the
 drafter's time out: a step after which nobody drafts (decoding.py's drafter gate). Profiles are
-cached per R.
+cached per R. ``draft_threads[R]``: the intra-op thread count the drafter's time at R was
+measured with (the faster of torch's count and 1; the proposer runs its passes so).
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from deepinfer.engine.spec.sps_profile import SpsProfile
 
 class SpsTable:
     def __init__(self, step_seconds: Mapping[int, Mapping[int, float]], draft_seconds: Mapping[int, float],
-                 *, max_depth: int, device: str = "") -> None:
+                 *, max_depth: int, device: str = "", draft_threads: Mapping[int, int] | None = None) -> None:
         """``step_seconds[R][B]``: measured target step time of R requests verifying B tokens in
-        all; ``draft_seconds[R]``: the drafter's pass for R requests (same grid)."""
+        all; ``draft_seconds[R]``: the drafter's pass for R requests (same grid), run with
+        ``draft_threads[R]`` intra-op threads (absent: torch's count)."""
         if not step_seconds or set(step_seconds) != set(draft_seconds):
             raise ValueError("an SPS table needs step and drafter times at the same request counts")
         if max_depth < 0:
@@ -44,6 +46,9 @@ class SpsTable:
         self._measured = {r: SpsProfile.from_table(self.step_seconds[r]) for r in self.grid}
         if any(not (math.isfinite(t) and t >= 0) for t in self.draft_seconds.values()):
             raise ValueError("drafter times must be finite and >= 0 seconds")
+        if draft_threads is not None and (set(draft_threads) != set(self.grid) or min(draft_threads.values()) < 1):
+            raise ValueError("drafter thread counts must be >= 1 and given at the table's request counts")
+        self.draft_threads = {int(r): int(n) for r, n in draft_threads.items()} if draft_threads is not None else None
         self.max_depth = max_depth
         self.device = device
         self._cache: dict[tuple[int, bool], SpsProfile] = {}
@@ -91,16 +96,22 @@ class SpsTable:
 
     # ---- files -----------------------------------------------------------------------------
     def to_json(self) -> dict:
-        return {"device": self.device, "max_depth": self.max_depth,
+        data = {"device": self.device, "max_depth": self.max_depth,
                 "step_seconds": {str(r): {str(b): t for b, t in row.items()} for r, row in self.step_seconds.items()},
                 "draft_seconds": {str(r): t for r, t in self.draft_seconds.items()}}
+        if self.draft_threads is not None:
+            data["draft_threads"] = {str(r): n for r, n in self.draft_threads.items()}
+        return data
 
     @classmethod
     def from_json(cls, data: Mapping) -> SpsTable:
         try:
             steps = {int(r): {int(b): float(t) for b, t in row.items()} for r, row in data["step_seconds"].items()}
             drafts = {int(r): float(t) for r, t in data["draft_seconds"].items()}
-            return cls(steps, drafts, max_depth=int(data["max_depth"]), device=str(data.get("device", "")))
+            threads = data.get("draft_threads")
+            threads = {int(r): int(n) for r, n in threads.items()} if threads is not None else None
+            return cls(steps, drafts, max_depth=int(data["max_depth"]), device=str(data.get("device", "")),
+                       draft_threads=threads)
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"not an SPS table ({type(e).__name__}: {e})") from None
 

@@ -3,10 +3,11 @@
 One ``LLM`` per mode (max_num_seqs = the largest concurrency; DSpark's SPS table is measured at
 its start-up, as serving does), the same requests in every mode: at concurrency C, C held-out
 function headers (the checkpoint's ``heldout_headers.json``, cycled) decoded greedily for
-``max_tokens`` tokens each, ignoring EOS, all submitted at once. Per mode and C:
+``max_tokens`` tokens each, ignoring EOS, all submitted at once; with several waves, each wave's
+C requests (the next C headers) once the last wave's are done. Per mode and C:
 
-    tok_s       generated tokens / wall time of the C requests (their prefill included, the same
-                prompts in every mode)
+    tok_s       generated tokens / wall time of the C requests of every wave (their prefill
+                included, the same prompts in every mode)
     tok_cpu_s   generated tokens / CPU seconds this process spent on them (every thread): on a
                 machine shared with other work the wall time carries their load, CPU time far
                 less (torch's threads spin while waiting, so it is an upper bound on cost)
@@ -66,11 +67,11 @@ def start_engines(model_dir: Path, max_seqs: int, *, max_model_len: int, num_thr
     return engines
 
 
-def _run_once(llm: LLM, prompts: list[str], params: SamplingParams) -> ModeResult:
+def _run_once(llm: LLM, waves: list[list[str]], params: SamplingParams) -> ModeResult:
     spec = llm.engine.core.spec
     before = replace(spec.stats) if spec is not None else None
     t0, c0 = time.perf_counter(), time.process_time()
-    outs = llm.generate(prompts, params)
+    outs = [o for prompts in waves for o in llm.generate(prompts, params)]
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     tokens = [o.outputs[0].token_ids for o in outs]
     num = sum(map(len, tokens))
@@ -85,16 +86,17 @@ def _run_once(llm: LLM, prompts: list[str], params: SamplingParams) -> ModeResul
     return res
 
 
-def run_concurrency(engines: dict[str, LLM], prompts: list[str], max_tokens: int, repeats: int
+def run_concurrency(engines: dict[str, LLM], waves: list[list[str]], max_tokens: int, repeats: int
                     ) -> tuple[dict[str, ModeResult], dict[tuple[str, str], float]]:
-    """Interleaved rounds (module docstring). Returns per mode its median figures, and per pair
-    (a, b) the median over rounds of tok_s(a) / tok_s(b)."""
+    """Interleaved rounds (module docstring) over ``waves`` (lists of prompts sent together, one
+    after another). Returns per mode its median figures, and per pair (a, b) the median over
+    rounds of tok_s(a) / tok_s(b)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     names = list(engines)
     runs: dict[str, list[ModeResult]] = {n: [] for n in names}
     for i in range(repeats):
         for name in names[i % len(names):] + names[:i % len(names)]:
-            runs[name].append(_run_once(engines[name], prompts, params))
+            runs[name].append(_run_once(engines[name], waves, params))
     out = {}
     for name, rs in runs.items():
         tok_s = [r.tok_s for r in rs]

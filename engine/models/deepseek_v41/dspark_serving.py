@@ -116,6 +116,12 @@ class ServingDrafter:
         for stage in self.drafter.stages:
             stage.finalize()  # the serving modules' fused weights (the model finalizes its layers only)
         self.capture = FeatureCapture(model)
+        last = self.drafter.stages[-1]
+        conf_w = last.confidence_head.proj.weight.detach().float()  # [1, hidden + markov rank]
+        hidden = c.hidden_size
+        self._markov = (last.markov_head.embed.weight.detach().float(),  # [V, rank]
+                        last.markov_head.head.weight.detach().float().t().contiguous(),  # [rank, V]
+                        conf_w[:, :hidden].t().contiguous(), conf_w[:, hidden:].t().contiguous())
 
     # ---- the target's features ------------------------------------------------------------
     def take_features(self) -> tuple[torch.Tensor | None, torch.Tensor] | None:
@@ -136,19 +142,21 @@ class ServingDrafter:
         ids = dr.block_ids(y)
         positions = anchors[:, None] + 1 + torch.arange(self.block_size, device=anchors.device)[None, :]
         h = self.block(ids, positions, ctx_kv, ctx_valid)
-        base = ops.linear(ops.rms_norm(h.reshape(-1, h.shape[-1]), dr.stages[-1].norm.weight,
-                                        self.config.rms_norm_eps),
-                           dr.target.lm_head.weight, False).float().view(*h.shape[:2], -1)
-        markov = dr.stages[-1].markov_head
-        conf_w = dr.stages[-1].confidence_head.proj.weight
-        prev, drafts, logits = y, [], []
-        for k in range(self.block_size):
-            e = F.embedding(prev, markov.embed.weight)
-            logits.append((torch.cat([h[:, k], e.to(h.dtype)], dim=-1) @ conf_w.t()).float().squeeze(-1))
-            prev = (base[:, k] + (e @ markov.head.weight.t()).float()).argmax(dim=-1)
+        n, k, width = h.shape
+        base = ops.linear(ops.rms_norm(h.reshape(-1, width), dr.stages[-1].norm.weight, self.config.rms_norm_eps),
+                          dr.target.lm_head.weight, False).float().view(n, k, -1)
+        # Only the Markov chain is sequential: d_{j+1} = argmax(U_j + head @ embed[d_j]); the
+        # confidence proj([h_j ; embed[d_j]]) splits into an h part and an embed part, both
+        # computed for the whole block once the chain is drawn.
+        embed, head_t, conf_h, conf_e = self._markov
+        prev, drafts = y, []
+        for j in range(k):
+            prev = torch.addmm(base[:, j], F.embedding(prev, embed), head_t).argmax(dim=-1)
             drafts.append(prev)
-        conf = torch.stack(logits, dim=1)
-        return Drafts(torch.stack(drafts, dim=1), conf, dr.calibrated(conf))
+        tokens = torch.stack(drafts, dim=1)
+        prevs = torch.cat([y[:, None], tokens[:, :-1]], dim=1)
+        conf = (h.float() @ conf_h + F.embedding(prevs, embed) @ conf_e).squeeze(-1)
+        return Drafts(tokens, conf, dr.calibrated(conf))
 
     def block(self, ids: torch.Tensor, positions: torch.Tensor, ctx_kv: torch.Tensor,
               ctx_valid: torch.Tensor) -> torch.Tensor:
