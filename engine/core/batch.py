@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import torch
+
 if TYPE_CHECKING:
     from deepinfer.engine.mm.inputs import MultiModalInput
 
@@ -71,8 +73,48 @@ class SeqStep:
 
 
 @dataclass(slots=True)
+class TokenSource:
+    """Token ids a forward takes from a tensor on the runner's device (the previous step's
+    sampled tokens) instead of its steps' ``token_ids``, so the forward can be launched before
+    the host has read them: flat token ``dst[i]`` (the batch's tokens in step order) takes
+    ``tokens[index[i]]``. The steps hold any valid id at those positions (they are overwritten
+    on the device); the runner never reads ``tokens`` on the host."""
+
+    tokens: torch.Tensor  # [N] integer ids on the runner's device
+    dst: Sequence[int]
+    index: Sequence[int]
+
+    def __post_init__(self) -> None:
+        if len(self.dst) != len(self.index):
+            raise ValueError(f"TokenSource: {len(self.dst)} destinations for {len(self.index)} source rows")
+
+    def write(self, token_ids: torch.Tensor) -> None:
+        """``token_ids[dst] = tokens[index]`` on the device, queued on the current stream (a
+        contiguous run on both sides is one copy; otherwise two small index transfers)."""
+        n = len(self.dst)
+        if n == 0:
+            return
+        src = self.tokens
+        d0, i0 = self.dst[0], self.index[0]
+        if _is_run(self.dst) and _is_run(self.index):
+            token_ids[d0 : d0 + n].copy_(src[i0 : i0 + n], non_blocking=True)
+            return
+        dev = token_ids.device
+        dst = torch.tensor(self.dst, dtype=torch.long).to(dev, non_blocking=True)
+        index = torch.tensor(self.index, dtype=torch.long).to(dev, non_blocking=True)
+        token_ids.index_copy_(0, dst, src.index_select(0, index).to(token_ids.dtype))
+
+
+def _is_run(xs: Sequence[int]) -> bool:
+    """True when ``xs`` is ``a, a+1, ..., a+n-1``."""
+    return xs[-1] - xs[0] == len(xs) - 1 and all(b - a == 1 for a, b in zip(xs, xs[1:]))
+
+
+@dataclass(slots=True)
 class ForwardBatch:
     steps: list[SeqStep] = field(default_factory=list)
+    # device-resident ids for some of the steps' tokens (None: every id from the steps)
+    token_source: TokenSource | None = None
 
     @property
     def num_tokens(self) -> int:

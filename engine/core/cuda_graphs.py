@@ -19,6 +19,11 @@ Not graphed: forwards of more than ``max_tokens`` tokens (prefill chunks: their 
 repeat), contexts holding device tensors or tuples of tensors (image embeddings), a model with
 forward hooks (they are Python side effects a replay would skip), and a signature whose capture
 failed (an op that waits on the host): those run eagerly, and the failure is logged once.
+
+``run(..., tokens=TokenSource)``: the context's ``token_ids`` are overwritten on the device from
+a device tensor (the previous step's sampled ids) after the packed copy and before the forward
+or replay, on the same stream, so a decode step can be launched before the host has read the
+tokens it consumes (batch.py ``TokenSource``).
 """
 
 from __future__ import annotations
@@ -124,6 +129,15 @@ def _fill_host(lay: Layout) -> torch.Tensor:
     return host
 
 
+def _device_view(lay: Layout, device_buffer: torch.Tensor, owner, key: str) -> torch.Tensor:
+    """The view of ``device_buffer`` where ``owner.key``'s tensor is packed."""
+    for leaf in lay.leaves:
+        if leaf.owner is owner and leaf.key == key:
+            t = leaf.tensor
+            return device_buffer[leaf.offset : leaf.offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
+    raise KeyError(f"the packed context has no tensor {key!r}")
+
+
 def _point_at(lay: Layout, device_buffer: torch.Tensor) -> None:
     for leaf in lay.leaves:
         t = leaf.tensor
@@ -173,17 +187,23 @@ class GraphedForward:
         self._pool = torch.cuda.graph_pool_handle()
         self._stream = torch.cuda.Stream(device)
 
-    def run(self, ctx, num_tokens: int, graphable: bool = True) -> tuple[torch.Tensor, bool]:
-        """(result, from a graph). A graph's result is its own buffer: read it before the next run."""
+    def run(self, ctx, num_tokens: int, graphable: bool = True, tokens=None) -> tuple[torch.Tensor, bool]:
+        """(result, from a graph). A graph's result is its own buffer: read it before the next run.
+        ``tokens``: a ``TokenSource`` written into ``ctx.token_ids`` on the device first."""
         lay = layout(ctx)
         if lay is None:
             self.stats.eager += 1
-            return self.forward(_to_device(ctx, self.device)), False
+            ctx = _to_device(ctx, self.device)
+            if tokens is not None:
+                tokens.write(ctx.token_ids)
+            return self.forward(ctx), False
         key = lay.signature if graphable and num_tokens <= self.max_tokens else None
         entry = self._graphs.get(key) if key is not None else None
         if entry is not None:
             self._graphs.move_to_end(key)
             pack(ctx, lay, self.device, into=entry.buffer, point=False)  # the graph reads its own views
+            if tokens is not None:
+                tokens.write(_device_view(lay, entry.buffer, ctx, "token_ids"))
             entry.graph.replay()
             self.stats.replays += 1
             return entry.output, True
@@ -193,12 +213,17 @@ class GraphedForward:
                 if len(self._seen) > 4 * self.max_graphs:
                     self._seen.popitem(last=False)
             self.stats.eager += 1
-            return self.forward(pack(ctx, lay, self.device)), False
-        return self._capture(key, ctx, lay), False
+            pack(ctx, lay, self.device)
+            if tokens is not None:
+                tokens.write(ctx.token_ids)
+            return self.forward(ctx), False
+        return self._capture(key, ctx, lay, tokens), False
 
-    def _capture(self, key: tuple, ctx, lay: Layout) -> torch.Tensor:
+    def _capture(self, key: tuple, ctx, lay: Layout, tokens=None) -> torch.Tensor:
         buffer = torch.empty(lay.nbytes, dtype=torch.uint8, device=self.device)
         pack(ctx, lay, self.device, into=buffer)
+        if tokens is not None:
+            tokens.write(ctx.token_ids)  # a view of ``buffer``: the captured graph reads them from there
         current = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(current)
         with torch.cuda.stream(self._stream):  # the real forward of this step, off the capture

@@ -183,12 +183,29 @@ class ModelRunner:
     def _forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, bool]:
         """(final hidden states, whether they are a CUDA graph's output buffer)."""
         self._validate(batch, self.geometry, self.swa.num_slots)
+        tokens = batch.token_source
+        if tokens is not None:
+            self._check_token_source(batch)
         if self.graphs is None:
             ctx = self._build_context(batch, self.geometry, device=self.device, batch_invariant=self.batch_invariant)
+            if tokens is not None:
+                tokens.write(ctx.token_ids)
             return self.model(ctx, self.blocks, self.swa), False
         ctx = self._build_context(batch, self.geometry, device=_HOST, batch_invariant=self.batch_invariant)
         hooked = any(m._forward_hooks or m._forward_pre_hooks for m in self._modules)  # replays skip hooks
-        return self.graphs.run(ctx, batch.num_tokens, graphable=not hooked)
+        return self.graphs.run(ctx, batch.num_tokens, graphable=not hooked, tokens=tokens)
+
+    def _check_token_source(self, batch: ForwardBatch) -> None:
+        """Device-fed ids are for decode batches: one token per step (no model sub-batch then
+        re-slices the tokens), destinations inside the batch, ids on this runner's device."""
+        src = batch.token_source
+        if any(len(s.token_ids) != 1 for s in batch.steps):
+            raise ValueError("ForwardBatch.token_source needs a batch of single-token steps (decode)")
+        if src.dst and not 0 <= min(src.dst) <= max(src.dst) < len(batch.steps):
+            raise ValueError(f"ForwardBatch.token_source: destination outside the batch's {len(batch.steps)} tokens")
+        if src.tokens.device.type != self.device.type or src.tokens.dim() != 1:
+            raise ValueError(f"ForwardBatch.token_source: ids must be a 1-D tensor on {self.device}, "
+                             f"got {tuple(src.tokens.shape)} on {src.tokens.device}")
 
     @torch.inference_mode()
     def execute_hidden(self, batch: ForwardBatch) -> torch.Tensor:

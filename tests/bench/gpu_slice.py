@@ -20,7 +20,7 @@ from deepinfer.engine.models.deepseek_v4 import testing
 from deepinfer.engine.models.deepseek_v4.testing import CSA, HCA
 
 try:
-    from deepinfer.engine.core.batch import ForwardBatch, SeqStep
+    from deepinfer.engine.core.batch import ForwardBatch, SeqStep, TokenSource
 except ImportError:  # before the engine's reorganisation
     from deepinfer.engine.batch import ForwardBatch, SeqStep
 
@@ -150,20 +150,46 @@ class Generated:
     tokens: list[list[int]]
 
 
-def our_generate(runner, prompts: list[list[int]], new_tokens: int, blocks_per_seq: int) -> Generated:
-    """Greedy generate: one forward for all prompts, then one per new token for the whole batch;
-    argmax on the device, one host read per step."""
+def our_generate(runner, prompts: list[list[int]], new_tokens: int, blocks_per_seq: int, *,
+                 fed: bool = True) -> Generated:
+    """Greedy generate: one forward for all prompts, then one per new token for the whole batch,
+    argmax on the device. ``fed`` (default): each decode step takes the previous step's ids from
+    the device (``ForwardBatch.token_source``) and is launched before the host reads them; the
+    host copies step N's ids into pinned memory behind an event and waits only for that, so it
+    builds step N+2's context while N+1 runs. ``fed=False``: one blocking host read per step
+    before the next is built (the device idles while the host works)."""
     tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(len(prompts))]
+    n = len(prompts)
+    rows = list(range(n))
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     steps = [SeqStep(i, i, tables[i], 0, p, num_logits=1) for i, p in enumerate(prompts)]
-    last = runner.execute(ForwardBatch(steps)).argmax(-1).tolist()
+    ids = runner.execute(ForwardBatch(steps)).argmax(-1)
+    if fed:
+        torch.cuda.synchronize()  # (decode_seconds counts decode steps only)
+    else:
+        last = ids.tolist()
     t1 = time.perf_counter()
-    tokens = [[t] for t in last]
+    tokens: list[list[int]] = [[] for _ in prompts]
     for k in range(1, new_tokens):
-        steps = [SeqStep(i, i, tables[i], len(p) + k - 1, [tokens[i][-1]], num_logits=1) for i, p in enumerate(prompts)]
-        for i, t in enumerate(runner.execute(ForwardBatch(steps)).argmax(-1).tolist()):
-            tokens[i].append(t)
+        if fed:
+            host = torch.empty(n, dtype=ids.dtype, pin_memory=True)
+            host.copy_(ids, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record()
+            steps = [SeqStep(i, i, tables[i], len(p) + k - 1, [0], num_logits=1) for i, p in enumerate(prompts)]
+            nxt = runner.execute(ForwardBatch(steps, token_source=TokenSource(ids, rows, rows))).argmax(-1)
+            copied.synchronize()
+            for i, t in enumerate(host.tolist()):
+                tokens[i].append(t)
+            ids = nxt
+        else:
+            for i, t in enumerate(last):
+                tokens[i].append(t)
+            steps = [SeqStep(i, i, tables[i], len(p) + k - 1, [last[i]], num_logits=1) for i, p in enumerate(prompts)]
+            last = runner.execute(ForwardBatch(steps)).argmax(-1).tolist()
+    for i, t in enumerate(ids.tolist() if fed else last):
+        tokens[i].append(t)
     torch.cuda.synchronize()
     t2 = time.perf_counter()
     return Generated(t2 - t0, t2 - t1, tokens)

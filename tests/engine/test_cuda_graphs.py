@@ -15,7 +15,10 @@ import random
 import pytest
 import torch
 
-from deepinfer.engine.core.batch import ForwardBatch, SeqStep
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deepinfer.engine.core.batch import ForwardBatch, SeqStep, TokenSource
 from deepinfer.engine.core.cuda_graphs import layout, pack
 from deepinfer.engine.core.model_runner import ModelRunner
 from deepinfer.engine.models.deepseek_v4.context import build_context
@@ -90,22 +93,81 @@ def test_layout_refuses_what_it_cannot_key_on():
     assert layout({"a": [torch.zeros(2, dtype=torch.bool), 3, None, "x"]}).signature is not None
 
 
+@pytest.mark.parametrize("fed", ["run", "reversed"])
+def test_device_fed_ids_equal_host_ids_cpu(ref, fed):
+    per = 400 // BLOCK + 1
+    rng = random.Random(4)
+    prompts = [[rng.randrange(ref.config.vocab_size) for _ in range(n)] for n in (9, 40, 77)]
+    host = _decode_run(_runner(ref, "cpu", torch.float32, False), prompts, 6, per)
+    assert torch.equal(host, _decode_run(_runner(ref, "cpu", torch.float32, False), prompts, 6, per, fed=fed))
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), size=st.integers(1, 40))
+def test_token_source_write_matches_indexing(data, size):
+    n = data.draw(st.integers(0, size))
+    dst = data.draw(st.lists(st.integers(0, size - 1), min_size=n, max_size=n, unique=True))
+    index = data.draw(st.lists(st.integers(0, 50), min_size=n, max_size=n))
+    if data.draw(st.booleans()) and n:  # a contiguous run on both sides (the copy path)
+        a, b = data.draw(st.integers(0, size - n)), data.draw(st.integers(0, 51 - n))
+        dst, index = list(range(a, a + n)), list(range(b, b + n))
+    tokens = torch.randint(0, 1000, (51,))
+    got = torch.full((size,), -7, dtype=torch.long)
+    TokenSource(tokens, dst, index).write(got)
+    want = torch.full((size,), -7, dtype=torch.long)
+    for d, i in zip(dst, index):
+        want[d] = tokens[i]
+    assert torch.equal(got, want)
+
+
+def test_token_source_refusals(ref):
+    runner = _runner(ref, "cpu", torch.float32, False)
+    per = 400 // BLOCK + 1
+    ids = torch.tensor([3, 4])
+    with pytest.raises(ValueError, match="destinations"):
+        TokenSource(ids, [0, 1], [0])
+    two = ForwardBatch([SeqStep(0, 0, list(range(per)), 0, [1, 2], num_logits=1)],
+                       token_source=TokenSource(ids, [0], [0]))  # fmt: skip
+    with pytest.raises(ValueError, match="single-token steps"):
+        runner.execute(two)
+    outside = ForwardBatch([SeqStep(0, 0, list(range(per)), 0, [1], num_logits=1)],
+                           token_source=TokenSource(ids, [1], [0]))  # fmt: skip
+    with pytest.raises(ValueError, match="outside the batch"):
+        runner.execute(outside)
+    flat = ForwardBatch([SeqStep(0, 0, list(range(per)), 0, [1], num_logits=1)],
+                        token_source=TokenSource(ids.view(2, 1), [0], [0]))  # fmt: skip
+    with pytest.raises(ValueError, match="1-D tensor"):
+        runner.execute(flat)
+
+
 def needs_cuda(test):
     skip = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
     return pytest.mark.gpu(skip(test))
 
 
-def _decode_run(runner, prompts, steps, per):
-    """Prefill each prompt, then ``steps`` batched greedy decode steps; every step's logits."""
+def _decode_run(runner, prompts, steps, per, fed: str | None = None):
+    """Prefill each prompt, then ``steps`` batched greedy decode steps; every step's logits.
+    ``fed``: the decode steps take their ids from the device argmax through a TokenSource, in
+    order ("run") or from a reversed tensor ("reversed", the index path); the steps hold 0."""
     batch = ForwardBatch([SeqStep(i, i, list(range(i * per, (i + 1) * per)), 0, p, num_logits=1)
                           for i, p in enumerate(prompts)])  # fmt: skip
     logits = runner.execute(batch)
     out = [logits.float().cpu()]
     positions = [len(p) for p in prompts]
+    n = len(prompts)
     for _ in range(steps):
-        tokens = logits.argmax(-1).tolist()
+        source = None
+        if fed is None:
+            tokens = logits.argmax(-1).tolist()
+        else:
+            tokens = [0] * n
+            ids = logits.argmax(-1)
+            if fed == "run":
+                source = TokenSource(ids, list(range(n)), list(range(n)))
+            else:
+                source = TokenSource(ids.flip(0), list(range(n)), [n - 1 - i for i in range(n)])
         batch = ForwardBatch([SeqStep(i, i, list(range(i * per, (i + 1) * per)), positions[i], [tokens[i]],
-                                      num_logits=1) for i in range(len(prompts))])  # fmt: skip
+                                      num_logits=1) for i in range(n)], token_source=source)  # fmt: skip
         logits = runner.execute(batch)
         out.append(logits.float().cpu())
         positions = [p + 1 for p in positions]
@@ -125,6 +187,8 @@ def test_graphed_decode_equals_eager_v4(ref, dtype):
     assert stats.failed == 0, stats
     assert stats.replays >= 30, stats
     assert torch.equal(eager, graphed)
+    for fed in ("run", "reversed"):  # ids fed on the device: captures, replays and eager first sightings
+        assert torch.equal(eager, _decode_run(_runner(ref, "cuda", dtype, True), prompts, 60, per, fed=fed))
 
 
 @needs_cuda
@@ -151,9 +215,10 @@ def test_graphed_decode_equals_eager_v41(tmp_path):
     rng = random.Random(2)
     prompts = [[rng.randrange(50, 200) for _ in range(n)] for n in (5, 70, 150)]
     runs = []
-    for graphs in (False, True):
+    for graphs, fed in ((False, None), (True, None), (True, "reversed")):
         runner = harness.load_runner(model_dir, num_blocks=3 * per, num_slots=3, block_size=BLOCK, device="cuda",
                              dtype=torch.bfloat16, cuda_graphs=graphs)  # fmt: skip
-        runs.append(_decode_run(runner, prompts, 40, per))
-    assert runner.graphs.stats.failed == 0 and runner.graphs.stats.replays >= 20, runner.graphs.stats
-    assert torch.equal(runs[0], runs[1])
+        runs.append(_decode_run(runner, prompts, 40, per, fed=fed))
+        if graphs:
+            assert runner.graphs.stats.failed == 0 and runner.graphs.stats.replays >= 20, runner.graphs.stats
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
