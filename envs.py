@@ -58,12 +58,16 @@ class Envs:
     v41_numerics: str = "float"
     # Set to 0 to run every forward eagerly on a CUDA device (no CUDA graphs of decode steps).
     cuda_graphs: bool = True
+    # Set to 0 to read each decode step's sampled ids on the host before the next decode forward
+    # is launched (accelerators only; by default that forward takes them from the device).
+    feed_ids: bool = True
 
 
 _ENV_NAMES = {
     "hf_model_dir": "DEEPINFER_HF_MODEL_DIR",
     "v41_numerics": "DEEPINFER_V41_NUMERICS",
     "cuda_graphs": "DEEPINFER_CUDA_GRAPHS",
+    "feed_ids": "DEEPINFER_FEED_IDS",
     "cache_dir": "DEEPINFER_CACHE_DIR",
     "builtin_model": "DEEPINFER_BUILTIN_MODEL",
     "accelerator": "DEEPINFER_ACCELERATOR",

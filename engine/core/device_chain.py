@@ -17,6 +17,15 @@ trip costs ~0.1 ms of the device thread's time.
 A slot whose predecessor failed fails with the same error without running (its placeholders
 would be unknown); a failure in the caller's bookkeeping reaches the device thread through
 ``set_prep_error`` so it never waits forever.
+
+Device-fed ids (``feed_ids``; on by default when the logits live on an accelerator): when the
+next slot is a decode batch whose placeholders all resolve to rows of this step's plain tokens,
+its forward is launched right after this step's sampling is queued, taking those tokens from the
+device (``ForwardBatch.token_source``), before the host has read them. The device then runs the
+two forwards back to back while the host reads this step's tokens (a copy queued behind the
+sampling, sampler.py), fills the placeholders for the bookkeeping and publishes; the next
+slot's sampling waits for its caller's prep as before. On a CPU the "device" is this thread, so
+launching early would only delay the publication: off there unless asked for (tests).
 """
 
 from __future__ import annotations
@@ -26,6 +35,8 @@ import threading
 from collections import deque
 from concurrent.futures import Executor
 
+from deepinfer import envs
+from deepinfer.engine.core.batch import TokenSource
 from deepinfer.engine.core.engine_core import EngineCore, PlaceholderRows, SampledStep, SamplingPrep, StepPlan
 
 # How long a chain whose next step is not handed over yet waits for it before ending its job
@@ -37,7 +48,7 @@ class StepSlot:
     """One step between the caller's thread and the device thread."""
 
     __slots__ = ("plan", "prev", "rows", "_prep", "_prep_error", "_prep_ready", "sampled", "error", "_done",
-                 "_is_published", "_loop", "_waiter")
+                 "_is_published", "_loop", "_waiter", "launched")
 
     def __init__(self, plan: StepPlan, prev: StepSlot | None, rows: PlaceholderRows | None = None,
                  loop: asyncio.AbstractEventLoop | None = None) -> None:
@@ -55,6 +66,7 @@ class StepSlot:
         self._is_published = False
         self._loop = loop
         self._waiter: asyncio.Future | None = loop.create_future() if loop is not None else None
+        self.launched = None  # device thread: the logits of a forward launched on device-fed ids
 
     # ---- caller's thread ----------------------------------------------------------------
     @property
@@ -114,9 +126,15 @@ class StepSlot:
 class DeviceChain:
     """Runs handed-over ``StepSlot``s in order on ``executor`` (one thread), chaining them."""
 
-    def __init__(self, core: EngineCore, executor: Executor) -> None:
+    def __init__(self, core: EngineCore, executor: Executor, *, feed_ids: bool | None = None) -> None:
+        """``feed_ids``: device-fed ids (module docstring); None: on unless the logits live on the
+        CPU or ``DEEPINFER_FEED_IDS=0``."""
         self.core = core
         self.executor = executor
+        if feed_ids is None:
+            feed_ids = core.config.device != "cpu" and envs.get().feed_ids
+        self.feed_ids = feed_ids
+        self.num_fed = 0  # forwards launched on device-fed ids
         self._lock = threading.Lock()
         self._handed_over = threading.Condition(self._lock)
         self._pending: deque[StepSlot] = deque()
@@ -179,12 +197,16 @@ class DeviceChain:
         core = self.core
         if slot.error is None:
             try:
-                logits = core.execute(slot.plan)
+                logits, slot.launched = slot.launched, None
+                if logits is None:
+                    logits = core.execute(slot.plan)
                 slot.sampled = core.run_sampling(slot.take_prep(), logits, slot.plan)
             except BaseException as e:
                 slot.error = e
         nxt = self._peek_take()
         if nxt is not None:
+            if self.feed_ids:
+                self._launch_fed(slot, nxt)
             self._fill(nxt)  # before publishing: nothing stands between the two forwards
             slot.publish()
         else:
@@ -196,6 +218,34 @@ class DeviceChain:
             if nxt is not None:
                 self._fill(nxt)
         return nxt
+
+    def _launch_fed(self, slot: StepSlot, nxt: StepSlot) -> None:
+        """Launch ``nxt``'s forward on ``slot``'s device tokens when ``nxt`` is a decode batch
+        whose placeholders all map to rows of them; otherwise leave it to run after ``_fill``."""
+        sampled, rows = slot.sampled, nxt.rows
+        if (slot.error is not None or nxt.error is not None or nxt.prev is not slot or sampled is None
+                or sampled.device_tokens is None or rows is None or rows.source is not sampled.plain_ids):
+            return
+        batch = nxt.plan.batch
+        step_of = {}
+        for k, s in enumerate(batch.steps):
+            if len(s.token_ids) != 1:
+                return  # a prefill chunk or a verification in the batch: fill on the host
+            step_of[id(s.token_ids)] = k
+        dst, index = [], []
+        for ids, pos, row in rows.targets:
+            k = step_of.get(id(ids))
+            if k is None:
+                return
+            ids[pos] = 0  # any valid id: the device writes the sampled one over it
+            dst.append(k)
+            index.append(row)
+        batch.token_source = TokenSource(sampled.device_tokens, dst, index)
+        try:
+            nxt.launched = self.core.execute(nxt.plan)
+            self.num_fed += 1
+        except BaseException as e:
+            nxt.error = e
 
     def _fill(self, slot: StepSlot) -> None:
         prev, slot.prev = slot.prev, None  # dropped: a slot must not keep the whole history alive

@@ -70,15 +70,16 @@ class AsyncStepPipeline:
     over) and returns its outputs; [] when nothing could be scheduled and nothing was in flight."""
 
     def __init__(self, core: EngineCore, executor: Executor, *, is_pipelined: bool = True,
-                 on_scheduled: Callable[[StepPlan], None] | None = None) -> None:
-        """``executor`` must run jobs in order on one thread (ThreadPoolExecutor(1))."""
+                 on_scheduled: Callable[[StepPlan], None] | None = None, feed_ids: bool | None = None) -> None:
+        """``executor`` must run jobs in order on one thread (ThreadPoolExecutor(1)); ``feed_ids``:
+        device-fed ids of decode steps (device_chain.py; None: on when the logits are not on the CPU)."""
         if is_pipelined and on_scheduled is not None:
             raise ValueError("on_scheduled needs the serial loop: a pipelined loop schedules inside its pipeline")
         self.core = core
         self.executor = executor
         self.is_pipelined = is_pipelined
         self._on_scheduled = on_scheduled
-        self._chain = DeviceChain(core, executor)
+        self._chain = DeviceChain(core, executor, feed_ids=feed_ids)
         self._inflight: StepSlot | None = None
         self.current: StepPlan | None = None  # the plan being committed (a failed step's requests)
 

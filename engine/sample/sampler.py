@@ -57,9 +57,29 @@ class SampledStep:
     prompt_logprobs: LogprobsTensors | None = None
     prompt_rows: dict[str, range] = field(default_factory=dict)
     plain_ids: list[str] | None = None  # plain step: the request of each row (SamplingPrep.plain_ids)
-    plain_tokens: list[int] | None = None  # plain step: the token sampled in each row
+    # plain step: the row tokens as a tensor where they were sampled (on an accelerator the next
+    # forward can take them from there, ForwardBatch.token_source, before the host has them)
+    device_tokens: torch.Tensor | None = None
+    _plain_tokens: list[int] | None = None
+    _host_copy: tuple[torch.Tensor, torch.cuda.Event] | None = None  # (pinned copy, its event) until read
     _last_tokens: dict[str, int] | None = None  # None on a plain step until asked for
     _accepted: dict[str, list[int]] | None = None
+
+    @property
+    def plain_tokens(self) -> list[int] | None:
+        """Plain step: the token sampled in each row. On an accelerator the first read waits for
+        the copy queued right after sampling (only this step's work, not a forward queued behind
+        it); two threads may both resolve it, to the same list."""
+        if self._plain_tokens is None and self._host_copy is not None:
+            host, copied = self._host_copy
+            copied.synchronize()
+            self._plain_tokens = host.tolist()
+            self._host_copy = None
+        return self._plain_tokens
+
+    @plain_tokens.setter
+    def plain_tokens(self, tokens: list[int] | None) -> None:
+        self._plain_tokens, self._host_copy = tokens, None
 
     @property
     def last_tokens(self) -> dict[str, int]:
@@ -172,10 +192,19 @@ class Sampler:
         if prep.meta is not None:
             sel = logits if prep.row_index is None else logits.index_select(0, prep.row_index)
             out.sampler_output = self(sel, prep.meta)
-            sampled = out.sampler_output.token_ids.tolist()
-            if prep.plain_ids is not None:
-                out.plain_ids, out.plain_tokens = prep.plain_ids, sampled  # maps built on demand
+            ids = out.sampler_output.token_ids
+            if prep.plain_ids is not None:  # maps built on demand
+                out.plain_ids, out.device_tokens = prep.plain_ids, ids
+                if ids.device.type == "cuda":  # the host read is deferred: plain_tokens
+                    host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+                    host.copy_(ids, non_blocking=True)
+                    copied = torch.cuda.Event()
+                    copied.record()
+                    out._host_copy = (host, copied)
+                else:
+                    out.plain_tokens = ids.tolist()
             else:
+                sampled = ids.tolist()
                 out._accepted = {rid: verify_drafts(sampled[r.start : r.stop], prep.drafts[rid])
                                  for rid, r in prep.request_rows.items()}
                 out._last_tokens = {rid: toks[-1] for rid, toks in out._accepted.items()}

@@ -27,12 +27,12 @@ def step(core: EngineCore) -> list[RequestOutput]:
 
 
 class StepPipeline:
-    def __init__(self, core: EngineCore, executor: Executor) -> None:
+    def __init__(self, core: EngineCore, executor: Executor, *, feed_ids: bool | None = None) -> None:
         """``executor`` must run jobs in order on one thread (ThreadPoolExecutor(1))."""
         self.core = core
         self._loop = asyncio.new_event_loop()
         self._finalizer = weakref.finalize(self, self._loop.close)
-        self._pipe = AsyncStepPipeline(core, executor)
+        self._pipe = AsyncStepPipeline(core, executor, feed_ids=feed_ids)
 
     def has_work(self) -> bool:
         return self._pipe.has_work()

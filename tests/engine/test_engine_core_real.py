@@ -82,3 +82,24 @@ def test_real_runner_concurrent_equals_alone(ref):
         assert len(want) == 6
         assert together[rid].outputs[0].token_ids == want, rid
         assert piped[rid].outputs[0].token_ids == want, rid
+
+
+@pytest.mark.timeout(300)
+def test_real_runner_device_fed_decode_equals_sync(ref):
+    """The pipelined loop with device-fed ids (the chain launches each decode forward on the
+    previous step's sampled tensor, ForwardBatch.token_source) gives the synchronous tokens on
+    the real model; forced on here, where the CPU is the device."""
+    vocab = ref.config.vocab_size
+    rng = random.Random(1)
+    reqs = [(f"r{i}", [rng.randrange(vocab) for _ in range(rng.randint(3, 40))],
+             SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=12, ignore_eos=True))
+            for i in range(4)]  # fmt: skip
+    sync_core = make_core(ref, num_blocks=32, budget=256)
+    want = run(sync_core, reqs, (lambda: sync_steps.step(sync_core)), sync_core.has_unfinished_requests)
+    core = make_core(ref, num_blocks=32, budget=256)
+    with ThreadPoolExecutor(1) as ex:
+        pipe = sync_steps.StepPipeline(core, ex, feed_ids=True)
+        got = run(core, reqs, pipe.step, pipe.has_work)
+        num_fed = pipe._pipe._chain.num_fed
+    assert {k: v.outputs[0].token_ids for k, v in got.items()} == {k: v.outputs[0].token_ids for k, v in want.items()}
+    assert num_fed >= 5, num_fed

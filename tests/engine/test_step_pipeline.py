@@ -33,6 +33,7 @@ class HashRunner:
     def __init__(self, delay: float = 0.0, fail_at: int | None = None) -> None:
         self.delay, self.fail_at = delay, fail_at
         self.num_forwards = 0
+        self.num_fed = 0  # forwards whose ids came through a TokenSource
         self.threads: set[int] = set()
 
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
@@ -43,10 +44,17 @@ class HashRunner:
         if self.delay:
             time.sleep(self.delay)
         rows = []
-        for st in batch.steps:
+        fed = {}  # step -> id taken from the device tensor (the ForwardBatch.token_source contract)
+        if batch.token_source is not None:
+            src = batch.token_source
+            assert all(st.num_tokens == 1 for st in batch.steps)
+            fed = {d: int(src.tokens[i]) for d, i in zip(src.dst, src.index)}
+            self.num_fed += 1
+        for k, st in enumerate(batch.steps):
             assert PLACEHOLDER_TOKEN_ID not in st.token_ids, "placeholder reached the runner"
             for i in range(st.num_tokens - st.num_logits, st.num_tokens):
-                g = torch.Generator().manual_seed(st.start_pos + i + 1000 * st.token_ids[i])
+                token = fed.get(k, st.token_ids[i])
+                g = torch.Generator().manual_seed(st.start_pos + i + 1000 * token)
                 rows.append(torch.randn(VOCAB, generator=g) * 3)
         return torch.stack(rows) if rows else torch.zeros(0, VOCAB)
 
@@ -83,14 +91,14 @@ def run_sync(reqs):
     return {k: (v.outputs[0].token_ids, v.outputs[0].logprobs) for k, v in acc.items()}
 
 
-def run_pipelined(reqs, delay=0.0, late_every=0):
+def run_pipelined(reqs, delay=0.0, late_every=0, feed_ids=None):
     runner = HashRunner(delay)
     core = make(runner)
     for r in reqs:
         core.add_request(*r)
     acc = {}
     with ThreadPoolExecutor(1) as ex:
-        pipe = StepPipeline(core, ex)
+        pipe = StepPipeline(core, ex, feed_ids=feed_ids)
         n = 0
         while pipe.has_work():
             n += 1
@@ -105,13 +113,29 @@ def run_pipelined(reqs, delay=0.0, late_every=0):
 
 
 @pytest.mark.parametrize("late_every", [0, 3])
-def test_pipelined_tokens_equal_sync_on_every_sampling_path(late_every):
+@pytest.mark.parametrize("feed_ids", [False, True])
+def test_pipelined_tokens_equal_sync_on_every_sampling_path(late_every, feed_ids):
     reqs = requests(PARAMS)
     ref = run_sync(reqs)
-    got, runner = run_pipelined(reqs, delay=0.002, late_every=late_every)
+    got, runner = run_pipelined(reqs, delay=0.002, late_every=late_every, feed_ids=feed_ids)
     assert got == ref
+    if not feed_ids:
+        assert runner.num_fed == 0
     assert all(len(ref[rid][0]) == p.max_tokens or ref[rid][0][-1] == 0 for rid, _, p in reqs)
     assert len(runner.threads) == 1 and threading.get_ident() not in runner.threads
+
+
+@pytest.mark.parametrize("late_every", [0, 4])
+def test_device_fed_decode_steps_equal_sync(late_every):
+    """Plain steps (greedy, seeded, top-k/top-p): the chain launches each decode forward on the
+    previous step's sampled tokens through a TokenSource, before reading them on the host."""
+    reqs = requests([SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+                     SamplingParams(temperature=0.9, seed=3, max_tokens=9, ignore_eos=True),
+                     SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=4, max_tokens=11, ignore_eos=True)] * 2)
+    ref = run_sync(reqs)
+    got, runner = run_pipelined(reqs, delay=0.002, late_every=late_every, feed_ids=True)
+    assert got == ref
+    assert runner.num_fed >= (5 if not late_every else 2), runner.num_fed
 
 
 def test_plain_greedy_batch_uses_resolved_rows_and_matches_sync():
