@@ -7,7 +7,10 @@ Both run the same random weights and prompts in one process, bf16, greedy:
 - the tiny bench model (tests/bench/bench_model.py's shape) at batch 1;
 - the V4-Flash-shaped slice (tests/bench/gpu_slice.py, 8.1B parameters) at batch 1/16/64 with
   prompts of 1024/1024/512 tokens and 64/64/32 new tokens: tokens/s = batch * new tokens / time
-  of the whole generate (prefill included), as issue 26 measured; decode-only tokens/s beside;
+  of the whole generate (prefill included), as issue 26 measured; decode-only tokens/s beside.
+  "ours" is the model runner driven by a loop that feeds each decode step the previous step's
+  ids on the device (gpu_slice.our_generate); ``engine_*`` the same generate through the
+  serving engine (EngineCore + the pipelined step loop), with device-fed ids and without;
 - the batch-1 roofline: measured copy bandwidth over the weight bytes a decode step must read
   (embedding: one row; experts: the 6 routed + shared ones), and ours against it;
 - an 8,192-token prefill of both, with ours as a fraction of the measured bf16 matrix rate;
@@ -71,6 +74,10 @@ def _runner(ref, num_blocks: int, num_slots: int):
 def _prompts(vocab: int, batch: int, length: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(batch)]
+
+
+def _secs(run) -> float:
+    return run.seconds
 
 
 def _same(a: list[list[int]], b: list[list[int]]) -> float:
@@ -149,7 +156,8 @@ def tiny_part(report: Report, new_tokens: int) -> None:
 
 
 def slice_part(report: Report, args, copy_gbps: float, mm_tflops: float, profile_dir: Path | None) -> None:
-    from deepinfer_bench.gpu_slice import flash_slice, floors, hf_generate, hf_prefill, our_generate, our_prefill
+    from deepinfer_bench.gpu_slice import (engine_generate, flash_slice, floors, hf_generate, hf_prefill, our_generate,
+                                           our_prefill)
 
     batches = [int(b) for b in args.batch_sizes.split(",")]
     lengths = [int(n) for n in args.prompt_lens.split(",")]
@@ -195,6 +203,17 @@ def slice_part(report: Report, args, copy_gbps: float, mm_tflops: float, profile
             report.figure(f"ours_eager_tok_s_b{b}", b * new / eager.seconds)
             report.figure(f"graphs_vs_eager_b{b}", eager.seconds / ours.seconds)
             report.figure(f"graph_replays_b{b}", after.replays - before.replays)
+        if not args.skip_engine:  # the serving engine's step loop on the same runner, ids fed or read
+            for feed in (True, False):
+                engine_generate(runner, prompts, new, feed_ids=feed)  # (its own warm-up: scheduler state)
+            fed_run = min((engine_generate(runner, prompts, new, feed_ids=True) for _ in range(2)), key=_secs)
+            host_run = min((engine_generate(runner, prompts, new, feed_ids=False) for _ in range(2)), key=_secs)
+            row.update(engine_tok_s=b * new / fed_run.seconds, engine_same=_same(fed_run.tokens, ours.tokens))
+            report.figure(f"engine_tok_s_b{b}", b * new / fed_run.seconds)
+            report.figure(f"engine_decode_tok_s_b{b}", b * (new - 1) / fed_run.decode_seconds)
+            report.figure(f"engine_host_ids_tok_s_b{b}", b * new / host_run.seconds)
+            report.figure(f"engine_fed_vs_host_ids_b{b}", host_run.seconds / fed_run.seconds)
+            report.figure(f"engine_same_as_runner_b{b}", _same(fed_run.tokens, ours.tokens))
         report.figure(f"ours_tok_s_b{b}", b * new / ours.seconds)
         report.figure(f"ours_decode_tok_s_b{b}", b * (new - 1) / ours.decode_seconds)
         if not args.skip_hf:
@@ -247,6 +266,8 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-len", type=int, default=8192)
     p.add_argument("--tiny-new-tokens", type=int, default=64)
     p.add_argument("--skip-hf", action="store_true", help="ours only (no transformers runs)")
+    p.add_argument("--skip-engine", action="store_true",
+                   help="no runs through the engine's step loop (EngineCore + pipelined device thread)")
     p.add_argument("--kernels", action="store_true", help="also the kernel microbenchmarks")
     p.add_argument("--parts", default="tiny,slice", help="comma-separated: tiny, slice")
     p.add_argument("--profile-dir", default=None, help="write per-kernel tables of profiled decode steps here")

@@ -195,6 +195,49 @@ def our_generate(runner, prompts: list[list[int]], new_tokens: int, blocks_per_s
     return Generated(t2 - t0, t2 - t1, tokens)
 
 
+def engine_generate(runner, prompts: list[list[int]], new_tokens: int, *, feed_ids: bool) -> Generated:
+    """The same greedy generate through the engine (EngineCore: scheduler, sampler, commit; the
+    pipelined step loop with its device thread), ``feed_ids`` on or off (device_chain.py).
+    ``decode_seconds``: from the first output on. Prefix caching off (no hits between runs)."""
+    import asyncio
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    from deepinfer.engine.api.sampling_params import SamplingParams
+    from deepinfer.engine.core.engine_core import EngineCore, EngineCoreConfig
+    from deepinfer.engine.core.step_loop import AsyncStepPipeline
+    from deepinfer.engine.sched.scheduler import SchedulerConfig
+
+    bs = runner.block_size
+    sched = SchedulerConfig(block_size=bs, max_num_seqs=runner.num_slots, max_num_batched_tokens=32768,
+                            max_model_len=runner.blocks.num_blocks * bs // max(1, len(prompts)),
+                            enable_prefix_caching=False, model_id="gpu-slice")  # fmt: skip
+    cfg = EngineCoreConfig(sched, num_blocks=runner.blocks.num_blocks, vocab_size=runner.config.vocab_size,
+                           device=runner.device.type)  # fmt: skip
+    core = EngineCore(runner, cfg, seed_rng=random.Random(0))
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+
+    async def drive(pipe) -> float | None:
+        first = None
+        while pipe.has_work():
+            for out in await pipe.step():
+                first = first or time.perf_counter()
+                tokens[out.request_id].extend(out.outputs[0].token_ids if out.outputs else ())
+        return first
+
+    with ThreadPoolExecutor(1) as ex:
+        pipe = AsyncStepPipeline(core, ex, feed_ids=feed_ids)
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for i, p in enumerate(prompts):
+            core.add_request(f"r{i}", p, params)
+        first = asyncio.run(drive(pipe))
+        t2 = time.perf_counter()
+    return Generated(t2 - t0, t2 - (first or t0), [tokens[f"r{i}"] for i in range(len(prompts))])
+
+
 def our_prefill(runner, prompt: list[int], blocks_per_seq: int) -> float:
     torch.cuda.synchronize()
     t0 = time.perf_counter()
