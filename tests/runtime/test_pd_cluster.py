@@ -262,12 +262,20 @@ def test_prefill_frees_kv_held_for_a_dead_decode_within_5s(cluster, model_dir):
         pid = pd.supervisor.pid("decode-1")
         os.kill(pid, signal.SIGSTOP)
         tasks = await _run_all(pd, reqs)
-        held_at = None
-        for _ in range(100):  # up to ~3 s for a handoff to decode-1 to be stuck at a prefill
+        # Up to ~6 s for a handoff to be stuck at a prefill: held in every poll for 1 s. A handoff
+        # to the live decode-0 is held only for its transfer (milliseconds), so one held poll alone
+        # does not show that KV is held for the frozen engine.
+        held_at = held_since = None
+        t0 = time.monotonic()
+        while held_at is None and time.monotonic() - t0 < 6:
             sts = await asyncio.gather(_status(pd, "prefill-0"), _status(pd, "prefill-1"))
-            if any(s.num_held_handoffs for s in sts):
-                held_at = time.monotonic()
-                break
+            now = time.monotonic()
+            if not any(s.num_held_handoffs for s in sts):
+                held_since = None
+            elif held_since is None:
+                held_since = now
+            elif now - held_since >= 1.0:
+                held_at = now
             await asyncio.sleep(0.03)
         await pd.supervisor.kill("decode-1", signal.SIGKILL)
         t_kill = time.monotonic()
