@@ -143,7 +143,9 @@ class StepArrays:
     tables: np.ndarray  # [S, max blocks] zero-padded block tables
     table_len: np.ndarray  # [S] max(1, table length)
     num_rows: int
-    window_cache: dict = field(default_factory=dict)  # (L, token index) -> window key sets
+    write_from: np.ndarray  # [S]
+    decode: bool  # every step has one token
+    window_cache: dict = field(default_factory=dict)  # per-forward memo of the plan builders
 
 
 def validate(batch: ForwardBatch, geo: Geometry, num_slots: int) -> None:
@@ -181,19 +183,26 @@ def build_context(batch: ForwardBatch, geo: Geometry, *, device: torch.device, b
     from deepinfer.engine.models.deepseek_v4.index_plans import compress_plan, rope_tables, window_plan
 
     steps = batch.steps
-    offsets = [0]
-    for s in steps:
-        offsets.append(offsets[-1] + s.num_tokens)
+    num_steps = len(steps)
+    lengths = np.fromiter((s.num_tokens for s in steps), dtype=np.int64, count=num_steps)
+    offsets = [0, *np.cumsum(lengths).tolist()]
     num_tokens = offsets[-1]
     num_rows = gemm_rows(num_tokens) if batch_invariant else num_tokens
-    max_blocks = max(1, max(len(s.block_table) for s in steps))
-    tables = np.zeros((len(steps), max_blocks), dtype=np.int64)
-    for i, s in enumerate(steps):
-        tables[i, : len(s.block_table)] = s.block_table
-    lengths = np.array([s.num_tokens for s in steps], dtype=np.int64)
-    starts = np.array([s.start_pos for s in steps], dtype=np.int64)
-    tok_step = np.repeat(np.arange(len(steps)), lengths)
-    positions = starts[tok_step] + (np.arange(num_tokens) - np.asarray(offsets[:-1])[tok_step])
+    table_lens = [len(s.block_table) for s in steps]
+    max_blocks = max(1, max(table_lens))
+    if all(n == max_blocks for n in table_lens):
+        tables = np.array([s.block_table for s in steps], dtype=np.int64).reshape(num_steps, max_blocks)
+    else:
+        tables = np.zeros((num_steps, max_blocks), dtype=np.int64)
+        for i, s in enumerate(steps):
+            tables[i, : len(s.block_table)] = s.block_table
+    starts = np.fromiter((s.start_pos for s in steps), dtype=np.int64, count=num_steps)
+    decode = num_tokens == num_steps
+    if decode:
+        tok_step, positions = np.arange(num_steps), starts
+    else:
+        tok_step = np.repeat(np.arange(num_steps), lengths)
+        positions = starts[tok_step] + (np.arange(num_tokens) - np.asarray(offsets[:-1])[tok_step])
     arrays = StepArrays(
         steps=steps,
         offsets=offsets,
@@ -201,15 +210,18 @@ def build_context(batch: ForwardBatch, geo: Geometry, *, device: torch.device, b
         tok_step=tok_step,
         starts=starts,
         lengths=lengths,
-        slots=np.array([s.slot for s in steps], dtype=np.int64),
-        window_floor=np.array([max(0, s.window_start) for s in steps], dtype=np.int64),
+        slots=np.fromiter((s.slot for s in steps), dtype=np.int64, count=num_steps),
+        window_floor=np.fromiter((max(0, s.window_start) for s in steps), dtype=np.int64, count=num_steps),
         tables=tables,
-        table_len=np.array([max(1, len(s.block_table)) for s in steps], dtype=np.int64),
+        table_len=np.maximum(np.array(table_lens, dtype=np.int64), 1),
         num_rows=num_rows,
+        write_from=np.fromiter((s.write_from for s in steps), dtype=np.int64, count=num_steps),
+        decode=decode,
     )
     pad = num_rows - num_tokens
-    token_ids = torch.tensor([t for s in steps for t in s.token_ids] + [0] * pad, dtype=torch.long)
-    row_positions = torch.from_numpy(np.concatenate([positions, np.zeros(pad, dtype=np.int64)]))
+    ids = [t for s in steps for t in s.token_ids]
+    token_ids = torch.tensor(ids + [0] * pad if pad else ids, dtype=torch.long)
+    row_positions = torch.from_numpy(np.concatenate([positions, np.zeros(pad, dtype=np.int64)]) if pad else positions.copy())
     logit_index = torch.tensor(
         [j for i, s in enumerate(steps) for j in range(offsets[i + 1] - s.num_logits, offsets[i + 1])], dtype=torch.long
     )

@@ -57,13 +57,38 @@ def _t(x: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(x))
 
 
-def _bias(valid: np.ndarray) -> torch.Tensor:
-    """[G, 1, N] float32: 0 where valid, -inf elsewhere."""
-    return _t(np.where(valid, np.float32(0), np.float32(NEG_INF))[:, None, :])
+def _prefix_rows(template: np.ndarray, count: np.ndarray) -> np.ndarray:
+    """Rows ``template[width - c : 2 * width - c]`` for each c of ``count`` (0 <= c <= width): c
+    entries of the template's first half then width - c of its second, one gather (``template``:
+    the [width + 1, width] sliding-window view of 2 * width entries)."""
+    return template[template.shape[1] - count]
+
+
+_TEMPLATES: dict = {}  # (first, second, width, dtype) -> read-only template view, shared by all forwards
+
+
+def _template(first, second, width: int, dtype) -> np.ndarray:
+    """The [width + 1, width] sliding-window view of ``width * [first] + width * [second]``."""
+    key = (first, second, width, dtype)
+    view = _TEMPLATES.get(key)
+    if view is None:
+        if len(_TEMPLATES) >= 1024:  # widths are buckets and window lengths: few, but stay bounded
+            _TEMPLATES.clear()
+        values = np.empty(2 * width, dtype=dtype)
+        values[:width], values[width:] = first, second
+        view = _TEMPLATES[key] = np.lib.stride_tricks.sliding_window_view(values, width)
+    return view
+
+
+def _prefix_templates(width: int) -> tuple[np.ndarray, np.ndarray]:
+    """(bool, float32) templates of ``_prefix_rows``: width True / 0 entries, then width False / -inf."""
+    return _template(True, False, width, bool), _template(0.0, NEG_INF, width, np.float32)
 
 
 def _ring_write(a: StepArrays, capacity: int) -> RingWrite:
     """Each step writes its last min(n, capacity) fresh rows to ring row position % capacity."""
+    if a.decode:  # one token per step: row start % capacity, source the step's own row
+        return RingWrite(rows=_t(a.slots * capacity + a.starts % capacity), src=_t(np.arange(len(a.starts))))
     ends = a.starts + a.lengths
     firsts = np.maximum(a.starts, ends - capacity)
     counts = ends - firsts
@@ -74,46 +99,96 @@ def _ring_write(a: StepArrays, capacity: int) -> RingWrite:
     return RingWrite(rows=_t(rows), src=_t(src))
 
 
+def _window_lengths(a: StepArrays, geo: Geometry) -> np.ndarray:
+    lengths = a.window_cache.get("lengths")
+    if lengths is None:
+        lengths = a.window_cache["lengths"] = window_lengths(a.positions, geo.sliding_window)
+    return lengths
+
+
 def _window_rows(a: StepArrays, geo: Geometry, index: np.ndarray | None, length: int):
     """Pool rows (flat, window rows then the sink row) and bias of ``index``'s window key sets
-    (``index`` None: all tokens). The same sets serve every layer kind: built once per forward."""
+    (``index`` None: all tokens). The same sets serve every layer kind: the sets of all tokens of
+    window length ``length`` are built once per forward and a group takes a view of its rows (a
+    copy where its tokens are not consecutive among them)."""
     key = (length, None if index is None else index.tobytes())
     cached = a.window_cache.get(key)
     if cached is None:
-        cached = a.window_cache[key] = _build_window_rows(a, geo, index, length)
+        members, rows, bias = _window_class(a, geo, length)
+        if index is None or (members is None and len(index) == len(a.positions)):
+            lo, hi = 0, len(rows)  # index None: every token has this length
+        else:
+            at = index if members is None else np.searchsorted(members, index)
+            lo, hi = int(at[0]), int(at[-1]) + 1
+            if hi - lo != len(at):
+                rows, bias, lo, hi = rows[at], bias[at], 0, len(at)
+        cached = a.window_cache[key] = (torch.from_numpy(rows[lo:hi].reshape(-1)), torch.from_numpy(bias[lo:hi]))
+    return cached
+
+
+def _window_class(a: StepArrays, geo: Geometry, length: int):
+    """(tokens of window length L in flat order or None for all, rows [N, L + 1], bias [N, 1, L + 1])."""
+    key = ("class", length)
+    cached = a.window_cache.get(key)
+    if cached is None:
+        lengths = _window_lengths(a, geo)
+        members = None if bool((lengths == length).all()) else np.flatnonzero(lengths == length)
+        cached = a.window_cache[key] = (members, *_build_window_rows(a, geo, members, length))
     return cached
 
 
 def _build_window_rows(a: StepArrays, geo: Geometry, index: np.ndarray | None, length: int):
+    """Row j < L of token t (step s, flat index i) holds key position p = t - (L - 1) + j: the
+    step's ring row ``s * (W - 1) + p - (start - (W - 1))`` below the step's start, else the fresh
+    row ``S * (W - 1) + i - (t - p)``; both are a per-token offset plus j. Valid: p >= window floor."""
     if index is None:
         index = np.arange(len(a.positions))
     w, num_steps = geo.sliding_window, len(a.steps)
-    t = a.positions[index][:, None]
-    step = a.tok_step[index][:, None]
+    t = a.positions[index]
+    step = a.tok_step[index]
     start = a.starts[step]
-    key_pos = t + np.arange(-(length - 1), 1)[None, :]  # [G, L]
-    ring_index = step * (w - 1) + (key_pos - (start - (w - 1)))
-    fresh_index = num_steps * (w - 1) + index[:, None] - (t - key_pos)
+    j = np.arange(length)
     rows = np.empty((len(index), length + 1), dtype=np.int64)
-    rows[:, :length] = np.where(key_pos < start, ring_index, fresh_index)
+    fresh = num_steps * (w - 1) + index - (length - 1)
+    np.add(fresh[:, None], j[None, :], out=rows[:, :length])
+    ring_split = start - t + (length - 1)  # rows j < ring_split are ring rows
+    sel = np.flatnonzero(ring_split > 0)
+    if len(sel):
+        if len(sel) == len(index):
+            sel = slice(None)  # every token (a decode): no gathers
+        ring = (step * (w - 1) + t - (length - 1) - (start - (w - 1)))[sel]
+        rows[sel, :length] = np.where(j[None, :] < ring_split[sel, None], ring[:, None] + j[None, :], rows[sel, :length])
     rows[:, length] = num_steps * (w - 1) + a.num_rows  # the pool's zero row: the sink
-    valid = np.ones((len(index), length + 1), dtype=bool)
-    valid[:, :length] = key_pos >= a.window_floor[step]
-    return _t(rows.reshape(-1)), _bias(valid)
+    masked = np.minimum(a.window_floor[step] - t + (length - 1), length)  # rows j < masked are masked
+    bias = np.zeros((len(index), 1, length + 1), dtype=np.float32)
+    sel = np.flatnonzero(masked > 0)
+    if len(sel):
+        bias[sel, 0, :] = _prefix_rows(_template(NEG_INF, 0.0, length + 1, np.float32), masked[sel])
+    return rows, bias
 
 
 def _grouped(a: StepArrays, geo: Geometry, lengths: np.ndarray, buckets: np.ndarray):
     """Yield (token index or None, L, B) for tokens of equal (L, B), in memory-bounded chunks."""
     num_tokens = len(a.positions)
     keys = lengths.astype(np.int64) * (1 << 32) + buckets
-    distinct = np.unique(keys)
-    for key in distinct.tolist():
+    if num_tokens == 1 or bool((keys == keys[0]).all()):
+        distinct, order, bounds = keys[:1], None, None
+    else:
+        order = np.argsort(keys, kind="stable")  # tokens of each key in flat order
+        sorted_keys = keys[order]
+        bounds = np.flatnonzero(sorted_keys[1:] != sorted_keys[:-1]) + 1
+        distinct = sorted_keys[np.concatenate([[0], bounds])]
+        bounds = [0, *bounds.tolist(), num_tokens]
+    for k, key in enumerate(distinct.tolist()):
         length, bucket = key >> 32, key & ((1 << 32) - 1)
         max_rows = max(1, geo.max_group_key_rows // (length + 1 + bucket))
-        if len(distinct) == 1 and num_tokens <= max_rows:
-            yield None, length, bucket
-            continue
-        index = np.flatnonzero(keys == key)
+        if order is None:
+            if num_tokens <= max_rows:
+                yield None, length, bucket
+                continue
+            index = np.arange(num_tokens)
+        else:
+            index = order[bounds[k] : bounds[k + 1]]
         for lo in range(0, len(index), max_rows):
             yield index[lo : lo + max_rows], length, bucket
 
@@ -126,7 +201,7 @@ def window_plan(a: StepArrays, geo: Geometry) -> WindowPlan:
     w, cap = geo.sliding_window, geo.window_capacity
     back = np.arange(-(w - 1), 0)  # the W-1 positions before a step's first one
     ring_rows = (a.slots[:, None] * cap + (a.starts[:, None] + back[None, :]) % cap).reshape(-1)
-    lengths = window_lengths(a.positions, w)
+    lengths = _window_lengths(a, geo)
     groups = []
     for index, length, _ in _grouped(a, geo, lengths, np.zeros_like(lengths)):
         rows, bias = _window_rows(a, geo, index, length)
@@ -149,58 +224,88 @@ def compress_plan(kind: tuple[int, bool], a: StepArrays, geo: Geometry) -> Compr
     )
 
 
-def _compress_groups(ratio: int, a: StepArrays, geo: Geometry) -> list[TokenGroup]:
+def _candidate_rows(ratio: int, bucket: int, steps: np.ndarray, a: StepArrays, geo: Geometry) -> np.ndarray:
+    """[len(steps), B] block-cache rows of entries 0..B-1 of each step's table (logical blocks
+    clamped to the table's last)."""
+    w = np.arange(bucket)
     rows_per_block = geo.block_size // ratio
+    flat = np.minimum(((w * ratio) // geo.block_size)[None, :], a.table_len[steps][:, None] - 1)
+    flat += (steps * a.tables.shape[1])[:, None]
+    rows = np.take(a.tables.reshape(-1), flat)
+    rows *= rows_per_block
+    rows += (w % rows_per_block)[None, :]
+    return rows
+
+
+def _compress_groups(ratio: int, a: StepArrays, geo: Geometry) -> list[TokenGroup]:
+    """Candidates of a token depend on its step alone (its table) but for the valid prefix
+    w < (t + 1) // r: rows are one row per step broadcast over the group's tokens, valid and bias
+    gathered from prefix templates."""
     num_entries = (a.positions + 1) // ratio  # entries closed at or before each token
-    lengths = window_lengths(a.positions, geo.sliding_window)
+    lengths = _window_lengths(a, geo)
     groups = []
+    step_rows: dict = {}  # (B, step) -> [B] rows
     for index, length, bucket in _grouped(a, geo, lengths, _buckets(num_entries)):
         win_rows, win_bias = _window_rows(a, geo, index, length)
         if bucket == 0:
             groups.append(TokenGroup(_torch_index(index), length, win_rows, win_bias))
             continue
-        part = np.arange(len(a.positions)) if index is None else index
-        w = np.arange(bucket)
-        step = a.tok_step[part][:, None]
-        logical = np.minimum(((w * ratio) // geo.block_size)[None, :], a.table_len[step] - 1)
-        rows = a.tables[step, logical] * rows_per_block + (w % rows_per_block)[None, :]
-        valid = w[None, :] < num_entries[part][:, None]
-        groups.append(TokenGroup(_torch_index(index), length, win_rows, win_bias, bucket, _t(rows), _t(valid), _bias(valid)))
+        steps = a.tok_step if index is None else a.tok_step[index]
+        count = num_entries if index is None else num_entries[index]
+        rows = np.empty((len(steps), bucket), dtype=np.int64)
+        if steps[0] == steps[-1]:  # tokens are in step order: one step
+            s = int(steps[0])
+            row = step_rows.get((bucket, s))
+            if row is None:
+                row = step_rows[bucket, s] = _candidate_rows(ratio, bucket, steps[:1], a, geo)[0]
+            rows[...] = row
+        elif a.decode and len(steps) == len(a.steps):  # the one token of every step
+            rows = _candidate_rows(ratio, bucket, steps, a, geo)
+        else:
+            distinct, inverse = np.unique(steps, return_inverse=True)
+            np.take(_candidate_rows(ratio, bucket, distinct, a, geo), inverse.reshape(-1), axis=0, out=rows)
+        valid_t, bias_t = _prefix_templates(bucket)
+        count = np.minimum(count, bucket)
+        valid = _prefix_rows(valid_t, count)
+        bias = _prefix_rows(bias_t, count)[:, None, :]
+        groups.append(TokenGroup(_torch_index(index), length, win_rows, win_bias, bucket, torch.from_numpy(rows),
+                                 torch.from_numpy(valid), torch.from_numpy(bias)))
     return groups
 
 
 def _entry_plan(ratio: int, span: int, cap: int, a: StepArrays, geo: Geometry) -> EntryPlan | None:
-    # pass 1: which windows close in each step (not those starting below write_from)
-    closing = []
-    for i, s in enumerate(a.steps):
-        first = max(s.start_pos // ratio, -(-s.write_from // ratio))
-        last = s.end_pos // ratio  # exclusive: windows whose last source position is < end_pos
-        if last > first:
-            closing.append((i, s, first, last))
-    if not closing:
+    """Windows closing in each step (not those starting below its write_from), all steps at once:
+    entry w of closing step k (flat step i) reads source positions w * r - (span - r) + j, the
+    ring pool rows of step k below the step's start, else fresh rows."""
+    ends = a.starts + a.lengths
+    first = np.maximum(a.starts // ratio, -(-a.write_from // ratio))
+    last = ends // ratio  # exclusive: windows whose last source position is < end_pos
+    closing = np.flatnonzero(last > first)
+    if not len(closing):
         return None
     rows_per_block = geo.block_size // ratio
     num_ring = len(closing) * (span - 1)  # the pool's fresh rows start here
-    j = np.arange(span)
-    ring_rows, src_index, src_valid, entry_pos, dst_rows = [], [], [], [], []
-    for k, (i, s, first, last) in enumerate(closing):
-        w = np.arange(first, last)
-        ring_first = s.start_pos - (span - 1)
-        ring_rows.append(s.slot * cap + np.arange(ring_first, s.start_pos) % cap)
-        src_pos = w[:, None] * ratio - (span - ratio) + j[None, :]  # [E_i, span]
-        ring_idx = k * (span - 1) + (src_pos - ring_first)
-        fresh_idx = num_ring + a.offsets[i] + (src_pos - s.start_pos)
-        src_index.append(np.where(src_pos < s.start_pos, ring_idx, fresh_idx))
-        src_valid.append(src_pos >= max(0, s.window_start))
-        entry_pos.append(w * ratio)
-        table = np.asarray(list(s.block_table), dtype=np.int64)
-        dst_rows.append(table[(w * ratio) // geo.block_size] * rows_per_block + w % rows_per_block)
-    cos, sin = rope_tables(np.concatenate(entry_pos), geo.inv_freq["compress"])
+    counts = (last - first)[closing]
+    start = a.starts[closing]
+    ring_rows = a.slots[closing, None] * cap + (start[:, None] + np.arange(-(span - 1), 0)[None, :]) % cap
+    if len(closing) == 1:
+        k = np.zeros(int(counts[0]), dtype=np.int64)
+        w = first[closing[0]] + np.arange(int(counts[0]))
+    else:
+        k = np.repeat(np.arange(len(closing)), counts)
+        w = first[closing][k] + np.arange(len(k)) - (np.cumsum(counts) - counts)[k]
+    step = closing[k]
+    entry_pos = w * ratio
+    src_pos = (entry_pos - (span - ratio))[:, None] + np.arange(span)[None, :]  # [E, span]
+    start = start[k][:, None]
+    fresh = (num_ring + np.asarray(a.offsets[:-1])[step])[:, None] + (src_pos - start)
+    src_index = np.where(src_pos < start, (k * (span - 1))[:, None] + (src_pos - (start - (span - 1))), fresh)
+    cos, sin = rope_tables(entry_pos, geo.inv_freq["compress"])
     return EntryPlan(
-        ring_rows=_t(np.concatenate(ring_rows)),
-        src_index=_t(np.concatenate(src_index)),
-        src_valid=_t(np.concatenate(src_valid)),
+        ring_rows=_t(ring_rows.reshape(-1)),
+        src_index=_t(src_index),
+        src_valid=_t(src_pos >= a.window_floor[step][:, None]),
         cos=cos,
         sin=sin,
-        dst_rows=_t(np.concatenate(dst_rows)),
+        dst_rows=_t(a.tables[step, entry_pos // geo.block_size] * rows_per_block + w % rows_per_block),
     )
