@@ -7,10 +7,11 @@ placements driven by the same window and period (``deepinfer_bench.eplb.replay``
     baseline   DeepSeek's EPLB (``deepinfer_bench.eplb.baseline``): greedy packing of the window mean
     ours       ``deepinfer.engine.parallel.eplb.plan``: two replica-count rules and count moves,
                LPT (an expert's replicas on different GPUs) + swaps, swaps that balance each step
-               of the window and not only its mean, a layer kept when the new plan is no better;
+               of the window and not only its mean, then a smoothed (log-sum-exp) slowest GPU of
+               each step, a layer kept when the new plan is no better;
                and the schedule's drift trigger (``EplbConfig.drift_margin``): a plan comes early
                when the window's imbalance under the placement in service has grown by the
-               margin. The baseline keeps DeepSeek's fixed period; ``plans`` (baseline/ours)
+               margin (prefill 0.0075, decode 0.02). The baseline keeps DeepSeek's fixed period; ``plans`` (baseline/ours)
                counts the re-placements each made
 
     ours_least_loaded   ours' placements with the EP layer's least-loaded dispatch instead of

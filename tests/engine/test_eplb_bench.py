@@ -53,6 +53,7 @@ def write_trace(path, steps=300, layers=2, experts=16, seed=0):
     np.save(path, np.concatenate(list(trace.chunks())))
 
 
+@pytest.mark.timeout(120)
 def test_bench_replays_a_trace_file(tmp_path):
     path = tmp_path / "trace.npy"
     write_trace(path)
@@ -66,6 +67,7 @@ def test_bench_replays_a_trace_file(tmp_path):
     assert 1.0 <= data["file_ep4_ours"] < data["file_ep4_static"]
 
 
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("make, argv, message", [
     (None, ["--trace", "{dir}/missing.npy", "--gpus", "2", "--redundant-per-gpu", "1", "--window", "5", "--period", "9"],
      "cannot read"),

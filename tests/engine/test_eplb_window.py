@@ -15,6 +15,7 @@ from deepinfer.engine.parallel.eplb import (
 )
 
 
+@pytest.mark.timeout(120)
 def test_window_keeps_the_last_steps_in_order():
     rng = np.random.default_rng(0)
     steps = rng.integers(0, 50, (23, 2, 5)).astype(float)
@@ -27,6 +28,7 @@ def test_window_keeps_the_last_steps_in_order():
         np.testing.assert_allclose(window.total(), steps[first : t + 1].sum(axis=0))
 
 
+@pytest.mark.timeout(120)
 def test_window_total_stays_exact_over_many_steps():
     # the running total adds and subtracts; integer counts stay exact in float64
     rng = np.random.default_rng(1)
@@ -37,6 +39,7 @@ def test_window_total_stays_exact_over_many_steps():
     np.testing.assert_array_equal(window.total(), steps[-10:].sum(axis=0))
 
 
+@pytest.mark.timeout(120)
 def test_window_rejects_bad_counts():
     window = ExpertLoadWindow(2, 4, window=3)
     with pytest.raises(AssertionError, match="counts must be"):
@@ -57,11 +60,13 @@ def planned_steps(schedule, num_steps, imbalance_at=lambda n: 1.0):
     return due
 
 
+@pytest.mark.timeout(120)
 def test_schedule_plans_when_the_window_fills_then_every_period():
     assert planned_steps(ReplacementSchedule(window=100, period=1000), 3500) == [100, 1100, 2100, 3100]
     assert planned_steps(ReplacementSchedule(window=10, period=10), 40) == [10, 20, 30]
 
 
+@pytest.mark.timeout(120)
 def test_schedule_plans_early_when_the_load_drifts_from_the_placement():
     # the plan left 1.0; from step 2300 the window measures 1.05 under it: beyond the 0.02 margin
     drifting = lambda n: 1.05 if n >= 2300 else 1.01  # noqa: E731
@@ -75,12 +80,14 @@ def test_schedule_plans_early_when_the_load_drifts_from_the_placement():
         EplbConfig(num_gpus=2, redundant_per_gpu=0, window=1, period=1, drift_margin=-0.1).validate(4)
 
 
+@pytest.mark.timeout(120)
 def test_spec_settings():
     assert EplbConfig(num_gpus=4, **PREFILL).num_physical(256) == 256 + 16
     decode = EplbConfig(num_gpus=64, **DECODE)
     assert (decode.window, decode.period, decode.num_physical(256)) == (1000, 10000, 320)
 
 
+@pytest.mark.timeout(120)
 def test_rebalancer_plans_from_the_window_on_schedule():
     calls = []
 
@@ -103,6 +110,7 @@ def test_rebalancer_plans_from_the_window_on_schedule():
     np.testing.assert_array_equal(calls[1][2], results[2])
 
 
+@pytest.mark.timeout(120)
 def test_rebalancer_with_the_real_planner_balances_a_skewed_load():
     rng = np.random.default_rng(2)
     popularity = rng.zipf(1.5, 32).astype(float)
@@ -114,6 +122,7 @@ def test_rebalancer_with_the_real_planner_balances_a_skewed_load():
     assert balancer.num_plans == 1 and not (balancer.phy2log == static_placement(2, 32, 40, 4)).all()
 
 
+@pytest.mark.timeout(120)
 def test_rebalancer_rejects_settings_that_do_not_fit():
     with pytest.raises(ValueError, match="do not split evenly"):
         ExpertRebalancer(EplbConfig(num_gpus=3, redundant_per_gpu=1, window=1, period=1), 1, 8)

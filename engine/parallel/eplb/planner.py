@@ -11,7 +11,9 @@ Where it differs from DeepSeek's version (reimplemented as the baseline in tests
   widest spread (spares one per expert, heaviest first), and move one slot at a time while the
   packing stays more than COUNT_MOVE_GAP off the mean (``replicate.count_moves``);
 * packing is LPT with replicas of an expert on different GPUs, then swaps (``packing``);
-* given the window's per-step loads, swaps balance each step's slowest GPU, not only the mean;
+* given the window's per-step loads, swaps balance each step's slowest GPU, not only the mean,
+  then a smoothed slowest GPU (``packing.step_cost``), which is also what the count rules and the
+  kept layer are judged by;
 * a layer keeps the placement in service unless the new one is better on the same statistics.
 """
 
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from deepinfer.engine.parallel.eplb.packing import pack
+from deepinfer.engine.parallel.eplb.packing import STEP_TEMP, pack, step_cost
 from deepinfer.engine.parallel.eplb.placement import gpu_loads, gpu_share
 from deepinfer.engine.parallel.eplb.replicate import count_moves, replica_counts, spread_counts
 
@@ -105,7 +107,7 @@ def _layer_cost(load: np.ndarray, history: np.ndarray | None, phy2log: np.ndarra
     share = gpu_share(phy2log, load.shape[1], num_gpus)
     if history is None or history.shape[0] == 0:
         return float(gpu_loads(load, share).max())
-    return float(gpu_loads(history, share).max(axis=-1).mean())
+    return step_cost(gpu_loads(history, share)[:, 0], STEP_TEMP)
 
 
 def _place_in_node(w: np.ndarray, h: np.ndarray | None, num_gpus: int, slots_per_gpu: int):
@@ -150,12 +152,12 @@ def _place_in_node(w: np.ndarray, h: np.ndarray | None, num_gpus: int, slots_per
 
 def _cost(per_replica: np.ndarray, steps: np.ndarray | None, gpu_of: np.ndarray, num_gpus: int) -> float:
     """What packing minimised: the heaviest GPU of the mean, or with steps the mean over steps of
-    each step's heaviest GPU. per_replica: [R], steps: [T, R], gpu_of: [R]."""
+    each step's heaviest GPU, smoothed (``step_cost``). per_replica: [R], steps: [T, R], gpu_of: [R]."""
     if steps is None or steps.shape[0] == 0:
         return float(np.bincount(gpu_of, weights=per_replica, minlength=num_gpus).max())
     per_gpu = np.zeros((steps.shape[0], num_gpus))
     np.add.at(per_gpu.T, gpu_of, steps.T)
-    return float(per_gpu.max(axis=1).mean())
+    return step_cost(per_gpu, STEP_TEMP)
 
 
 def _bucket(history: np.ndarray) -> np.ndarray:
