@@ -1,7 +1,8 @@
 """Triton lightning-indexer scores (kernels/gpu_indexer.py) against torch_ref.index_scores: random
 token/head counts, head dims and candidate counts off the tiles (fewer candidates than one tile,
 none), valid masks from none to all (rows with no valid candidate), q as a strided slice as the
-model passes it, poisoned outputs; a token's scores do not depend on the call's other tokens."""
+model passes it, keys shared by every token (stride 0, as a prefill group passes them), poisoned
+outputs; a token's scores do not depend on the call's other tokens."""
 
 from __future__ import annotations
 
@@ -20,13 +21,15 @@ from deepinfer.kernels import gpu_indexer, gpu_routing  # noqa: E402 - Triton on
 pytestmark = cases.marks()
 
 
-def _case(num, heads, dim, width, valid_share, dtype, seed, strided=False):
+def _case(num, heads, dim, width, valid_share, dtype, seed, strided=False, shared=False):
     g = cases.gen(seed)
     if strided:  # the model's q is a column slice of a wider projection: rows of stride > H * Di
         q = cases.randn(num, heads * dim + 24, dtype=dtype, gen=g)[:, 24:].view(num, heads, dim)
     else:
         q = cases.randn(num, heads, dim, dtype=dtype, gen=g)
     keys = cases.randn(num, width, dim, dtype=dtype, gen=g)
+    if shared:  # a prefill group's tokens read one step's candidates: [1, B, Di] viewed as [G, B, Di]
+        keys = keys[:1].expand(num, -1, -1)
     weights = cases.randn(num, heads, gen=g, scale=heads**-0.5)
     valid = torch.rand(num, width, generator=g) < valid_share
     if num > 1:
@@ -44,13 +47,16 @@ def _check(got, q, weights, keys, valid, dtype):
 
 
 @settings(cases.examples(), max_examples=12)
-@example(num=3, heads=64, dim=128, width=130, valid_share=0.7, dtype=torch.bfloat16, strided=True, seed=1)
-@example(num=2, heads=5, dim=20, width=9, valid_share=0.0, dtype=torch.float32, strided=False, seed=2)
+@example(num=3, heads=64, dim=128, width=130, valid_share=0.7, dtype=torch.bfloat16, strided=True, seed=1, shared=False)
+@example(num=2, heads=5, dim=20, width=9, valid_share=0.0, dtype=torch.float32, strided=False, seed=2, shared=False)
+@example(num=37, heads=64, dim=128, width=130, valid_share=0.5, dtype=torch.bfloat16, strided=True, seed=3,
+         shared=True)
 @given(num=st.integers(1, 40), heads=st.integers(1, 70), dim=st.sampled_from([8, 20, 64, 100, 128]),
        width=st.integers(1, 200), valid_share=st.sampled_from([0.0, 0.5, 1.0]),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16]), strided=st.booleans(), seed=st.integers(0, 2**31))
-def test_index_scores(num, heads, dim, width, valid_share, dtype, strided, seed):
-    q, weights, keys, valid = _case(num, heads, dim, width, valid_share, dtype, seed, strided)
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), strided=st.booleans(), seed=st.integers(0, 2**31),
+       shared=st.booleans())
+def test_index_scores(num, heads, dim, width, valid_share, dtype, strided, seed, shared):
+    q, weights, keys, valid = _case(num, heads, dim, width, valid_share, dtype, seed, strided, shared)
     with cases.poisoned_allocations():
         got = gpu_indexer.index_scores(q, weights, keys, valid)
     _check(got, q, weights, keys, valid, dtype)

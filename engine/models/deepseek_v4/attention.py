@@ -119,8 +119,11 @@ class Attention(nn.Module):
                 # HCA, or an indexer that would keep every candidate: nothing to score (off the CPU
                 # only: there the order of the picks is part of the numbers)
                 return blocks.flat(layer, "compressed"), g.cand_rows, g.cand_bias
-            keys = blocks.flat(layer, "indexer_keys").index_select(0, g.cand_rows.reshape(-1))
-            keys = keys.view(-1, g.num_candidates, keys.shape[-1])
+            flat_keys = blocks.flat(layer, "indexer_keys")
+            if g.shared_rows:  # one step's candidates for every token: gathered once, viewed per token
+                keys = flat_keys.index_select(0, g.cand_rows[0]).unsqueeze(0).expand(g.cand_rows.shape[0], -1, -1)
+            else:
+                keys = flat_keys.index_select(0, g.cand_rows.reshape(-1)).view(-1, g.num_candidates, flat_keys.shape[-1])
             cand_rows, cand_bias = ix.select(pick(index_q), pick(index_w), keys, g, bi)
             return blocks.flat(layer, "compressed"), cand_rows, cand_bias
 

@@ -53,6 +53,30 @@ class TokenGroup:
     cand_rows: torch.Tensor | None = None  # [G, B] flat block-cache rows of entries 0..B-1
     cand_valid: torch.Tensor | None = None  # [G, B] bool: entry closed before the token
     cand_bias: torch.Tensor | None = None  # [G, 1, B] float32 0 / -inf
+    # compact form (``Geometry.compact_candidates``): cand_rows may be [1, B] (every token of the
+    # group reads the same step's table) and the per-token count of closed entries replaces
+    # cand_valid / cand_bias until ``expand_candidates`` builds them where the context lives
+    cand_count: torch.Tensor | None = None  # [G] int64, <= B
+
+    def expand_candidates(self) -> None:
+        """Build cand_valid / cand_bias from cand_count (on its device) and view cand_rows as
+        [G, B]; a no-op for a group in the full form. Rebuilt on every call, never kept from a
+        previous one: a CUDA graph captured after a warm-up forward of the same context must
+        contain these launches, so that a replay reads the counts packed for it."""
+        if self.cand_count is None:
+            return
+        count = self.cand_count
+        valid = torch.arange(self.num_candidates, device=count.device)[None, :] < count[:, None]
+        self.cand_valid = valid
+        self.cand_bias = torch.zeros(valid.shape, dtype=torch.float32, device=count.device).masked_fill_(
+            ~valid, float("-inf"))[:, None, :]
+        if self.cand_rows.shape[0] != count.shape[0]:
+            self.cand_rows = self.cand_rows.expand(count.shape[0], -1)
+
+    @property
+    def shared_rows(self) -> bool:
+        """Whether every token of the group reads the same candidate rows (one stored row)."""
+        return self.cand_rows is not None and self.cand_rows.shape[0] > 1 and self.cand_rows.stride(0) == 0
 
 
 @dataclass(slots=True)
@@ -126,6 +150,18 @@ class Geometry:
     compress_kinds: tuple[tuple[int, bool], ...]  # distinct (ratio, overlap) of compressed layers
     inv_freq: dict[str, torch.Tensor]  # "main", "compress"
     max_group_key_rows: int = 1 << 17  # bound on G * (L + 1 + B) key rows gathered at once
+    # TokenGroup's compact candidates (a model off the CPU): a prefill chunk's [G, B] rows, valid
+    # and bias (13 bytes a candidate, ~110 MB for 8K tokens at ratio 4) become [1, B] rows and [G]
+    # counts, expanded on the device
+    compact_candidates: bool = False
+
+
+def group_key_rows(device: torch.device) -> int:
+    """``Geometry.max_group_key_rows`` for a model on ``device``. Off the CPU the attention
+    kernel reads keys in place and only the indexer's keys are gathered (G * B rows of the
+    index head dim: 256 MB at bf16 x 128), so groups are 8x larger: an 8K-token prefill runs
+    about 8x fewer token groups (each a chain of small launches) per compressed layer."""
+    return 1 << 17 if device.type == "cpu" else 1 << 20
 
 
 @dataclass(slots=True)

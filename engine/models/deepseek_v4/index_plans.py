@@ -258,14 +258,21 @@ def _compress_groups(ratio: int, a: StepArrays, geo: Geometry) -> list[TokenGrou
             row = step_rows.get((bucket, s))
             if row is None:
                 row = step_rows[bucket, s] = _candidate_rows(ratio, bucket, steps[:1], a, geo)[0]
-            rows[...] = row
+            if geo.compact_candidates:
+                rows = row[None, :]
+            else:
+                rows[...] = row
         elif a.decode and len(steps) == len(a.steps):  # the one token of every step
             rows = _candidate_rows(ratio, bucket, steps, a, geo)
         else:
             distinct, inverse = np.unique(steps, return_inverse=True)
             np.take(_candidate_rows(ratio, bucket, distinct, a, geo), inverse.reshape(-1), axis=0, out=rows)
-        valid_t, bias_t = _prefix_templates(bucket)
         count = np.minimum(count, bucket)
+        if geo.compact_candidates:
+            groups.append(TokenGroup(_torch_index(index), length, win_rows, win_bias, bucket, _t(rows),
+                                     cand_count=_t(count.astype(np.int64))))
+            continue
+        valid_t, bias_t = _prefix_templates(bucket)
         valid = _prefix_rows(valid_t, count)
         bias = _prefix_rows(bias_t, count)[:, None, :]
         groups.append(TokenGroup(_torch_index(index), length, win_rows, win_bias, bucket, torch.from_numpy(rows),

@@ -19,7 +19,7 @@ from torch import nn
 
 from deepinfer.cache.block_cache import BlockCache, PagedSpec
 from deepinfer.cache.swa_state import RingSpec, SwaArena
-from deepinfer.engine.models.deepseek_v4.context import Geometry
+from deepinfer.engine.models.deepseek_v4.context import Geometry, group_key_rows
 from deepinfer.engine.models.deepseek_v4.layers import Norm, linear_holder
 from deepinfer.engine.models.deepseek_v4.mhc import HyperConnection
 from deepinfer.engine.models.deepseek_v4.rope import inv_freq
@@ -92,6 +92,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             vocab_size=c.vocab_size,
             compress_kinds=self.compress_kinds(),
             inv_freq={"main": self.main_inv_freq.cpu(), "compress": self.compress_inv_freq.cpu()},
+            max_group_key_rows=group_key_rows(self.embed_tokens.weight.device),
         )
         return V41Geometry(
             base=base,

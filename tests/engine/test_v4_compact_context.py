@@ -1,0 +1,109 @@
+"""Compact token-group candidates (``Geometry.compact_candidates``, a model off the CPU): the same
+forward as the full form. A prefill chunk's groups store one candidate row per group and a closed-entry
+count per token; ``TokenGroup.expand_candidates`` builds the [G, B] views, valid and bias."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deepinfer.engine.core.batch import ForwardBatch, SeqStep
+from deepinfer.engine.core.model_runner import ModelRunner
+from deepinfer.engine.models.deepseek_v4.context import build_context
+from deepinfer.engine.models.deepseek_v4.testing import CSA, HCA, SLIDING, hf_reference
+
+BLOCK = 16
+SLOTS = 4
+PER_SEQ = 40  # blocks of each sequence's table
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return hf_reference(seed=3, layer_types=[SLIDING, CSA, HCA, CSA], hc_mult=2)
+
+
+def _runner(ref, compact: bool, max_rows: int = 300) -> ModelRunner:
+    runner = ModelRunner(ref.config, ref.state_dict, num_blocks=SLOTS * PER_SEQ, num_slots=SLOTS, block_size=BLOCK,
+                         device="cpu", dtype=torch.float32, cuda_graphs=False)  # fmt: skip
+    runner.geometry = dataclasses.replace(runner.geometry, compact_candidates=compact, max_group_key_rows=max_rows)
+    return runner
+
+
+def _batch(rng: random.Random, decode: bool) -> ForwardBatch:
+    steps = []
+    for i in range(rng.randrange(1, SLOTS + 1)):
+        start = rng.choice([0, rng.randrange(0, 60), rng.randrange(0, 500)])
+        n = 1 if decode else rng.choice([1, rng.randrange(1, 30), rng.randrange(1, 120)])
+        table = [rng.randrange(SLOTS * PER_SEQ) for _ in range(-(-(start + n) // BLOCK) + rng.randrange(3))]
+        steps.append(SeqStep(i, i, table, start, [rng.randrange(100) for _ in range(n)], num_logits=1,
+                             write_from=0 if rng.random() < 0.8 else rng.randrange(start + 1)))  # fmt: skip
+    return ForwardBatch(steps)
+
+
+@pytest.mark.timeout(300)
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), decode=st.booleans(), max_rows=st.sampled_from([200, 1000, 1 << 17]))
+def test_expanded_compact_groups_equal_the_full_form(ref, seed, decode, max_rows):
+    geo = _runner(ref, False, max_rows).geometry
+    batch = _batch(random.Random(seed), decode)
+    full = build_context(batch, geo, device=torch.device("cpu"), batch_invariant=False)
+    compact = build_context(batch, dataclasses.replace(geo, compact_candidates=True), device=torch.device("cpu"),
+                            batch_invariant=False)  # fmt: skip
+    assert full.compress.keys() == compact.compress.keys()
+    for kind, plan in full.compress.items():
+        other = compact.compress[kind].groups
+        assert len(plan.groups) == len(other)
+        for g, c in zip(plan.groups, other):
+            assert (g.window_len, g.num_candidates) == (c.window_len, c.num_candidates)
+            if not g.num_candidates:
+                continue
+            assert c.cand_valid is None and c.cand_bias is None and c.cand_count is not None
+            stored = c.cand_rows.shape[0]
+            c.expand_candidates()
+            assert c.cand_rows.shape == g.cand_rows.shape
+            assert c.shared_rows == (stored == 1 < g.cand_rows.shape[0])
+            assert torch.equal(c.cand_rows, g.cand_rows)
+            assert torch.equal(c.cand_valid, g.cand_valid)
+            assert torch.equal(c.cand_bias, g.cand_bias)
+
+
+@pytest.mark.timeout(300)
+def test_forward_with_compact_candidates_equals_the_full_form(ref):
+    outs = {}
+    for compact in (False, True):
+        runner = _runner(ref, compact)
+        rng = random.Random(0)
+        pos = [0] * 3
+        logits = []
+        for it in range(6):  # three prefill chunks of mixed lengths, then decodes
+            steps = []
+            for i in range(3):
+                n = rng.randrange(1, 90) if it < 3 else 1
+                steps.append(SeqStep(i, i, list(range(i * PER_SEQ, (i + 1) * PER_SEQ)), pos[i],
+                                     [rng.randrange(100) for _ in range(n)], num_logits=1))  # fmt: skip
+                pos[i] += n
+            logits.append(runner.execute(ForwardBatch(steps)))
+        outs[compact] = torch.cat(logits)
+    torch.testing.assert_close(outs[True], outs[False], rtol=0, atol=0)
+
+
+@pytest.mark.timeout(60)
+def test_expand_candidates_reads_the_counts_on_every_call(ref):
+    """A graph replay runs the launches captured from the second forward of one context after the
+    counts were overwritten in place: expanding again must read them, not keep the first masks."""
+    geo = dataclasses.replace(_runner(ref, False).geometry, compact_candidates=True)
+    batch = ForwardBatch([SeqStep(0, 0, list(range(PER_SEQ)), 200, list(range(40)), num_logits=1)])
+    ctx = build_context(batch, geo, device=torch.device("cpu"), batch_invariant=False)
+    group = next(g for plan in ctx.compress.values() for g in plan.groups if g.num_candidates)
+    group.expand_candidates()
+    first = group.cand_valid.clone()
+    assert first.any()
+    group.cand_count.zero_()
+    group.expand_candidates()
+    assert not group.cand_valid.any() and torch.isneginf(group.cand_bias).all()
+    assert group.cand_rows.shape == first.shape
