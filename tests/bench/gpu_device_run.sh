@@ -2,6 +2,8 @@
 # One call on the GPU machine (run from the repo root): Triton kernel tests, `deepinfer bench gpu`,
 # then the model-level CUDA tests, each under its own time cap, logs and figures under $OUT.
 #   STAGES=kernels,bench,model  BENCH_ARGS="..."  MODEL_K="pytest -k expression"  bash tests/bench/gpu_device_run.sh
+# STAGES=eplb_steps: `deepinfer bench eplb --traces steps` on the machine's CPUs (a 2-rank gloo group,
+# step times around re-placements; the quiet cores of a lent machine, EPLB_CAP seconds, default 300).
 # Carry .whl (transformers 5.23, README of the device tool) when the image's transformers is older.
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -30,5 +32,9 @@ fi
 if [[ ",$STAGES," == *",model,"* ]]; then
   timeout "${MODEL_CAP:-120}" python3 -m pytest -q --maxfail=8 -m gpu ${MODEL_K:+-k "$MODEL_K"} \
     tests/kernels/test_gpu_model.py tests/engine/test_v4_device.py tests/engine/test_v4_cuda_parity.py 2>&1 | tee "$OUT/model_tests.log" | tail -25 || status=1
+fi
+if [[ ",$STAGES," == *",eplb_steps,"* ]]; then
+  timeout "${EPLB_CAP:-300}" python3 tests/bench/package_loader.py eplb --traces steps --json "$OUT/eplb_steps.json" \
+    2>&1 | tee "$OUT/eplb_steps.log" | tail -30 || status=1
 fi
 exit $status
