@@ -252,7 +252,6 @@ def _compress_groups(ratio: int, a: StepArrays, geo: Geometry) -> list[TokenGrou
             continue
         steps = a.tok_step if index is None else a.tok_step[index]
         count = num_entries if index is None else num_entries[index]
-        rows = np.empty((len(steps), bucket), dtype=np.int64)
         if steps[0] == steps[-1]:  # tokens are in step order: one step
             s = int(steps[0])
             row = step_rows.get((bucket, s))
@@ -261,16 +260,17 @@ def _compress_groups(ratio: int, a: StepArrays, geo: Geometry) -> list[TokenGrou
             if geo.compact_candidates:
                 rows = row[None, :]
             else:
+                rows = np.empty((len(steps), bucket), dtype=np.int64)
                 rows[...] = row
         elif a.decode and len(steps) == len(a.steps):  # the one token of every step
             rows = _candidate_rows(ratio, bucket, steps, a, geo)
         else:
             distinct, inverse = np.unique(steps, return_inverse=True)
-            np.take(_candidate_rows(ratio, bucket, distinct, a, geo), inverse.reshape(-1), axis=0, out=rows)
+            rows = np.take(_candidate_rows(ratio, bucket, distinct, a, geo), inverse.reshape(-1), axis=0)
         count = np.minimum(count, bucket)
         if geo.compact_candidates:
             groups.append(TokenGroup(_torch_index(index), length, win_rows, win_bias, bucket, _t(rows),
-                                     cand_count=_t(count.astype(np.int64))))
+                                     cand_count=_t(count)))
             continue
         valid_t, bias_t = _prefix_templates(bucket)
         valid = _prefix_rows(valid_t, count)

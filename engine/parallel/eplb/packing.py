@@ -43,8 +43,8 @@ MAX_SWAP_OUT = 32
 # EP4 replay (seeds 0 / 1 / 2): 1.0497 / 1.0530 / 1.0523 without step 4; with it (count rules and
 # the kept layer still judged by the exact max) 0.02: 1.0488 / 1.0507 / 1.0528, 0.03: 1.0484 /
 # 1.0505 / 1.0507, 0.04: 1.0487 / 1.0505 / 1.0519, 0.05: 1.0485 / 1.0502 / 1.0514. The planner
-# judges by this cost too (planner._cost, _layer_cost), and prefill re-places at a 0.01 drift margin
-# (schedule.PREFILL): 1.0482 / 1.0497 / 1.0500.
+# judges by this cost too (planner._cost, _layer_cost); with prefill's drift margin on top see
+# schedule.PREFILL_DRIFT_MARGIN.
 STEP_TEMP = 0.04
 # step 4 runs for prefill's EP sizes: decode's EP64 steps average thousands of sequences, and its
 # many small swaps there took a 4-layer plan from 4.8 s to 10.6 s on this 2-core machine
@@ -181,7 +181,8 @@ class _PackState:
         steps = np.zeros((history.shape[0], num_packs))
         for p in range(num_packs):
             steps[:, p] = history[:, self.pack_of == p].sum(axis=1)
-        tau = np.maximum(temp * steps.mean(axis=1), 1e-300)  # [T]
+        tau = np.maximum(temp * steps.mean(axis=1), 1e-300)  # [T]: swaps keep each step's mean
+        inv, tau32 = (1.0 / tau).astype(np.float32), tau.astype(np.float32)
         for _ in range(max_swaps):
             cur = step_cost(steps, temp)
             tol = TOLERANCE * cur
@@ -196,7 +197,6 @@ class _PackState:
                     weight = (e[:, a] / total)[:, None] * history[:, inside]
                     inside = inside[np.argsort(-weight.sum(axis=0), kind="stable")[:MAX_SWAP_OUT]]
                 b = self.pack_of[outside]
-                inv = (1.0 / tau).astype(np.float32)
                 x_in = history[:, inside].T.astype(np.float32)
                 x_out = history[:, outside].T.astype(np.float32)
                 moved = (x_in[:, None, :] - x_out[None, :, :]) * inv  # [S, m, T] in units of tau
@@ -205,21 +205,19 @@ class _PackState:
                 rest = (total[None, :] - e[:, a][None, :] - e[:, b].T).astype(np.float32)  # [m, T]
                 new = np.exp(np.minimum(la - moved, 60.0)) + np.exp(np.minimum(lb[None] + moved, 60.0))
                 new += np.maximum(rest, 0.0)[None]
-                score = (np.log(new) * tau.astype(np.float32)).mean(axis=-1)  # [S, m] minus mean c
+                score = (np.log(new) * tau32).mean(axis=-1)  # [S, m] minus mean c
                 k = np.unravel_index(int(np.argmin(score)), score.shape)
                 i, j = int(inside[k[0]]), int(outside[k[1]])
                 move = history[:, i] - history[:, j]
                 trial = steps.copy()
                 trial[:, a] -= move
                 trial[:, self.pack_of[j]] += move
-                value = step_cost(trial, temp)
-                if value < cur - tol and (best is None or value < best[0]):
-                    best = (value, i, j, trial)
-                if best is not None:
+                if step_cost(trial, temp) < cur - tol:
+                    best = (i, j, trial)
                     break
             if best is None:
                 return
-            _, i, j, steps = best
+            i, j, steps = best
             self.swap(i, j)
 
     def _best_step_swap(self, a, history, steps, peak, tol) -> tuple[int, int] | None:
