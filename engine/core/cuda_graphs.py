@@ -231,13 +231,18 @@ class GraphedForward:
         current.wait_stream(self._stream)
         result.record_stream(current)
         graph = torch.cuda.CUDAGraph()
+        rng = _default_generator(self.device)
+        rng_state = rng.clone_state()  # a failed capture leaves the generator's state in capture mode
         try:
             with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
                 output = self.forward(ctx)
         except RuntimeError as exc:  # an op that cannot be captured (e.g. it waits on the host)
+            rng.graphsafe_set_state(rng_state)
+            del graph
             self._failed.add(key)
             self.stats.failed += 1
-            log.warning("forward not captured as a CUDA graph, running it eagerly: %s", str(exc).splitlines()[0])
+            log.warning("forward not captured as a CUDA graph, running it eagerly: %s", str(exc).splitlines()[0],
+                        exc_info=log.isEnabledFor(logging.DEBUG))
             torch.cuda.synchronize(self.device)
             return result
         self._graphs[key] = _Graph(graph, buffer, output)
@@ -245,6 +250,11 @@ class GraphedForward:
         if len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)
         return result
+
+
+def _default_generator(device: torch.device) -> torch.Generator:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.default_generators[index]
 
 
 def _to_device(ctx, device: torch.device):

@@ -222,3 +222,51 @@ def test_graphed_decode_equals_eager_v41(tmp_path):
         if graphs:
             assert runner.graphs.stats.failed == 0 and runner.graphs.stats.replays >= 20, runner.graphs.stats
     assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
+
+
+@needs_cuda
+def test_failed_capture_runs_eagerly_and_leaves_the_generator_usable(ref):
+    from deepinfer.engine.core.cuda_graphs import GraphedForward
+
+    def forward(ctx):  # .item() waits on the host: it cannot be captured
+        x = ctx.token_ids.float() * 2
+        return x + x.sum().item()
+
+    geo = _runner(ref, "cpu", torch.float32, False).geometry
+    graphs = GraphedForward(forward, torch.device("cuda"))
+    for _ in range(3):  # first sighting eager, the second tries a capture (fails), the third runs eagerly
+        ctx = build_context(_decode_batch([3, 9], 400 // BLOCK + 1), geo, device=torch.device("cpu"),
+                            batch_invariant=False)  # fmt: skip
+        out, graphed = graphs.run(ctx, 2)
+        assert not graphed
+    assert graphs.stats.failed == 1 and graphs.stats.captures == 0, graphs.stats
+    ids = ctx.token_ids.float() * 2
+    assert torch.equal(out.cpu(), (ids + ids.sum()).cpu())
+    torch.nn.Embedding(8, 4, device="cuda")  # random init on the default generator: raised before the fix
+    assert torch.isfinite(torch.randn(16, device="cuda")).all()
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", ["hc1_hca8_window8", "hc3_csa2_wide"])
+@pytest.mark.parametrize("lengths,chunk", [((400,), 33), ((300, 263, 226, 189), 41)])
+def test_parity_configs_capture_chunked_prefill_and_decode(name, lengths, chunk):
+    """Prefill chunks small enough to be graphed, then decode steps: one long sequence, and four of
+    different lengths; every capture succeeds, and the logits are bitwise the eager ones."""
+    from deepinfer.engine.models.deepseek_v4.testing import PARITY_CONFIGS, SeqDriver
+
+    ref = hf_reference(seed=len(name), **PARITY_CONFIGS[name])
+    per = 440 // BLOCK + 1
+    rng = random.Random(4)
+    prompts = [[rng.randrange(ref.config.vocab_size) for _ in range(n)] for n in lengths]
+    runs = []
+    for graphs in (False, True):
+        runner = _runner(ref, "cuda", torch.float32, graphs, max_len=440)
+        driver = SeqDriver(runner, per)
+        for i, p in enumerate(prompts):
+            driver.add(i, p)
+        seqs = list(range(len(prompts)))
+        runs.append(driver.greedy(seqs, 24, driver.prefill(seqs, chunk=chunk, all_logits=False)))
+    stats = runner.graphs.stats
+    assert stats.failed == 0 and stats.captures >= 1 and stats.replays >= 8, stats
+    assert runs[0][0] == runs[1][0]
+    assert all(torch.equal(runs[0][1][i], runs[1][1][i]) for i in seqs)
