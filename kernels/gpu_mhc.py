@@ -1,13 +1,20 @@
 """mHC on NVIDIA GPUs (Triton): the block weights with Sinkhorn, the stream update, the head.
 
 torch_ref.hc_pre is ~150 kernels on a GPU, ~120 of them the Sinkhorn loop on a ``[T, N, N]``
-tensor (20 iterations x sum/add/divide twice); a V4 layer calls it twice. Here it is two launches:
+tensor (20 iterations x sum/add/divide twice); a V4 layer calls it twice. Here it is three launches:
 
     mixes     grid (token blocks, K chunks): partial ``flat @ fn.T`` and partial sums of squares
               over one chunk of the flattened streams (K = N * D) -> [S, T, MP], [S, T]
-    finish    grid (tokens, D blocks): sum the partials, RMS scale, sigmoids, softmax, Sinkhorn on
-              an N x N tile in registers, then the collapse ``sum_n pre_n * streams_n`` of one D
-              block (block 0 also stores post and comb)
+    finish    grid (tokens, D blocks): sum the partials, RMS scale, sigmoids, the softmax of the
+              comb logits, then the collapse ``sum_n pre_n * streams_n`` of one D block (block 0
+              also stores post and the softmaxed comb)
+    sinkhorn  grid (tokens,), one warp each: Sinkhorn-Knopp on the N x N comb in place
+
+The Sinkhorn has a kernel of its own because its 40 dependent reductions are latency, and they
+are cheap only on a plain 2-D tile in one warp. Measured on an H200 at one token (V4 widths, in a
+CUDA graph): inside the finish program (whose comb tile comes out of a 3-D partial-sum load)
+15.0 us with 4 warps, 11.7 with 8, 28.4 with 1; finish without it 4.3 us plus the 1-warp kernel
+3.4 us (7.7 us). One path at every batch size, so a token's comb does not depend on its batch.
 
 RMSNorm commutes with the linear map (``linear(x * r) = r * linear(x)``), so the norm is one
 scalar per token applied to the mixes. Float32 throughout, like the reference; divisions are
@@ -32,8 +39,8 @@ _BT = 64  # tokens per mixes program (tl.dot needs at least 16 rows)
 # both precisions (1.7-2.0e-6 at 8192 tokens, 5.7-8.1e-7 at 1024).
 _DOT_IEEE = False
 _BD = 512  # channels per finish / post program
-# Warps of a finish program. 4 (measured on an H200, hc_pre at one token: 48 us with 4, 129 us
-# with 2, 131 us with 1; the block-0 program's Sinkhorn iterations set the time).
+# Warps of a finish program (measured on an H200 at one token, without the Sinkhorn: 3.3 us with
+# 1 warp, 4.3 with 4; with more tokens the collapse of a 512-channel block wants the 4).
 _FINISH_WARPS = 4
 
 
@@ -68,7 +75,7 @@ def _mixes_kernel(x_ptr, fn_ptr, part_ptr, ss_ptr, T, K, M, CHUNK: tl.constexpr,
 @triton.jit
 def _finish_kernel(part_ptr, ss_ptr, x_ptr, scale_ptr, base_ptr, comb_base_ptr, post_ptr, comb_ptr, out_ptr,
                    T, S, K, D, comb_scale, norm_eps, hc_eps, N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr,
-                   SP: tl.constexpr, HEAD: tl.constexpr, ITERS: tl.constexpr, BD: tl.constexpr):
+                   SP: tl.constexpr, HEAD: tl.constexpr, BD: tl.constexpr):
     t, db = tl.program_id(0), tl.program_id(1)
     i = tl.arange(0, NP)
     lane = i < N
@@ -101,12 +108,7 @@ def _finish_kernel(part_ptr, ss_ptr, x_ptr, scale_ptr, base_ptr, comb_base_ptr, 
             logits = tl.where(grid2, logits, -1e30)  # finite: padding lanes must not make NaNs
             e = tl.exp(logits - tl.max(logits, 1)[:, None])
             c = tl.where(grid2, tl.math.div_rn(e, tl.sum(e, 1)[:, None]) + hc_eps, 0.0)
-            # Sinkhorn-Knopp: columns first, then ITERS - 1 rounds of rows and columns
-            c = tl.math.div_rn(c, tl.sum(c, 0)[None, :] + hc_eps)
-            for _ in tl.static_range(ITERS - 1):
-                c = tl.math.div_rn(c, tl.sum(c, 1)[:, None] + hc_eps)
-                c = tl.math.div_rn(c, tl.sum(c, 0)[None, :] + hc_eps)
-            tl.store(comb_ptr + t * N * N + i[:, None] * N + i[None, :], c, mask=grid2)
+            tl.store(comb_ptr + t * N * N + i[:, None] * N + i[None, :], c, mask=grid2)  # Sinkhorn: _sinkhorn_kernel
     d = db * BD + tl.arange(0, BD)
     x = tl.load(x_ptr + t.to(tl.int64) * K + i[:, None] * D + d[None, :], mask=lane[:, None] & (d[None, :] < D),
                 other=0.0).to(tl.float32)
@@ -200,9 +202,9 @@ def hc_pre(streams, fn, pre_post_scale, pre_post_base, comb_scale, comb_base, *,
     _finish_kernel[(t, triton.cdiv(d, _BD))](
         part, ss, x, pre_post_scale.float().contiguous(), pre_post_base.float().contiguous(),
         comb_base.float().contiguous(), post, comb, out, t, s, n * d, d, comb_scale, norm_eps, hc_eps, N=n,
-        NP=_lanes(n), MP=mp, SP=triton.next_power_of_2(s), HEAD=False, ITERS=max(1, sinkhorn_iters), BD=_BD,
-        num_warps=_FINISH_WARPS,
+        NP=_lanes(n), MP=mp, SP=triton.next_power_of_2(s), HEAD=False, BD=_BD, num_warps=_FINISH_WARPS,
     )  # fmt: skip
+    _sinkhorn_kernel[(t,)](comb, comb, float(hc_eps), N=n, NP=_lanes(n), ITERS=max(1, sinkhorn_iters), num_warps=1)
     return post, comb, out
 
 
@@ -216,7 +218,7 @@ def hc_head(streams, fn, base, scale, *, norm_eps: float, hc_eps: float, batch_i
     part, ss, s, mp = _mixes(x.view(t, n * d), fn.float().contiguous(), n)
     _finish_kernel[(t, triton.cdiv(d, _BD))](
         part, ss, x, scale.float().contiguous(), base.float().contiguous(), base, out, out, out, t, s, n * d, d,
-        1.0, norm_eps, hc_eps, N=n, NP=_lanes(n), MP=mp, SP=triton.next_power_of_2(s), HEAD=True, ITERS=1, BD=_BD,
+        1.0, norm_eps, hc_eps, N=n, NP=_lanes(n), MP=mp, SP=triton.next_power_of_2(s), HEAD=True, BD=_BD,
         num_warps=_FINISH_WARPS,
     )  # fmt: skip
     return out
