@@ -3,8 +3,12 @@
 Two rank processes over gloo (this file run as a script, one per rank) decode a V4 of the tiny
 model's shape (8 layers WWCHCHCH, 16 experts top-4, 2 redundant slots per rank) widened so that a
 step is compute, not scheduler noise: hidden ``hidden`` and expert width ``intermediate``
-(default 1024 / 512, ``seqs`` 64 sequences: about 0.14 s a step, 6 MB of weights per expert slot). Each
-rank is pinned to a core of its own (``pin``). A run decodes ``steps`` steps with a re-placement
+(default 1024 / 512, ``seqs`` 64 sequences: about 0.14 s a step, 6 MB of weights per expert slot). The
+prompts have staggered lengths (20 to 83 tokens), as a served batch has: with equal lengths every
+sequence would close its compressed entries at the same steps, and those steps would be the
+longest ones whether or not anything is re-placed. Each rank is pinned to a core of its own
+(``pin``), plus a second one for its background staging where the machine has 4 cores or more
+(a GPU rank stages through its copy engines, not its step's own SMs). A run decodes ``steps`` steps with a re-placement
 every ``period`` steps (window ``window``): rank 0 plans in its planner child, every rank stages
 the new slots in the background and the layers swap at step boundaries. Each re-placing run is
 followed, in the same processes, by a control run of the same workload with no re-placement
@@ -221,7 +225,8 @@ def _free_port() -> int:
 def _rank_main(spec: dict, rank: int) -> None:
     if spec["pin"] and hasattr(os, "sched_setaffinity"):
         cores = sorted(os.sched_getaffinity(0))
-        os.sched_setaffinity(0, {cores[rank % len(cores)]})  # threads and the planner child inherit it
+        per = 2 if len(cores) >= 2 * spec["world"] else 1  # the step's core, and one for the background
+        os.sched_setaffinity(0, {cores[(rank * per + k) % len(cores)] for k in range(per)})  # threads inherit it
     import torch
 
     sys.path.insert(0, str(HARNESS_DIR))
@@ -238,7 +243,8 @@ def _rank_main(spec: dict, rank: int) -> None:
                               moe_intermediate_size=spec["intermediate"])
     weights = init_weights(cfg, seed=3)
     steps = spec["steps"]
-    work = harness.workload(cfg.vocab_size, lengths=[20] * spec["seqs"], gens=[steps] * spec["seqs"])
+    work = harness.workload(cfg.vocab_size, lengths=[20 + i % 64 for i in range(spec["seqs"])],
+                            gens=[steps] * spec["seqs"])  # fmt: skip
     num_owned = len(work.owned(rank, spec["world"]))
     world = EpGroup.init(rank, spec["world"], f"tcp://127.0.0.1:{spec['port']}", timeout_s=120)
     records = {}
