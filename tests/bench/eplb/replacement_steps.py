@@ -8,7 +8,8 @@ prompts have staggered lengths (20 to 83 tokens), as a served batch has: with eq
 sequence would close its compressed entries at the same steps, and those steps would be the
 longest ones whether or not anything is re-placed. Each rank is pinned to a core of its own
 (``pin``), plus a second one for its background staging where the machine has 4 cores or more
-(a GPU rank stages through its copy engines, not its step's own SMs). A run decodes ``steps`` steps with a re-placement
+(a GPU rank stages through its copy engines, not its step's own SMs), each core on a physical
+core of its own where there are enough (``rank_cores``). A run decodes ``steps`` steps with a re-placement
 every ``period`` steps (window ``window``): rank 0 plans in its planner child, every rank stages
 the new slots in the background and the layers swap at step boundaries. Each re-placing run is
 followed, in the same processes, by a control run of the same workload with no re-placement
@@ -91,7 +92,7 @@ def measure(steps: int = 240, window: int = 20, period: int = 80, rounds: int = 
                 raise RuntimeError(f"EP rank {r} exited with {p.returncode}: {logs[r][-2000:]}")
         records = json.loads((Path(out) / "rank0.json").read_text())
     runs = [Run.of(records[f"steps{r}"], records[f"control{r}"]) for r in range(rounds)]
-    return figures(runs)
+    return {**figures(runs), "cores_per_rank": float(len(records.get("cores", ())))}
 
 
 class Run:
@@ -215,6 +216,36 @@ def figures(runs: list[Run]) -> dict[str, float]:
     return result
 
 
+def rank_cores(cores: list[int], siblings, world: int, rank: int) -> set[int]:
+    """The cores ``rank`` of ``world`` is pinned to (its threads and its planner child inherit
+    them): the step's own core, plus one for the background staging where every rank can have two.
+    Hyperthreads of one physical core share its execution units, so each core comes from a
+    physical core of its own while there are enough; ``siblings(c)`` is the set of cores sharing
+    ``c``'s physical core (``{c}`` where the machine says nothing)."""
+    physical: list[int] = []  # the first core of each physical core, in order
+    seen: set[int] = set()
+    for c in cores:
+        if c not in seen:
+            physical.append(c)
+            seen |= siblings(c) | {c}
+    pool = physical if len(physical) >= world else cores
+    per = 2 if len(pool) >= 2 * world else 1
+    return {pool[(rank * per + k) % len(pool)] for k in range(per)}
+
+
+def _siblings(core: int) -> set[int]:
+    """Cores sharing ``core``'s physical core (Linux sysfs: "0,8" or "0-1"); ``{core}`` elsewhere."""
+    try:
+        text = Path(f"/sys/devices/system/cpu/cpu{core}/topology/thread_siblings_list").read_text().strip()
+    except OSError:
+        return {core}
+    out: set[int] = set()
+    for part in text.split(","):
+        a, _, b = part.partition("-")
+        out.update(range(int(a), int(b or a) + 1))
+    return out or {core}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -224,9 +255,7 @@ def _free_port() -> int:
 # ---- one rank (this file as a script: python replacement_steps.py SPEC.json RANK) --------------------
 def _rank_main(spec: dict, rank: int) -> None:
     if spec["pin"] and hasattr(os, "sched_setaffinity"):
-        cores = sorted(os.sched_getaffinity(0))
-        per = 2 if len(cores) >= 2 * spec["world"] else 1  # the step's core, and one for the background
-        os.sched_setaffinity(0, {cores[(rank * per + k) % len(cores)] for k in range(per)})  # threads inherit it
+        os.sched_setaffinity(0, rank_cores(sorted(os.sched_getaffinity(0)), _siblings, spec["world"], rank))
     import torch
 
     sys.path.insert(0, str(HARNESS_DIR))
@@ -247,7 +276,7 @@ def _rank_main(spec: dict, rank: int) -> None:
                             gens=[steps] * spec["seqs"])  # fmt: skip
     num_owned = len(work.owned(rank, spec["world"]))
     world = EpGroup.init(rank, spec["world"], f"tcp://127.0.0.1:{spec['port']}", timeout_s=120)
-    records = {}
+    records: dict = {"cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []}
     try:
         for r in range(spec["rounds"]):
             for name, period in ((f"steps{r}", spec["period"]), (f"control{r}", 0)):

@@ -69,3 +69,22 @@ def test_a_step_overlapping_a_background_phase_is_counted_in_that_phase():
     assert abs(got["excess_max"] - 0.5) < 1e-9
     assert got["worst_step_in_pack"] == 1.0 and got["worst_step_in_copy"] == 0.0
     assert abs(got["worst_step_over_control_step"] - 1.5) < 1e-9
+
+
+def test_rank_cores_keep_hyperthread_siblings_apart():
+    load_bench_package()
+    from deepinfer_bench.eplb.replacement_steps import rank_cores
+
+    def smt(n):  # Linux numbering of an n-core, 2-thread machine: core c and c + n are siblings
+        return lambda c: {c % n, c % n + n}
+
+    cores = list(range(16))
+    got = [rank_cores(cores, smt(8), 2, r) for r in range(2)]
+    assert got == [{0, 1}, {2, 3}]
+    assert all(len({c % 8 for c in g}) == len(g) for g in got)  # no two threads of one physical core
+    adjacent = lambda c: {c - c % 2, c - c % 2 + 1}  # noqa: E731 - siblings numbered next to each other
+    assert [rank_cores(cores, adjacent, 2, r) for r in range(2)] == [{0, 2}, {4, 6}]
+    alone = lambda c: {c}  # noqa: E731
+    assert [rank_cores([0, 1], alone, 2, r) for r in range(2)] == [{0}, {1}]  # 2 cores: one each
+    assert [rank_cores([0, 1, 2], alone, 2, r) for r in range(2)] == [{0}, {1}]
+    assert [rank_cores([0, 1], adjacent, 2, r) for r in range(2)] == [{0}, {1}]  # too few physical cores
