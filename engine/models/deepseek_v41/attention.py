@@ -160,8 +160,12 @@ class V41Attention(Attention):
             compressed = blocks.flat(source, "compressed")
             if ix is None:
                 return (compressed, *shared.picks[(role.index_source, id(g))])
-            keys = blocks.flat(source, "indexer_keys").index_select(0, g.cand_rows.reshape(-1))
-            total = index_scores(pick(index_q), pick(index_w), keys.view(-1, g.num_candidates, ix.head_dim), g, bi)
+            flat_keys = blocks.flat(source, "indexer_keys")
+            if g.shared_rows:  # one stored candidate row for the group: gather once, view per token
+                keys = flat_keys.index_select(0, g.cand_rows[0]).unsqueeze(0).expand(g.cand_rows.shape[0], -1, -1)
+            else:
+                keys = flat_keys.index_select(0, g.cand_rows.reshape(-1)).view(-1, g.num_candidates, ix.head_dim)
+            total = index_scores(pick(index_q), pick(index_w), keys, g, bi)
             if role.uses_candidates:
                 total = total.masked_fill(~shared.candidates[id(g)], NEG_INF)
             if role.is_candidate_source:

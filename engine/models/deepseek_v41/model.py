@@ -93,6 +93,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             compress_kinds=self.compress_kinds(),
             inv_freq={"main": self.main_inv_freq.cpu(), "compress": self.compress_inv_freq.cpu()},
             max_group_key_rows=group_key_rows(self.embed_tokens.weight.device),
+            compact_candidates=self.embed_tokens.weight.device.type != "cpu",
         )
         return V41Geometry(
             base=base,
@@ -121,6 +122,10 @@ class DeepseekV41ForCausalLM(nn.Module):
     def forward(self, ctx: V41ForwardContext, blocks: BlockCache, swa: SwaArena) -> torch.Tensor:
         """Final hidden states ``[num_logits, hidden]`` of the rows in ``ctx.logit_index``."""
         c, bi = self.config, ctx.batch_invariant
+        for sub in (ctx, None if ctx.decoder is None else ctx.decoder.ctx):
+            for plan in () if sub is None else sub.compress.values():
+                for g in plan.groups:
+                    g.expand_candidates()  # compact candidates: valid / bias built on the device
         embedded = F.embedding(ctx.token_ids, self.embed_tokens.weight)
         if ctx.embeds is not None:  # image spans: the vision tower's rows replace the table's
             embedded = embedded.index_copy(0, ctx.embeds.rows, ctx.embeds.values.to(embedded.dtype))

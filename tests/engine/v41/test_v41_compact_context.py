@@ -1,0 +1,62 @@
+"""V4.1 with compact token-group candidates (``Geometry.compact_candidates``, what a model off the
+CPU builds): the same logits as the full form, through prefill chunks of mixed lengths (groups whose
+tokens share one candidate row, others with a row per token) and decodes, the candidate pool and
+the shared picks of the kv / index sources included."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from deepinfer.engine.core.batch import ForwardBatch, SeqStep
+from tests.conftest import load_test_helper
+
+harness = load_test_helper("engine/v41/v41_harness")
+PER_SEQ = 24  # blocks of 16 per sequence
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("v41") / "m"
+    harness.write_tiny_v41(path, seed=0, **harness.TEST_SIZES)
+    return path
+
+
+def _runner(model_dir, compact: bool, max_rows: int):
+    runner = harness.load_runner(model_dir, num_blocks=3 * PER_SEQ, num_slots=3, block_size=16)
+    base = dataclasses.replace(runner.geometry.base, compact_candidates=compact, max_group_key_rows=max_rows)
+    runner.geometry = dataclasses.replace(runner.geometry, base=base)
+    return runner
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("max_rows", [300, 1 << 17])
+def test_v41_forward_with_compact_candidates_equals_the_full_form(model_dir, max_rows):
+    outs, shared = {}, 0
+    for compact in (False, True):
+        runner = _runner(model_dir, compact, max_rows)
+        assert runner.geometry.base.compact_candidates is compact
+        rng = random.Random(1)
+        pos = [0] * 3
+        logits = []
+        for it in range(7):  # four prefill chunks of mixed lengths, then decodes
+            steps = []
+            for i in range(3):
+                n = rng.randrange(1, 100) if it < 4 else 1
+                steps.append(SeqStep(i, i, list(range(i * PER_SEQ, (i + 1) * PER_SEQ)), pos[i],
+                                     [rng.randrange(50, 400) for _ in range(n)], num_logits=1))  # fmt: skip
+                pos[i] += n
+            batch = ForwardBatch(steps)
+            if compact:
+                ctx = runner._build_context(batch, runner.geometry, device=torch.device("cpu"), batch_invariant=False)
+                for plan in ctx.compress.values():
+                    for g in plan.groups:
+                        g.expand_candidates()
+                        shared += g.shared_rows
+            logits.append(runner.execute(batch))
+        outs[compact] = torch.cat(logits)
+    assert shared > 0  # the shared-row path (one gather per group) ran
+    torch.testing.assert_close(outs[True], outs[False], rtol=0, atol=0)
