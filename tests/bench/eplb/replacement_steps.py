@@ -8,6 +8,7 @@ prompts have staggered lengths (20 to 83 tokens), as a served batch has: with eq
 sequence would close its compressed entries at the same steps, and those steps would be the
 longest ones whether or not anything is re-placed. Each rank is pinned to a core of its own
 (``pin``), plus a second one for its background staging where the machine has 4 cores or more
+and a third for the planner child where it has 6 or more
 (a GPU rank stages through its copy engines, not its step's own SMs), each core on a physical
 core of its own where there are enough (``rank_cores``). A run decodes ``steps`` steps with a re-placement
 every ``period`` steps (window ``window``): rank 0 plans in its planner child, every rank stages
@@ -218,7 +219,8 @@ def figures(runs: list[Run]) -> dict[str, float]:
 
 def rank_cores(cores: list[int], siblings, world: int, rank: int) -> set[int]:
     """The cores ``rank`` of ``world`` is pinned to (its threads and its planner child inherit
-    them): the step's own core, plus one for the background staging where every rank can have two.
+    them): the step's own core, plus one for the background staging where every rank can have two,
+    and one more for rank 0's planner child where every rank can have three.
     Hyperthreads of one physical core share its execution units, so each core comes from a
     physical core of its own while there are enough; ``siblings(c)`` is the set of cores sharing
     ``c``'s physical core (``{c}`` where the machine says nothing)."""
@@ -229,7 +231,7 @@ def rank_cores(cores: list[int], siblings, world: int, rank: int) -> set[int]:
             physical.append(c)
             seen |= siblings(c) | {c}
     pool = physical if len(physical) >= world else cores
-    per = 2 if len(pool) >= 2 * world else 1
+    per = 3 if len(pool) >= 3 * world else 2 if len(pool) >= 2 * world else 1
     return {pool[(rank * per + k) % len(pool)] for k in range(per)}
 
 
