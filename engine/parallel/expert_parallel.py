@@ -16,6 +16,7 @@ schedule starts in the background (``replacement.py``); layers staged on every r
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import numpy as np
@@ -42,10 +43,14 @@ class ExpertParallel:
         if num_logical % ep.size:
             raise ValueError(f"{num_logical} experts do not split evenly over {ep.size} EP ranks; "
                              "give an EP size that divides the expert count")
+        if settings.background_cpus and max(settings.background_cpus) >= (os.cpu_count() or 1):
+            # (the calling thread may itself be pinned elsewhere: the machine's CPUs are the bound)
+            raise ValueError(f"EP background_cpus {list(settings.background_cpus)}: this machine has CPUs "
+                             f"0 to {(os.cpu_count() or 1) - 1}")
         if planner is None:
             planner = plan
             if settings.plan_in_child and settings.period > 0 and ep.rank == 0:
-                planner = PlannerProcess(nice=settings.background_nice)
+                planner = PlannerProcess(nice=settings.background_nice, cpus=settings.background_cpus)
                 planner.start()
         self.ep, self.settings, self.planner = ep, settings, planner
         self.num_physical = num_logical + ep.size * settings.redundant_per_rank
@@ -116,7 +121,8 @@ class ExpertParallel:
         assert self.replacement is None, "a re-placement is already in flight"
         self.schedule.planned(self.window.num_steps, float("inf"))  # no drift check until it is in service
         self.replacement = Replacement(self.ep, self.layers, self.pool, self.planner, self.num_logical,
-                                       nice=self.settings.background_nice)
+                                       nice=self.settings.background_nice, duty=self.settings.background_duty,
+                                       cpus=self.settings.background_cpus)
         history = self.window.history() if self.settings.use_history else None
         self.replacement.start(self.window.total(), history, self.phy2log)
         self.num_replacements += 1

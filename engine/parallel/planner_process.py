@@ -28,8 +28,9 @@ class PlannerError(RuntimeError):
 
 
 class PlannerProcess:
-    def __init__(self, nice: int = 19):
+    def __init__(self, nice: int = 19, cpus: tuple[int, ...] = ()):
         self.nice = nice  # the child's priority: plans are background work
+        self.cpus = tuple(cpus)  # the CPUs the child runs on (empty: the parent's)
         self._proc: subprocess.Popen | None = None
         self._lock = threading.Lock()
 
@@ -59,7 +60,8 @@ class PlannerProcess:
     def _start(self) -> subprocess.Popen:
         if self._proc is None or self._proc.poll() is not None:
             self._proc = subprocess.Popen([sys.executable, "-m", "deepinfer.engine.parallel.planner_process",
-                                           str(self.nice)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                                           str(self.nice), ",".join(map(str, self.cpus))],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         return self._proc
 
     def close(self) -> None:
@@ -119,4 +121,6 @@ if __name__ == "__main__":
         os.nice(int(sys.argv[1]) if len(sys.argv) > 1 else 19)  # background work: the step loop comes first
     except (OSError, ValueError):
         pass
+    if len(sys.argv) > 2 and sys.argv[2] and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {int(c) for c in sys.argv[2].split(",")})  # checked by the parent's settings
     serve(sys.stdin.buffer, sys.stdout.buffer)

@@ -50,9 +50,9 @@ class Replacement:
     """One re-placement in flight (built by ``ExpertParallel`` when the schedule says so)."""
 
     def __init__(self, ep: EpGroup, layers: list, pool: SparePool, planner: Callable[..., np.ndarray],
-                 num_logical: int, nice: int = 19):
+                 num_logical: int, nice: int = 19, duty: float = 1.0, cpus: tuple[int, ...] = ()):
         self.ep, self.layers, self.pool, self.planner = ep, layers, pool, planner
-        self.num_logical, self.nice = num_logical, nice
+        self.num_logical, self.nice, self.duty, self.cpus = num_logical, nice, duty, tuple(cpus)
         self._lock = threading.Lock()
         self._staged: list[tuple[int, np.ndarray, tuple[torch.Tensor, torch.Tensor]]] = []
         self._num_changed: int | None = None
@@ -78,6 +78,7 @@ class Replacement:
     # ---- background ----------------------------------------------------------------------------
     def _run(self, total, history, current) -> None:
         _lower_priority(self.nice)  # on a shared CPU the step loop's threads come first
+        pin_thread(self.cpus)
         try:
             with torch.no_grad():
                 started = time.perf_counter()
@@ -125,10 +126,11 @@ class Replacement:
         started = time.perf_counter()
         gate_up, down = buffers
         for j in np.flatnonzero(sources.src_rank[me] == me).tolist():
+            piece = time.perf_counter()
             src = int(sources.src_slot[me, j])
             gate_up[j].copy_(slots.gate_up[src])
             down[j].copy_(slots.down[src])
-            time.sleep(0)  # let the step loop take the GIL
+            self._pace(piece)  # let the step loop take the GIL (and the memory bus)
         self.timeline.append(("copy", layer, started, time.perf_counter()))
         if ep.size > 1:
             started = time.perf_counter()
@@ -137,13 +139,21 @@ class Replacement:
             # the same count on every rank: the table is the same everywhere
             most = max(len(sources.sends(q, r)[0]) for q in range(ep.size) for r in range(ep.size) if q != r)
             for first in range(0, most, CHUNK_SLOTS):
+                piece = time.perf_counter()
                 part = slice(first, first + CHUNK_SLOTS)
                 self._exchange(slots, gate_up, down, [s[part] for s, _ in sends], [d[part] for _, d in recvs])
-                time.sleep(0)
+                self._pace(piece)
             self.timeline.append(("send", layer, started, time.perf_counter()))
         started = time.perf_counter()
         prepare(gate_up, down)
         self.timeline.append(("pack", layer, started, time.perf_counter()))
+        self._pace(started)
+
+    def _pace(self, started: float) -> None:
+        """After a piece of background work that began at ``started``: pause so the thread works
+        ``duty`` of the wall time (always yield the GIL once)."""
+        busy = time.perf_counter() - started
+        time.sleep(busy * (1.0 / self.duty - 1.0) if self.duty < 1.0 else 0.0)
 
     def _exchange(self, slots, gate_up, down, out_slots: list[np.ndarray], in_slots: list[np.ndarray]) -> None:
         """One side all-to-all: ``out_slots[r]`` (local old slots) go to rank r, rank q's rows land
@@ -221,6 +231,16 @@ def _lower_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
     except (AttributeError, OSError):
         pass
+
+
+def pin_thread(cpus: tuple[int, ...]) -> None:
+    """Run the calling thread on ``cpus`` (Linux affinity is per thread); empty: unchanged."""
+    if not cpus or not hasattr(os, "sched_setaffinity"):
+        return
+    try:
+        os.sched_setaffinity(0, set(cpus))
+    except OSError as exc:
+        raise ValueError(f"EP background_cpus {sorted(cpus)}: the staging thread cannot run there ({exc})") from exc
 
 
 def _bucket(history: np.ndarray) -> np.ndarray:

@@ -33,6 +33,14 @@ class EpSettings:
     # nice value of the staging thread and the planner child: on a shared CPU the step loop first
     # (19: they run on what the loop leaves idle; 0: as fast as the loop)
     background_nice: int = 19
+    # the share of wall time the staging thread works: after each piece (a slot's copy, one
+    # all-to-all, a layer's packing) of t seconds it pauses t * (1 / duty - 1). Staging then
+    # takes 1 / duty times longer, and a step never overlaps more than that share of it (on a
+    # CPU the copies compete with the step for memory bandwidth even on a core of their own)
+    background_duty: float = 1.0
+    # CPUs the staging thread and the planner child run on (Linux affinity; empty: inherited),
+    # e.g. cores the step loop's thread is not pinned to
+    background_cpus: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("window", "spare_buffers", "sample_every", "rule_period"):
@@ -43,6 +51,12 @@ class EpSettings:
                 raise EpSettingsError(f"EP {name} must be an integer >= 0, got {getattr(self, name)!r}")
         if not (isinstance(self.background_nice, int) and 0 <= self.background_nice <= 19):
             raise EpSettingsError(f"EP background_nice must be an integer from 0 to 19, got {self.background_nice!r}")
+        if not (isinstance(self.background_duty, (int, float)) and 0 < self.background_duty <= 1):
+            raise EpSettingsError(f"EP background_duty must be in (0, 1], got {self.background_duty!r}")
+        if not (isinstance(self.background_cpus, (tuple, list)) and
+                all(isinstance(c, int) and c >= 0 for c in self.background_cpus)):
+            raise EpSettingsError(f"EP background_cpus must be CPU numbers >= 0, got {self.background_cpus!r}")
+        object.__setattr__(self, "background_cpus", tuple(self.background_cpus))  # a JSON list arrives as a list
         if not self.drift_margin >= 0:
             raise EpSettingsError(f"EP drift_margin must be >= 0, got {self.drift_margin!r}")
         if self.replica_rule not in REPLICA_RULES:

@@ -67,6 +67,8 @@ from deepinfer_bench.eplb.replay import replay
 from deepinfer_bench.eplb.synthetic import SyntheticTrace, decode_config, prefill_config
 from deepinfer_bench.report import Report, base_parser
 
+STEPS_DUTY = 0.25  # --traces steps: the staging thread's share of wall time (EpSettings.background_duty)
+
 POLICIES = {"static": None, "baseline": deepseek_plan, "ours": plan}
 MAX_DISPATCH_GPUS = 8  # the least-loaded dispatch is replayed in Python, step by step: prefill sizes only
 TINY_PREFILL = dict(redundant_per_gpu=4, window=50, period=500)
@@ -101,6 +103,12 @@ def build_parser():
         ("--seed", 0, "trace seed"),
     ):
         p.add_argument(flag, type=int, default=default, help=f"{text} (default %(default)s)")
+    p.add_argument("--steps-duty", type=float, default=STEPS_DUTY,
+                   help="steps: share of wall time the staging thread works (EpSettings.background_duty; "
+                        "default %(default)s)")
+    p.add_argument("--steps-default-gc", action="store_true",
+                   help="steps: leave the cyclic GC as it is (default: the model frozen out of it, "
+                        "tune_interpreter(freeze_gc=True))")
     p.add_argument("--trace", metavar="PATH.npy", default=None, help="replay this [steps, layers, experts] array")
     p.add_argument("--gpus", type=int, default=None, help="--trace: EP size")
     p.add_argument("--redundant-per-gpu", type=int, default=None, help="--trace: spare expert slots per GPU")
@@ -178,7 +186,10 @@ def _measure_steps(report: Report, args) -> None:
     """``--traces steps``: step times around re-placements in a real 2-rank EP group."""
     from deepinfer_bench.eplb.replacement_steps import measure
 
-    for name, value in measure(steps=args.steps_decode, rounds=args.steps_rounds).items():
+    if not 0 < args.steps_duty <= 1:
+        raise BenchError(f"--steps-duty {args.steps_duty}: give a share in (0, 1]")
+    for name, value in measure(steps=args.steps_decode, rounds=args.steps_rounds, duty=args.steps_duty,
+                               freeze_gc=not args.steps_default_gc).items():
         report.figure(f"steps_{name}", value)
 
 

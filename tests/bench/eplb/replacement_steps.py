@@ -10,7 +10,9 @@ longest ones whether or not anything is re-placed. Each rank is pinned to a core
 (``pin``), plus a second one for its background staging where the machine has 4 cores or more
 and a third for the planner child where it has 6 or more
 (a GPU rank stages through its copy engines, not its step's own SMs), each core on a physical
-core of its own where there are enough (``rank_cores``). A run decodes ``steps`` steps with a re-placement
+core of its own where there are enough (``rank_cores``): the step loop's thread on the first, the
+staging thread and the planner child on the others (``EpSettings.background_cpus``), the staging
+working ``duty`` of the wall time (``EpSettings.background_duty``). A run decodes ``steps`` steps with a re-placement
 every ``period`` steps (window ``window``): rank 0 plans in its planner child, every rank stages
 the new slots in the background and the layers swap at step boundaries. Each re-placing run is
 followed, in the same processes, by a control run of the same workload with no re-placement
@@ -35,7 +37,12 @@ the boundary's agreement and swaps included):
     <phase>_step_mean_over_control
                               mean step of the steps that overlapped the background's ``phase``
                               (plan, copy, send, pack: replacement.Replacement.timeline) over the
-                              control's mean step
+                              control's mean step; ``..._same_steps``: over the control's mean of
+                              the same steps (the workload's own slow steps cancel)
+    gc_step_ms_max            the most cyclic-GC time inside one step (gc.callbacks), any run;
+                              with ``freeze_gc`` (default) the model's objects are frozen out of
+                              the collector after each run's setup, as
+                              engine/core/step_loop.tune_interpreter(freeze_gc=True) does
     swap_loop_ms_max          the step loop's own time at a swap (begin_step: the agreement, which
                               waits for the slower rank to reach the boundary, and the swap)
     swap_work_ms_max          of that, the swap itself (weights' pointers and the layer's maps)
@@ -48,6 +55,7 @@ the boundary's agreement and swaps included):
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import socket
@@ -65,7 +73,8 @@ LAYERS, NUM_HASH = "WWCHCHCH", 2
 
 
 def measure(steps: int = 240, window: int = 20, period: int = 80, rounds: int = 2, hidden: int = 1024,
-            intermediate: int = 512, seqs: int = 64, pin: bool = True, timeout_s: float = 1800) -> dict[str, float]:
+            intermediate: int = 512, seqs: int = 64, pin: bool = True, duty: float = 1.0, freeze_gc: bool = True,
+            timeout_s: float = 1800) -> dict[str, float]:
     """``rounds`` pairs of runs in one pair of rank processes: re-placing, then the control."""
     if not (HARNESS_DIR / "ep_harness.py").is_file():
         raise FileNotFoundError(f"the EP test harness {HARNESS_DIR / 'ep_harness.py'} is missing "
@@ -75,7 +84,7 @@ def measure(steps: int = 240, window: int = 20, period: int = 80, rounds: int = 
                          f"period {period}")
     with tempfile.TemporaryDirectory(prefix="eplb-steps-") as out:
         spec = dict(world=2, port=_free_port(), out=out, steps=steps, window=window, period=period, rounds=rounds,
-                    hidden=hidden, intermediate=intermediate, seqs=seqs, pin=pin)
+                    hidden=hidden, intermediate=intermediate, seqs=seqs, pin=pin, duty=duty, freeze_gc=freeze_gc)
         spec_file = Path(out) / "spec.json"
         spec_file.write_text(json.dumps(spec))
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -93,7 +102,9 @@ def measure(steps: int = 240, window: int = 20, period: int = 80, rounds: int = 
                 raise RuntimeError(f"EP rank {r} exited with {p.returncode}: {logs[r][-2000:]}")
         records = json.loads((Path(out) / "rank0.json").read_text())
     runs = [Run.of(records[f"steps{r}"], records[f"control{r}"]) for r in range(rounds)]
-    return {**figures(runs), "cores_per_rank": float(len(records.get("cores", ())))}
+    gc_ms = [max(records[f"{kind}{r}"].get("step_gc_ms") or [0.0]) for r in range(rounds) for kind in ("steps", "control")]
+    return {**figures(runs), "cores_per_rank": float(len(records.get("cores", ()))), "duty": float(duty),
+            "freeze_gc": float(freeze_gc), "gc_step_ms_max": float(max(gc_ms))}
 
 
 class Run:
@@ -154,6 +165,7 @@ def figures(runs: list[Run]) -> dict[str, float]:
     near_max, control_max, quiet_max, near_median = [], [], [], []
     in_flight, control_all, swap_steps = [], [], []
     by_phase: dict[str, list[np.ndarray]] = {name: [] for name in PHASES}
+    same_steps: dict[str, list[np.ndarray]] = {name: [] for name in PHASES}
     worst_step = (0.0, 0.0, ())  # (over median, over the control's same step, phases it overlapped)
     for run in runs:
         n = len(run.step_ms)
@@ -181,6 +193,7 @@ def figures(runs: list[Run]) -> dict[str, float]:
         control_all.append(run.control_ms[decode])
         for name, mask in run.phases.items():
             by_phase[name].append(run.step_ms[decode & mask])
+            same_steps[name].append(run.control_ms[decode & mask])
     control_mean = np.mean(np.concatenate(control_all))
     worst = lambda xs: float(max(xs)) if xs else 0.0  # noqa: E731
     typical = lambda xs: float(np.median(xs)) if len(xs) else 0.0  # noqa: E731
@@ -214,13 +227,15 @@ def figures(runs: list[Run]) -> dict[str, float]:
         overlapped = np.concatenate(steps) if steps else np.empty(0)
         if overlapped.size:  # a phase no step overlapped has no figure
             result[f"{name}_step_mean_over_control"] = over_control(overlapped)
+            same = np.concatenate(same_steps[name])  # the control's same steps: the workload's own shape out
+            result[f"{name}_step_mean_over_control_same_steps"] = float(overlapped.mean() / same.mean())
     return result
 
 
-def rank_cores(cores: list[int], siblings, world: int, rank: int) -> set[int]:
-    """The cores ``rank`` of ``world`` is pinned to (its threads and its planner child inherit
-    them): the step's own core, plus one for the background staging where every rank can have two,
-    and one more for rank 0's planner child where every rank can have three.
+def rank_cores(cores: list[int], siblings, world: int, rank: int) -> list[int]:
+    """The cores ``rank`` of ``world`` runs on, the step loop's first: the step's own core,
+    plus one for the background staging where every rank can have two, and one more for rank 0's
+    planner child where every rank can have three.
     Hyperthreads of one physical core share its execution units, so each core comes from a
     physical core of its own while there are enough; ``siblings(c)`` is the set of cores sharing
     ``c``'s physical core (``{c}`` where the machine says nothing)."""
@@ -232,7 +247,7 @@ def rank_cores(cores: list[int], siblings, world: int, rank: int) -> set[int]:
             seen |= siblings(c) | {c}
     pool = physical if len(physical) >= world else cores
     per = 3 if len(pool) >= 3 * world else 2 if len(pool) >= 2 * world else 1
-    return {pool[(rank * per + k) % len(pool)] for k in range(per)}
+    return [pool[(rank * per + k) % len(pool)] for k in range(per)]
 
 
 def _siblings(core: int) -> set[int]:
@@ -256,8 +271,10 @@ def _free_port() -> int:
 
 # ---- one rank (this file as a script: python replacement_steps.py SPEC.json RANK) --------------------
 def _rank_main(spec: dict, rank: int) -> None:
+    cores: list[int] = []
     if spec["pin"] and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, rank_cores(sorted(os.sched_getaffinity(0)), _siblings, spec["world"], rank))
+        cores = rank_cores(sorted(os.sched_getaffinity(0)), _siblings, spec["world"], rank)
+        os.sched_setaffinity(0, set(cores))
     import torch
 
     sys.path.insert(0, str(HARNESS_DIR))
@@ -269,7 +286,19 @@ def _rank_main(spec: dict, rank: int) -> None:
     from deepinfer.engine.parallel.group import EpGroup
 
     torch.set_num_threads(1)
-    sys.setswitchinterval(0.0005)  # the engine's setting (engine/core/step_loop.tune_interpreter)
+    from deepinfer.engine.core.step_loop import tune_interpreter
+
+    tune_interpreter()  # the engine's GIL switch interval
+    gc_ms = [0.0]  # cyclic-GC time since the last step boundary (gc.callbacks)
+    gc_started = [0.0]
+
+    def on_gc(phase, _info):
+        if phase == "start":
+            gc_started[0] = time.perf_counter()
+        else:
+            gc_ms[0] += (time.perf_counter() - gc_started[0]) * 1e3
+
+    gc.callbacks.append(on_gc)
     cfg = dataclasses.replace(tiny_config(LAYERS, NUM_HASH), hidden_size=spec["hidden"],
                               moe_intermediate_size=spec["intermediate"])
     weights = init_weights(cfg, seed=3)
@@ -278,16 +307,26 @@ def _rank_main(spec: dict, rank: int) -> None:
                             gens=[steps] * spec["seqs"])  # fmt: skip
     num_owned = len(work.owned(rank, spec["world"]))
     world = EpGroup.init(rank, spec["world"], f"tcp://127.0.0.1:{spec['port']}", timeout_s=120)
-    records: dict = {"cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []}
+    # the group's gloo threads keep every core of the rank; the step loop's thread keeps the
+    # first, the staging thread and the planner child the others (EpSettings.background_cpus)
+    background = tuple(cores[1:])
+    if background:
+        os.sched_setaffinity(0, {cores[0]})
+    records: dict = {"cores": cores}
     try:
         for r in range(spec["rounds"]):
             for name, period in ((f"steps{r}", spec["period"]), (f"control{r}", 0)):
                 runner = ModelRunner(cfg, weights, num_blocks=num_owned * work.blocks_per_seq,
                                      num_slots=num_owned,
                                      block_size=harness.BLOCK_SIZE)
-                settings = EpSettings(redundant_per_rank=2, window=spec["window"], period=period, drift_margin=0.0)
+                settings = EpSettings(redundant_per_rank=2, window=spec["window"], period=period, drift_margin=0.0,
+                                      background_duty=spec["duty"], background_cpus=background)
+                parallel = ExpertParallel(runner.model, world, settings)
+                if spec["freeze_gc"]:  # the model's objects out of the collector (tune_interpreter's option)
+                    tune_interpreter(None, freeze_gc=True)
                 started = time.perf_counter()
-                records[name] = _run(harness, runner, ExpertParallel(runner.model, world, settings), work, world)
+                records[name] = _run(harness, runner, parallel, work, world, gc_ms)
+                gc.unfreeze()  # this run's model goes with it
                 print(f"rank {rank}: {name} {time.perf_counter() - started:.1f} s", flush=True)
                 del runner
     finally:
@@ -296,9 +335,10 @@ def _rank_main(spec: dict, rank: int) -> None:
         (Path(spec["out"]) / "rank0.json").write_text(json.dumps(records))
 
 
-def _run(harness, runner, parallel, work, ep) -> dict:
+def _run(harness, runner, parallel, work, ep, gc_ms: list[float]) -> dict:
     """One run of the lockstep workload, timed at every step boundary."""
     starts: list[float] = []  # perf_counter at each step boundary, and one at the end
+    step_gc: list[float] = []  # ms of cyclic GC inside each step
     swaps: list[int] = []
     begin: list[float] = []  # seconds inside begin_step (agreements and swaps)
     in_flight: list[bool] = []  # a re-placement was in flight during the step (planned, staging, swapping)
@@ -307,6 +347,9 @@ def _run(harness, runner, parallel, work, ep) -> dict:
 
     def before_step():
         now = time.perf_counter()
+        if starts:
+            step_gc.append(gc_ms[0])
+        gc_ms[0] = 0.0
         starts.append(now)
         replacement = parallel.replacement
         swapped_before = replacement.num_swapped if replacement is not None else 0
@@ -321,6 +364,7 @@ def _run(harness, runner, parallel, work, ep) -> dict:
 
     harness.run_lockstep(runner, work, work.owned(ep.rank, ep.size), before_step, parallel.idle_step)
     starts.append(time.perf_counter())
+    step_gc.append(gc_ms[0])
     # a re-placement still in flight finishes untimed (the condition is agreed by the group, so
     # every rank runs the same extra boundaries)
     for _ in range(2000):
@@ -332,7 +376,7 @@ def _run(harness, runner, parallel, work, ep) -> dict:
     timeline = [(i, *entry) for i, replacement in enumerate(replacements) for entry in replacement.timeline]
     parallel.close()
     return dict(step_start_s=starts, swaps=swaps, begin_s=begin, step_in_flight=in_flight, timeline=timeline,
-                swap_work_s=swap_work[0], num_replacements=parallel.num_replacements)
+                swap_work_s=swap_work[0], num_replacements=parallel.num_replacements, step_gc_ms=step_gc)
 
 
 if __name__ == "__main__":

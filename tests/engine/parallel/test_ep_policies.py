@@ -175,3 +175,87 @@ def test_planner_process_plans_as_the_planner_does_and_reports_failures():
         assert child._proc.pid != first.pid
     finally:
         child.close()
+
+
+def test_background_settings_are_checked_and_name_what_was_wrong():
+    from deepinfer.engine.parallel.settings import EpSettings, EpSettingsError
+
+    with pytest.raises(EpSettingsError, match="background_duty"):
+        EpSettings(background_duty=0.0)
+    with pytest.raises(EpSettingsError, match="background_duty"):
+        EpSettings(background_duty=1.5)
+    with pytest.raises(EpSettingsError, match="background_cpus"):
+        EpSettings(background_cpus=(-1,))
+    assert EpSettings(background_cpus=[0, 1]).background_cpus == (0, 1)  # a JSON list becomes a tuple
+
+
+@pytest.mark.timeout(120)
+def test_paced_pinned_replacement_keeps_tokens_and_pins_its_thread_and_planner():
+    import os
+    import threading
+
+    from deepinfer.engine.parallel import replacement as replacement_module
+    from deepinfer.engine.parallel.expert_parallel import EpSettings, ExpertParallel
+    from deepinfer.engine.parallel.group import EpGroup
+
+    if not hasattr(os, "sched_getaffinity"):
+        pytest.skip("no CPU affinity on this platform")
+    cpu = min(os.sched_getaffinity(0))
+    torch.set_num_threads(1)
+    plain = harness.v4_runner(num_seqs=4)
+    work = harness.workload(plain.config.vocab_size)
+    ref = harness.run_lockstep(plain, work, list(range(4)))
+    runner = harness.v4_runner(num_seqs=4)
+    with pytest.raises(ValueError, match="background_cpus"):
+        ExpertParallel(runner.model, EpGroup.single(), EpSettings(background_cpus=((os.cpu_count() or 1) + 64,)))
+    pinned: list[set[int]] = []
+    real_pin = replacement_module.pin_thread
+
+    def spy(cpus):  # the staging thread's affinity right after it pinned itself
+        real_pin(cpus)
+        pinned.append(os.sched_getaffinity(threading.get_native_id()))
+
+    replacement_module.pin_thread = spy
+    try:
+        ep = ExpertParallel(runner.model, EpGroup.single(),
+                            EpSettings(redundant_per_rank=3, window=2, period=4, background_duty=0.5,
+                                       background_cpus=(cpu,)))
+        got = harness.run_lockstep(runner, work, list(range(4)), ep.begin_step, ep.idle_step)
+    finally:
+        replacement_module.pin_thread = real_pin
+    assert ep.num_replacements >= 1 and pinned and all(p == {cpu} for p in pinned)
+    for i, (tokens, rows) in ref.items():
+        assert got[i][0] == tokens and torch.equal(got[i][1], rows)
+    ep.close()
+
+
+def test_pace_pauses_for_the_share_of_wall_time_not_given_to_background_work():
+    import time
+
+    from deepinfer.engine.parallel.replacement import Replacement
+
+    paced = Replacement(None, [], None, None, 16, nice=0, duty=0.25)
+    started = time.perf_counter()
+    while time.perf_counter() - started < 0.02:  # 20 ms of work
+        pass
+    paced._pace(started)
+    assert time.perf_counter() - started >= 0.02 / 0.25 * 0.95  # worked a quarter of the time
+
+
+@pytest.mark.timeout(60)
+def test_planner_child_runs_on_the_cpus_it_was_given():
+    import os
+
+    from deepinfer.engine.parallel.eplb import plan
+    from deepinfer.engine.parallel.planner_process import PlannerProcess
+
+    if not hasattr(os, "sched_getaffinity"):
+        pytest.skip("no CPU affinity on this platform")
+    cpu = min(os.sched_getaffinity(0))
+    child = PlannerProcess(nice=0, cpus=(cpu,))
+    try:
+        load = np.arange(3 * 16, dtype=float).reshape(3, 16)
+        assert np.array_equal(child(load, 24, 4), plan(load, 24, 4))
+        assert os.sched_getaffinity(child._proc.pid) == {cpu}
+    finally:
+        child.close()

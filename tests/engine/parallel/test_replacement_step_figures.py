@@ -80,12 +80,12 @@ def test_rank_cores_keep_hyperthread_siblings_apart():
 
     cores = list(range(16))
     got = [rank_cores(cores, smt(8), 2, r) for r in range(2)]
-    assert got == [{0, 1, 2}, {3, 4, 5}]  # the step, the staging thread, the planner child
+    assert got == [[0, 1, 2], [3, 4, 5]]  # the step, the staging thread, the planner child
     assert all(len({c % 8 for c in g}) == len(g) for g in got)  # no two threads of one physical core
     adjacent = lambda c: {c - c % 2, c - c % 2 + 1}  # noqa: E731 - siblings numbered next to each other
-    assert [rank_cores(cores, adjacent, 2, r) for r in range(2)] == [{0, 2, 4}, {6, 8, 10}]
+    assert [rank_cores(cores, adjacent, 2, r) for r in range(2)] == [[0, 2, 4], [6, 8, 10]]
     alone = lambda c: {c}  # noqa: E731
-    assert [rank_cores(list(range(5)), alone, 2, r) for r in range(2)] == [{0, 1}, {2, 3}]
-    assert [rank_cores([0, 1], alone, 2, r) for r in range(2)] == [{0}, {1}]  # 2 cores: one each
-    assert [rank_cores([0, 1, 2], alone, 2, r) for r in range(2)] == [{0}, {1}]
-    assert [rank_cores([0, 1], adjacent, 2, r) for r in range(2)] == [{0}, {1}]  # too few physical cores
+    assert [rank_cores(list(range(5)), alone, 2, r) for r in range(2)] == [[0, 1], [2, 3]]
+    assert [rank_cores([0, 1], alone, 2, r) for r in range(2)] == [[0], [1]]  # 2 cores: one each
+    assert [rank_cores([0, 1, 2], alone, 2, r) for r in range(2)] == [[0], [1]]
+    assert [rank_cores([0, 1], adjacent, 2, r) for r in range(2)] == [[0], [1]]  # too few physical cores
