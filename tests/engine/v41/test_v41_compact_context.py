@@ -60,3 +60,31 @@ def test_v41_forward_with_compact_candidates_equals_the_full_form(model_dir, max
         outs[compact] = torch.cat(logits)
     assert shared > 0  # the shared-row path (one gather per group) ran
     torch.testing.assert_close(outs[True], outs[False], rtol=0, atol=0)
+
+
+def _chunked_logits(runner, seed: int = 1):
+    """Logits of four prefill chunks of mixed lengths, then decodes, for 3 sequences."""
+    rng = random.Random(seed)
+    pos, logits = [0] * 3, []
+    for it in range(7):
+        steps = []
+        for i in range(3):
+            n = rng.randrange(1, 100) if it < 4 else 1
+            steps.append(SeqStep(i, i, list(range(i * PER_SEQ, (i + 1) * PER_SEQ)), pos[i],
+                                 [rng.randrange(50, 400) for _ in range(n)], num_logits=1))  # fmt: skip
+            pos[i] += n
+        logits.append(runner.execute(ForwardBatch(steps)).float().cpu())
+    return torch.cat(logits)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_v41_on_cuda_compact_matches_the_cpu_full_form(model_dir):
+    """Off the CPU the geometry is compact and the kernels run; float32 logits within 1e-3 of the
+    CPU's full form, through prefill chunks and decodes (graphs off: the eager kernels path)."""
+    cpu = _runner(model_dir, compact=False, max_rows=1 << 17)
+    cuda = harness.load_runner(model_dir, num_blocks=3 * PER_SEQ, num_slots=3, block_size=16, device="cuda",
+                               dtype=torch.float32, cuda_graphs=False)  # fmt: skip
+    assert cuda.geometry.base.compact_candidates and not cpu.geometry.base.compact_candidates
+    torch.testing.assert_close(_chunked_logits(cuda), _chunked_logits(cpu), rtol=1e-3, atol=1e-3)
