@@ -49,40 +49,69 @@ class _Leaf:
     offset: int = 0
 
 
-_FIELDS: dict[type, tuple[str, ...]] = {}
+_TENSOR, _LIST, _DICT, _TUPLE, _PLAIN, _OTHER = range(6)
+# per type: a kind above, or (qualified name, field names) of a dataclass; the walk runs every
+# step, so each type is classified once
+_KINDS: dict[type, object] = {}
 
 
-def _fields(obj) -> tuple[str, ...]:
-    names = _FIELDS.get(type(obj))
-    if names is None:
-        names = _FIELDS[type(obj)] = tuple(f.name for f in dataclasses.fields(obj))
-    return names
+def _kind(cls: type):
+    kind = _KINDS.get(cls)
+    if kind is None:
+        if issubclass(cls, torch.Tensor):
+            kind = _TENSOR
+        elif dataclasses.is_dataclass(cls):
+            kind = (cls.__qualname__, tuple(f.name for f in dataclasses.fields(cls)))
+        elif issubclass(cls, list):
+            kind = _LIST
+        elif issubclass(cls, dict):
+            kind = _DICT
+        elif issubclass(cls, tuple):
+            kind = _TUPLE
+        elif cls is type(None) or issubclass(cls, (bool, int, float, str)):
+            kind = _PLAIN
+        else:
+            kind = _OTHER
+        _KINDS[cls] = kind
+    return kind
 
 
 def _walk(obj, owner, key, leaves: list[_Leaf], sig: list) -> bool:
     """Append ``obj``'s tensors to ``leaves`` and its shape to ``sig``; False if not packable."""
-    if isinstance(obj, torch.Tensor):
+    kind = _KINDS.get(type(obj))
+    if kind is None:
+        kind = _kind(type(obj))
+    if kind is _TENSOR:
         if obj.device.type != "cpu":
             return False
         leaves.append(_Leaf(owner, key, obj))
         sig.append((obj.dtype, tuple(obj.shape)))
         return True
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        names = _fields(obj)
-        sig.append((type(obj).__qualname__, names))
-        return all(_walk(getattr(obj, n), obj, n, leaves, sig) for n in names)
-    if isinstance(obj, list):
+    if kind.__class__ is tuple:  # a dataclass: (qualified name, field names)
+        sig.append(kind)
+        for name in kind[1]:
+            if not _walk(getattr(obj, name), obj, name, leaves, sig):
+                return False
+        return True
+    if kind is _LIST:
         sig.append(("list", len(obj)))
-        return all(_walk(v, obj, i, leaves, sig) for i, v in enumerate(obj))
-    if isinstance(obj, dict):
+        for i, value in enumerate(obj):
+            if not _walk(value, obj, i, leaves, sig):
+                return False
+        return True
+    if kind is _DICT:
         sig.append(("dict", tuple(obj)))
-        return all(_walk(v, obj, k, leaves, sig) for k, v in obj.items())
-    if isinstance(obj, tuple):
-        if any(isinstance(v, torch.Tensor) for v in obj):
-            return False
+        for k, value in obj.items():
+            if not _walk(value, obj, k, leaves, sig):
+                return False
+        return True
+    if kind is _TUPLE:
+        for value in obj:
+            if isinstance(value, torch.Tensor):
+                return False
         sig.append(obj)
         return True
-    if obj is None or isinstance(obj, (bool, int, float, str)):
+    if kind is _PLAIN:
         sig.append(obj)
         return True
     return False
@@ -113,7 +142,7 @@ def layout(ctx) -> Layout | None:
     offset = 0
     for leaf in leaves:
         leaf.offset = offset
-        offset += -(-leaf.tensor.numel() * leaf.tensor.element_size() // _ALIGN) * _ALIGN
+        offset += -(-leaf.tensor.nbytes // _ALIGN) * _ALIGN
     return Layout(leaves, max(offset, _ALIGN), tuple(sig))
 
 
@@ -266,7 +295,7 @@ def _to_device(ctx, device: torch.device):
             if obj.device.type == "cpu":
                 leaves.append(_Leaf(owner, key, obj))
         elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            for n in _fields(obj):
+            for n in _kind(type(obj))[1]:
                 walk(getattr(obj, n), obj, n)
         elif isinstance(obj, list):
             for i, v in enumerate(obj):

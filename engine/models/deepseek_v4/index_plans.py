@@ -43,13 +43,34 @@ def window_lengths(positions: np.ndarray, window: int) -> np.ndarray:
     return np.minimum((positions // granule + 1) * granule, window)
 
 
-def rope_tables(positions: np.ndarray, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``ops.rope_tables`` on the host: the float32 angle, cos/sin in float64 rounded to float32
-    (every position gets the same value whatever else is in the batch), sin signed per pair."""
-    angle = (positions.astype(np.float32)[:, None] * inv_freq.numpy()[None, :]).astype(np.float64)
+def _rope_rows(positions: np.ndarray, inv_freq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    angle = (positions.astype(np.float32)[:, None] * inv_freq[None, :]).astype(np.float64)
     cos = np.repeat(np.cos(angle).astype(np.float32), 2, axis=1)
     sin = np.repeat(np.sin(angle).astype(np.float32), 2, axis=1)
     sin[:, 0::2] *= -1
+    return cos, sin
+
+
+ROPE_TABLE_POSITIONS = 1 << 14  # rows of a cached table per frequency set (2 x 4 MB at 64 dims)
+# id(inv_freq) -> (inv_freq, cos [P, D], sin [P, D]): the tensor is kept, so its id stays its own
+_ROPE_CACHE: dict[int, tuple[torch.Tensor, np.ndarray, np.ndarray]] = {}
+
+
+def rope_tables(positions: np.ndarray, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ops.rope_tables`` on the host: the float32 angle, cos/sin in float64 rounded to float32
+    (every position gets the same value whatever else is in the batch), sin signed per pair.
+    Positions below ``ROPE_TABLE_POSITIONS`` are rows of a table computed once per frequency
+    set (the same values: each row is a function of its position alone); a forward's rows are
+    then one gather instead of a cos and a sin per step."""
+    if len(positions) and int(positions.max()) < ROPE_TABLE_POSITIONS and int(positions.min()) >= 0:
+        cached = _ROPE_CACHE.get(id(inv_freq))
+        if cached is None or cached[0] is not inv_freq:
+            if len(_ROPE_CACHE) >= 8:  # a few frequency sets per model; stay bounded
+                _ROPE_CACHE.clear()
+            cached = _ROPE_CACHE[id(inv_freq)] = (inv_freq, *_rope_rows(np.arange(ROPE_TABLE_POSITIONS),
+                                                                         inv_freq.numpy()))
+        return torch.from_numpy(cached[1][positions]), torch.from_numpy(cached[2][positions])
+    cos, sin = _rope_rows(positions, inv_freq.numpy())
     return torch.from_numpy(cos), torch.from_numpy(sin)
 
 

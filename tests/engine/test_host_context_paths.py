@@ -1,0 +1,67 @@
+"""The host-side fast paths of a forward's context: the cached rope table rows equal the rows
+computed for those positions alone, and the packing walk classifies every kind of field as the
+plain type checks do."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from deepinfer.engine.core import cuda_graphs as cg
+from deepinfer.engine.models.deepseek_v4 import index_plans
+
+
+@settings(max_examples=60, deadline=None)
+@given(positions=st.lists(st.integers(0, index_plans.ROPE_TABLE_POSITIONS + 3000), min_size=1, max_size=40),
+       dim=st.sampled_from([2, 16, 32]), base=st.sampled_from([10_000.0, 160_000.0]))
+def test_cached_rope_rows_equal_the_rows_of_those_positions_alone(positions, dim, base):
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, dtype=torch.float32) / (2 * dim)))
+    pos = np.asarray(positions, dtype=np.int64)
+    cos, sin = index_plans.rope_tables(pos, inv_freq)
+    for i, p in enumerate(positions):  # each position on its own, never from the table
+        want_cos, want_sin = index_plans._rope_rows(np.array([p]), inv_freq.numpy())
+        assert np.array_equal(cos[i].numpy(), want_cos[0]) and np.array_equal(sin[i].numpy(), want_sin[0])
+    before = cos[0].clone()
+    cos[0] += 1  # a forward's rows are its own: the table is not written through them
+    assert torch.equal(index_plans.rope_tables(pos, inv_freq)[0][0], before)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Inner:
+    rows: torch.Tensor
+    count: int
+
+
+@dataclasses.dataclass
+class _Outer:
+    inner: _Inner
+    items: list
+    table: dict
+    shape: tuple
+    scale: float
+    name: str | None
+
+
+def test_walk_keys_and_refusals():
+    ctx = _Outer(_Inner(torch.arange(3), 2), [torch.zeros(2, 2), None], {"a": torch.ones(1)}, (1, 2), 0.5, None)
+    lay = cg.layout(ctx)
+    assert lay is not None and [leaf.key for leaf in lay.leaves] == ["rows", 0, "a"]
+    sig = lay.signature
+    other = _Outer(_Inner(torch.arange(3) + 7, 2), [torch.ones(2, 2), None], {"a": torch.zeros(1)}, (1, 2), 0.5, None)
+    assert cg.layout(other).signature == sig  # values differ, shapes do not
+    changed = _Outer(_Inner(torch.arange(4), 2), [torch.zeros(2, 2), None], {"a": torch.ones(1)}, (1, 2), 0.5, None)
+    assert cg.layout(changed).signature != sig
+    assert cg.layout(_Outer(_Inner(torch.arange(3), 3), [], {}, (), 0.5, None)).signature != sig
+    for bad in ((torch.ones(1),), np.int64(3), object()):  # a tensor in a tuple, numpy ints, anything else
+        assert cg.layout(dataclasses.replace(ctx, name=bad)) is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a device tensor needs CUDA")
+def test_walk_refuses_device_tensors():
+    ctx = _Outer(_Inner(torch.arange(3, device="cuda"), 2), [], {}, (), 0.5, None)
+    assert cg.layout(ctx) is None
