@@ -65,3 +65,12 @@ def test_walk_keys_and_refusals():
 def test_walk_refuses_device_tensors():
     ctx = _Outer(_Inner(torch.arange(3, device="cuda"), 2), [], {}, (), 0.5, None)
     assert cg.layout(ctx) is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(-3, 5000), min_size=1, max_size=6))
+def test_buckets_of_one_step_and_of_many_equal_the_scalar_rule(counts):
+    arr = np.asarray(counts, dtype=np.int64)
+    want = [index_plans.candidate_bucket(c) for c in counts]
+    assert index_plans._buckets(arr).tolist() == want  # one path for one step, one for many
+    assert [index_plans._buckets(arr[i : i + 1])[0] for i in range(len(counts))] == want

@@ -32,6 +32,8 @@ def candidate_bucket(num_entries: int) -> int:
 
 
 def _buckets(num_entries: np.ndarray) -> np.ndarray:
+    if len(num_entries) == 1:  # a decode step of one sequence: plain integers cost less than 6 ufuncs
+        return np.array([candidate_bucket(int(num_entries[0]))], dtype=num_entries.dtype)
     small = -(-num_entries // 64) * 64
     large = -(-num_entries // 1024) * 1024
     return np.where(num_entries <= 0, 0, np.where(num_entries <= 1024, small, large))
@@ -305,6 +307,10 @@ def _entry_plan(ratio: int, span: int, cap: int, a: StepArrays, geo: Geometry) -
     """Windows closing in each step (not those starting below its write_from), all steps at once:
     entry w of closing step k (flat step i) reads source positions w * r - (span - r) + j, the
     ring pool rows of step k below the step's start, else fresh rows."""
+    if len(a.starts) == 1:  # one step: decide in plain integers whether any window closes
+        start = int(a.starts[0])
+        if (start + int(a.lengths[0])) // ratio <= max(start // ratio, -(-int(a.write_from[0]) // ratio)):
+            return None
     ends = a.starts + a.lengths
     first = np.maximum(a.starts // ratio, -(-a.write_from // ratio))
     last = ends // ratio  # exclusive: windows whose last source position is < end_pos
