@@ -32,38 +32,9 @@ def _runner(model_dir, compact: bool, max_rows: int):
     return runner
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("max_rows", [300, 1 << 17])
-def test_v41_forward_with_compact_candidates_equals_the_full_form(model_dir, max_rows):
-    outs, shared = {}, 0
-    for compact in (False, True):
-        runner = _runner(model_dir, compact, max_rows)
-        assert runner.geometry.base.compact_candidates is compact
-        rng = random.Random(1)
-        pos = [0] * 3
-        logits = []
-        for it in range(7):  # four prefill chunks of mixed lengths, then decodes
-            steps = []
-            for i in range(3):
-                n = rng.randrange(1, 100) if it < 4 else 1
-                steps.append(SeqStep(i, i, list(range(i * PER_SEQ, (i + 1) * PER_SEQ)), pos[i],
-                                     [rng.randrange(50, 400) for _ in range(n)], num_logits=1))  # fmt: skip
-                pos[i] += n
-            batch = ForwardBatch(steps)
-            if compact:
-                ctx = runner._build_context(batch, runner.geometry, device=torch.device("cpu"), batch_invariant=False)
-                for plan in ctx.compress.values():
-                    for g in plan.groups:
-                        g.expand_candidates()
-                        shared += g.shared_rows
-            logits.append(runner.execute(batch))
-        outs[compact] = torch.cat(logits)
-    assert shared > 0  # the shared-row path (one gather per group) ran
-    torch.testing.assert_close(outs[True], outs[False], rtol=0, atol=0)
-
-
-def _chunked_logits(runner, seed: int = 1):
-    """Logits of four prefill chunks of mixed lengths, then decodes, for 3 sequences."""
+def _chunked_logits(runner, seed: int = 1, on_batch=None):
+    """Logits of four prefill chunks of mixed lengths, then decodes, for 3 sequences;
+    ``on_batch(batch)`` sees each batch before it runs."""
     rng = random.Random(seed)
     pos, logits = [0] * 3, []
     for it in range(7):
@@ -73,8 +44,31 @@ def _chunked_logits(runner, seed: int = 1):
             steps.append(SeqStep(i, i, list(range(i * PER_SEQ, (i + 1) * PER_SEQ)), pos[i],
                                  [rng.randrange(50, 400) for _ in range(n)], num_logits=1))  # fmt: skip
             pos[i] += n
-        logits.append(runner.execute(ForwardBatch(steps)).float().cpu())
+        batch = ForwardBatch(steps)
+        if on_batch is not None:
+            on_batch(batch)
+        logits.append(runner.execute(batch).float().cpu())
     return torch.cat(logits)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("max_rows", [300, 1 << 17])
+def test_v41_forward_with_compact_candidates_equals_the_full_form(model_dir, max_rows):
+    outs, shared = {}, [0]
+    for compact in (False, True):
+        runner = _runner(model_dir, compact, max_rows)
+        assert runner.geometry.base.compact_candidates is compact
+
+        def count_shared(batch, runner=runner):
+            ctx = runner._build_context(batch, runner.geometry, device=torch.device("cpu"), batch_invariant=False)
+            for plan in ctx.compress.values():
+                for g in plan.groups:
+                    g.expand_candidates()
+                    shared[0] += g.shared_rows
+
+        outs[compact] = _chunked_logits(runner, on_batch=count_shared if compact else None)
+    assert shared[0] > 0  # the shared-row path (one gather per group) ran
+    torch.testing.assert_close(outs[True], outs[False], rtol=0, atol=0)
 
 
 @pytest.mark.gpu
