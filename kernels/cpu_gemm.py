@@ -99,8 +99,8 @@ def usable(*tensors: torch.Tensor) -> bool:
 
 
 def _usable(*tensors: torch.Tensor) -> ctypes.CDLL | None:
-    for t in tensors:
-        if t.dtype is not torch.float32 or not t.is_cpu:
+    for t in tensors:  # an FP8 weight (kernels/fp8.py) has no dtype: its GEMMs are torch_ref's
+        if getattr(t, "dtype", None) is not torch.float32 or not t.is_cpu:
             return None
     return _library()
 

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from deepinfer.kernels import fp8
+
 def gemm_rows(m: int) -> int:
     """Rows to run a GEMM of ``m`` rows with so it takes the kernel every large M takes."""
     return m if m >= 12 else -(-m // 4) * 4
@@ -40,6 +42,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, batch_invariant: bool = False)
     exactly ``INVARIANT_ROWS`` rows (padded), so its sums do not depend on M: the BLAS picks its
     kernel by the row count, and where it switches depends on the machine (on an AVX-512 host
     M = 1 .. 128 each took another kernel at K = 1024, against M < 12 only on AVX2)."""
+    if isinstance(weight, fp8.Fp8Weight):  # kernels/fp8.py's numbers, through the dense path below
+        rows = fp8.dequantize_rows(*fp8.quantize_rows(x))
+        return linear(rows, weight.dequantize(torch.float32), batch_invariant).to(x.dtype)
     m = x.shape[0]
     if batch_invariant and m:
         # one memory layout on every path: a strided input takes another GEMM variant
@@ -55,6 +60,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, batch_invariant: bool = False)
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
     """Block-diagonal linear: ``x [M, G, K]``, ``weight [G, N, K]`` -> ``[M, G, N]``."""
+    if isinstance(weight, fp8.Fp8Weight):
+        rows = fp8.dequantize_rows(*fp8.quantize_rows(x))
+        return grouped_linear(rows, weight.dequantize(torch.float32), batch_invariant).to(x.dtype)
     m = x.shape[0]
     if batch_invariant:
         x = x.contiguous()

@@ -9,26 +9,17 @@ and sizes that are multiples of 16; without it Triton emits scalar loads and no 
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import re
-import subprocess
-
 import pytest
 
-if importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET") == "1":
-    pytest.skip("needs Triton, not its interpreter", allow_module_level=True)
+from tests.conftest import load_test_helper
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+sm90 = load_test_helper("kernels/sm90_compile")
+sm90.skip_unless_compilable()
 
 from deepinfer.kernels import gpu_attention, gpu_mhc, gpu_moe, gpu_norm  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(300)]
-BF, F32, I64, I32 = "*bf16", "*fp32", "*i64", "*i32"
-ALIGNED_INTS = {"H", "I", "D", "K", "s_row", "s_outer", "s_inner", "o_outer", "o_inner", "sq_g", "sq_h", "s_out"}
-FLOATS = {"eps", "scale", "limit", "factor", "comb_scale", "norm_eps", "hc_eps"}
+BF, F32, I64, I32 = sm90.BF, sm90.F32, sm90.I64, sm90.I32
 MOE_UP = dict(x_ptr=BF, w_ptr=BF, tok_ptr=I32, bexp_ptr=I32, act_ptr=BF)
 MOE_DOWN = dict(act_ptr=BF, w_ptr=BF, tok_ptr=I32, bexp_ptr=I32, y_ptr=BF)
 ATTN = dict(q_ptr=BF, pool_ptr=BF, prow_ptr=I64, pbias_ptr=F32, extra_ptr=BF, erow_ptr=I64, ebias_ptr=F32,
@@ -58,32 +49,11 @@ for pairs in (6, 50_000):
     CASES.append((f"moe down {bm}x{bn}", gpu_moe._down_kernel, MOE_DOWN, flags, warps, stages))
 
 
-def _compile(kernel, pointers: dict, constexprs: dict, warps: int, stages: int):
-    signature, attrs = {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in constexprs:
-            signature[name] = "constexpr"
-            continue
-        signature[name] = pointers.get(name, "fp32" if name in FLOATS else "i32")
-        if name.endswith("_ptr") or name in ALIGNED_INTS:
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
-
-
-def _resources(cubin: bytes, tmp_path) -> dict[str, int]:
-    path = tmp_path / "kernel.cubin"
-    path.write_bytes(cubin)
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    report = subprocess.run([tool, "--dump-resource-usage", str(path)], capture_output=True, text=True, check=True)
-    return {k: int(v) for k, v in re.findall(r"(REG|STACK|LOCAL):(\d+)", report.stdout)}
-
-
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_kernel_compiles_for_sm90_without_spills(case, tmp_path):
     name, kernel, pointers, constexprs, warps, stages = case
-    compiled = _compile(kernel, pointers, constexprs, warps, stages)
-    usage = _resources(compiled.asm["cubin"], tmp_path)
+    compiled = sm90.compile_sm90(kernel, pointers, constexprs, warps, stages)
+    usage = sm90.resources(compiled.asm["cubin"], tmp_path)
     assert usage["STACK"] == 0 and usage["LOCAL"] == 0, f"{name}: register spills {usage}"
     if name.startswith(("moe up", "moe down")):
         ptx = compiled.asm["ptx"]
