@@ -25,7 +25,7 @@ ENGINE_FLAGS = ("dtype", "device", "max_num_seqs", "max_num_batched_tokens", "ma
                 "block_size", "max_num_waiting", "seed", "num_threads", "swa_replay", "swa_replay_tokens",
                 "swa_store_slots", "swa_snapshot_prompts", "swa_fetch_deadline_s", "swa_directory", "swa_node_name",
                 "swa_peer_host", "kv_host_tier_bytes", "kv_store_dir", "kv_store_nodes", "kv_store_ec",
-                "kv_load_deadline_s", "speculative", "num_draft_tokens", "spec_schedule")
+                "kv_load_deadline_s", "speculative", "num_draft_tokens", "spec_schedule", "quantization")
 
 
 def add_parser(subparsers, name):
@@ -65,6 +65,10 @@ def add_parser(subparsers, name):
     e = p.add_argument_group("engine")
     e.add_argument("--dtype", default=None, choices=DTYPES, help="compute dtype (default auto: float32 on CPU)")
     e.add_argument("--device", default=None, help="cpu, cuda, cuda:N or auto (default auto)")
+    e.add_argument("--quantization", default=None, choices=("fp8",),
+                   help="fp8: serve the GEMM weights the checkpoint stores in FP8/FP4 (attention projections, "
+                        "experts) as block-scaled FP8, half the bytes of bfloat16 (fast FP8 GEMMs on NVIDIA "
+                        "GPUs; elsewhere a slow reference). Default: dequantised to --dtype")
     e.add_argument("--max-num-seqs", type=int, default=None, help="sequences decoded together (default 8)")
     e.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
     e.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens (default: the model's)")

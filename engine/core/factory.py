@@ -80,7 +80,7 @@ def build_engine(model_dir: str | Path, options: EngineOptions) -> EngineParts:
 
     runner = ModelRunner(cfg, state, num_blocks=pool_size, num_slots=options.max_num_seqs, block_size=bs,
                          lookahead=options.lookahead, device=device, dtype=compute,
-                         batch_invariant=options.batch_invariant)
+                         batch_invariant=options.batch_invariant, quantization=options.quantization)
     del state
     if options.expert_parallel is not None:  # one rank of an EP group: its experts only, steps in lockstep
         from deepinfer.engine.parallel.settings import build_ep_runner

@@ -72,6 +72,26 @@ def load_weights(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor],
                 target.copy_(state_dict[name])
 
 
+QUANTIZATIONS = ("fp8",)  # --quantization
+
+
+class QuantizationError(ValueError):
+    """A weight quantisation this model or device cannot serve."""
+
+
+def quantize_weights(model: torch.nn.Module, quantization: str, config: FamilyConfig) -> None:
+    """Serve ``model``'s quantisable GEMM weights in ``quantization`` (after ``finalize``). Scales
+    are powers of two (UE8M0) for a checkpoint stored in FP8 with UE8M0 scales, so its own values
+    come back exactly, and amax / 448 otherwise (finer)."""
+    if quantization not in QUANTIZATIONS:
+        raise QuantizationError(f"quantization must be one of {', '.join(QUANTIZATIONS)} (or none), got {quantization!r}")
+    hook = getattr(model, "quantize_fp8", None)
+    if hook is None:
+        raise QuantizationError(f"model type {config.model_type!r} has no FP8 serving path; run it without --quantization")
+    stored = getattr(config, "quantization", None) or {}
+    hook("ue8m0" if stored.get("quant_method") == "fp8" and stored.get("scale_fmt") == "ue8m0" else "float")
+
+
 def paged_bytes_per_block(specs, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of one KV block of ``specs`` (what ``BlockCache.bytes_per_block`` reports once built)."""
     return sum(block_size // s.ratio * s.width for s in specs) * torch.empty((), dtype=dtype).element_size()
@@ -95,9 +115,11 @@ class ModelRunner:
         dtype: torch.dtype = torch.float32,
         batch_invariant: bool | None = None,
         cuda_graphs: bool | None = None,
+        quantization: str | None = None,
     ) -> None:
         """``cuda_graphs``: replay decode-sized forwards from CUDA graphs (engine/core/cuda_graphs.py;
-        None = on for a CUDA device unless ``DEEPINFER_CUDA_GRAPHS=0``)."""
+        None = on for a CUDA device unless ``DEEPINFER_CUDA_GRAPHS=0``). ``quantization="fp8"``:
+        the model's FP8/FP4 GEMM weights are served as block-scaled FP8 (``model.quantize_fp8``)."""
         if lookahead < 0:
             raise ValueError(f"lookahead must be >= 0, got {lookahead}")
         self.config = config
@@ -111,6 +133,8 @@ class ModelRunner:
         self.model = model_family.build_model(config, device=self.device, dtype=dtype)
         load_weights(self.model, state_dict, tied=config.tie_word_embeddings)
         self.model.finalize()
+        if quantization is not None:
+            quantize_weights(self.model, quantization, config)
         self.model.eval()
         self.geometry = self.model.geometry(block_size, lookahead)
         specs = self.model.paged_specs()

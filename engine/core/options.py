@@ -24,6 +24,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 from deepinfer import envs
+from deepinfer.engine.core.model_runner import QUANTIZATIONS
 from deepinfer.engine.kv.swa_replay import SWA_REPLAY_MODES
 from deepinfer.engine.spec.length_policy import SCHEDULES
 
@@ -106,6 +107,10 @@ class EngineOptions:
     speculative: str = "off"
     num_draft_tokens: int = 5
     spec_schedule: str = "confidence"
+    # "fp8": serve the GEMM weights the checkpoint stores in FP8/FP4 as block-scaled FP8
+    # (kernels/fp8.py; Triton FP8 GEMMs on NVIDIA GPUs, the torch reference elsewhere); None: the
+    # compute dtype
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         positive = ("max_num_seqs", "max_num_batched_tokens", "block_size")
@@ -122,6 +127,10 @@ class EngineOptions:
         self._check_swa()
         self._check_kv_tiers()
         self._check_spec()
+        _require(self.quantization in (None, *QUANTIZATIONS),
+                 f"quantization must be one of {', '.join(QUANTIZATIONS)} or None, got {self.quantization!r}")
+        _require(self.quantization is None or self.expert_parallel is None,
+                 "quantization and expert parallelism cannot be combined yet (expert slots are dense weights)")
 
     def _check_spec(self) -> None:
         _require(self.speculative in SPECULATIVE_MODES,

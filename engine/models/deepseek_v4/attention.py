@@ -21,8 +21,9 @@ from deepinfer.cache.swa_state import SwaArena
 from deepinfer.engine.models.deepseek_v4.compressor import Compressor, Indexer
 from deepinfer.engine.models.deepseek_v4.config import ModelConfig
 from deepinfer.engine.models.deepseek_v4.context import ForwardContext, RingWrite
-from deepinfer.engine.models.deepseek_v4.layers import Norm, fuse_linears, linear_holder
+from deepinfer.engine.models.deepseek_v4.layers import Norm, fuse_linears, linear_holder, release_weights
 from deepinfer.kernels import cpu_gemm, cpu_native, ops
+from deepinfer.kernels.fp8 import Fp8Weight
 
 
 def _write_ring(ring: torch.Tensor, fresh: torch.Tensor, write: RingWrite) -> None:
@@ -63,10 +64,13 @@ class Attention(nn.Module):
                     h, c.q_lora_rank, c.index_n_heads, c.index_head_dim, self.ratio, c.index_topk,
                     c.rms_norm_eps, device, dtype,
                 )  # fmt: skip
+        # the GEMM weights forward reads (finalize; quantize_fp8 swaps some for Fp8Weight)
         self.w_in: torch.Tensor | None = None
+        self.w_in_fp8: Fp8Weight | None = None  # with FP8 weights: q_a and kv rows; w_in holds the rest
         self.in_sizes: list[int] = []
-        self.w_qb: torch.Tensor | None = None
+        self.w_qb: torch.Tensor | Fp8Weight | None = None
         self.w_o_a: torch.Tensor | None = None
+        self.w_o_b: torch.Tensor | Fp8Weight | None = None
 
     @property
     def indexer(self) -> Indexer | None:
@@ -92,6 +96,18 @@ class Attention(nn.Module):
         self.w_qb, _ = fuse_linears(self.q_b_linears())
         # one stable view: the native GEMM caches its packed weights on the tensor object
         self.w_o_a = self.o_a_proj.weight.view(self.o_groups, self.o_lora_rank, -1)
+        self.w_o_b = self.o_b_proj.weight.detach()  # a plain tensor (an attribute, not a second parameter)
+
+    def quantize_fp8(self, scale_format: str) -> None:
+        """Serve the projections DeepSeek's checkpoints store in FP8 (q_a, kv, q_b, the indexer's
+        q_b, o_b) as block-scaled FP8 (kernels/fp8.py); the rest of the input projections (the
+        compressor's and indexer's) and o_a stay in the compute dtype. Call after ``finalize``."""
+        inputs = self.input_linears()
+        self.w_in_fp8 = Fp8Weight.quantize(self.w_in[: sum(self.in_sizes[:2])], scale_format)
+        self.w_in = fuse_linears(inputs[2:])[0] if len(inputs) > 2 else None
+        self.w_qb = Fp8Weight.quantize(self.w_qb, scale_format)
+        self.w_o_b = Fp8Weight.quantize(self.w_o_b, scale_format)
+        release_weights(inputs[:2] + self.q_b_linears() + [self.o_b_proj])
 
     def forward(self, h: torch.Tensor, ctx: ForwardContext, blocks: BlockCache, swa: SwaArena) -> torch.Tensor:
         """``h [R, hidden]`` (R = ctx.num_rows) -> ``[R, hidden]``; only rows < T attend."""
@@ -140,7 +156,7 @@ class Attention(nn.Module):
         # CPU: projections, norms and rotations in one native call (bitwise the ops below); it
         # always normalises the query heads, so a model without that norm takes the ops
         fused = None
-        if self.q_head_norm:
+        if self.q_head_norm and self.w_in_fp8 is None:
             fused = cpu_gemm.attention_inputs(
                 h, self.w_in, self.in_sizes[0], self.q_a_norm.weight, self.w_qb, self.kv_norm.weight, self.eps, nh, hd,
                 rope.cos, rope.sin, *index_tables,
@@ -148,7 +164,12 @@ class Attention(nn.Module):
         if fused is not None:
             proj, q_all, q, kv = fused
             return proj.split(self.in_sizes, dim=-1), q_all, q, kv
-        proj = ops.linear(h, self.w_in, bi).split(self.in_sizes, dim=-1)
+        if self.w_in_fp8 is None:
+            proj = ops.linear(h, self.w_in, bi).split(self.in_sizes, dim=-1)
+        else:
+            proj = ops.linear(h, self.w_in_fp8, bi).split(self.in_sizes[:2], dim=-1)
+            if self.w_in is not None:
+                proj += ops.linear(h, self.w_in, bi).split(self.in_sizes[2:], dim=-1)
         q_all = ops.linear(ops.rms_norm(proj[0], self.q_a_norm.weight, self.eps), self.w_qb, bi)
         q = q_all[:, : nh * hd].reshape(rows, nh, hd)
         if self.q_head_norm:  # norm + rotation: one launch where a backend fuses them (GPU)
@@ -215,12 +236,12 @@ class Attention(nn.Module):
     def output(self, out: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Un-rotate the attention output and apply the grouped low-rank output projection."""
         bi, rows, rope = ctx.batch_invariant, ctx.num_rows, ctx.rope[self.rope_name]
-        fused_out = cpu_gemm.attention_outputs(out, rope.cos, rope.neg_sin, self.w_o_a, self.o_b_proj.weight)
+        fused_out = cpu_gemm.attention_outputs(out, rope.cos, rope.neg_sin, self.w_o_a, self.w_o_b)
         if fused_out is not None:
             return fused_out
         ops.apply_rope_(out, rope.cos, rope.neg_sin)  # undo the rotation V carried on its rope channels
         mixed = ops.grouped_linear(out.view(rows, self.o_groups, -1), self.w_o_a, bi).reshape(rows, -1)
-        return ops.linear(mixed, self.o_b_proj.weight, bi)
+        return ops.linear(mixed, self.w_o_b, bi)
 
     def _compress(self, comp: Compressor, kv, gate, plan, blocks: BlockCache, swa: SwaArena, ring: str, paged: str):
         ring_kv, ring_gate = swa.flat(self.layer, f"{ring}_kv"), swa.flat(self.layer, f"{ring}_gate")

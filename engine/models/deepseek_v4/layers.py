@@ -34,3 +34,11 @@ def fuse_linears(layers: list[nn.Linear]) -> tuple[torch.Tensor, list[int]]:
         layer.weight = nn.Parameter(fused[start : start + n], requires_grad=False)
         start += n
     return fused, sizes
+
+
+def release_weights(layers: list[nn.Linear]) -> None:
+    """Drop the weights of holders whose matrices now live elsewhere (an FP8 copy): each weight
+    becomes an empty tensor, so the dense matrix they pointed into can be freed."""
+    for layer in layers:
+        w = layer.weight
+        layer.weight = nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device), requires_grad=False)

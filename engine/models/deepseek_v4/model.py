@@ -134,6 +134,15 @@ class DeepseekV4ForCausalLM(nn.Module):
         if self.embed_tokens.weight.is_cuda:
             ops.use_gpu()  # the Triton kernels take this model's CUDA tensors (kernels/gpu_routing.py)
 
+    def quantize_fp8(self, scale_format: str = "ue8m0") -> None:
+        """Serve the GEMM weights DeepSeek's checkpoints store in FP8 or FP4 (attention q_a, kv,
+        q_b, o_b, the shared and routed experts) as block-scaled FP8 (kernels/fp8.py), dropping
+        their dense copies; call after ``finalize``. "ue8m0" scales give back an FP8 checkpoint's
+        own values exactly (the loader dequantised them to the compute dtype)."""
+        for layer in self.layers:
+            layer.self_attn.quantize_fp8(scale_format)
+            layer.mlp.quantize_fp8(scale_format)
+
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, ctx: ForwardContext, blocks: BlockCache, swa: SwaArena) -> torch.Tensor:
         """Final hidden states ``[num_logits, hidden]`` of the rows in ``ctx.logit_index``."""

@@ -29,8 +29,9 @@ import torch
 from torch import nn
 
 from deepinfer.engine.models.deepseek_v4.config import ModelConfig
-from deepinfer.engine.models.deepseek_v4.layers import fuse_linears, linear_holder
+from deepinfer.engine.models.deepseek_v4.layers import fuse_linears, linear_holder, release_weights
 from deepinfer.kernels import cpu_gemm, cpu_native, ops
+from deepinfer.kernels.fp8 import Fp8Weight, num_blocks
 from deepinfer.kernels.torch_ref import gemm_rows
 
 DENSE_ROWS_PER_CALL = 2  # measured on CPU: one per-expert GEMM call ~ two extra GEMM rows
@@ -123,6 +124,13 @@ class Experts(nn.Module):
         self.gate_up_t = [w.t() for w in self.gate_up_proj]
         self.down_t = [w.t() for w in self.down_proj]
 
+    def quantize_fp8(self, scale_format: str) -> None:
+        """Serve the experts as block-scaled FP8 (DeepSeek's checkpoints store them in FP4 or
+        FP8); the dense stacks are dropped. Only ``ops.moe_experts_`` computes them then."""
+        gate_up, down = (stacked_fp8(w, scale_format) for w in (self.gate_up_proj, self.down_proj))
+        del self.gate_up_proj, self.down_proj, self.gate_up_t, self.down_t
+        self.gate_up_proj, self.down_proj = gate_up, down
+
     def dense(self, rows: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
         """Every expert on its own ``[E, n, H]`` rows: two batched GEMMs."""
         hidden = torch.bmm(rows, self.gate_up_proj.transpose(1, 2))
@@ -142,10 +150,16 @@ class SharedExpert(nn.Module):
 
     def finalize(self) -> None:
         self.gate_up, _ = fuse_linears([self.gate_proj, self.up_proj])
+        self.w_down = self.down_proj.weight.detach()  # a plain tensor (an attribute, not a second parameter)
+
+    def quantize_fp8(self, scale_format: str) -> None:
+        self.gate_up = Fp8Weight.quantize(self.gate_up, scale_format)
+        self.w_down = Fp8Weight.quantize(self.w_down, scale_format)
+        release_weights([self.gate_proj, self.up_proj, self.down_proj])
 
     def forward(self, x: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
         act = ops.swiglu_clamped(ops.linear(x, self.gate_up, batch_invariant), self.limit, batch_invariant)
-        return ops.linear(act, self.down_proj.weight, batch_invariant)
+        return ops.linear(act, self.w_down, batch_invariant)
 
 
 class MoE(nn.Module):
@@ -160,6 +174,10 @@ class MoE(nn.Module):
         self.shared_experts.finalize()
         self.experts.finalize()
 
+    def quantize_fp8(self, scale_format: str) -> None:
+        self.shared_experts.quantize_fp8(scale_format)
+        self.experts.quantize_fp8(scale_format)
+
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor, num_tokens: int, batch_invariant: bool) -> torch.Tensor:
         """``x [R, H]``; rows >= ``num_tokens`` are padding: routed nowhere, shared expert only."""
         ex, gate, shared = self.experts, self.gate, self.shared_experts
@@ -168,13 +186,14 @@ class MoE(nn.Module):
         out = None if gate.image_rows(token_ids, num_tokens) is not None else cpu_gemm.moe_forward(
             x, num_tokens, gate.weight, None if gate.is_hash else gate.e_score_correction_bias,
             gate.tid2eid if gate.is_hash else None, token_ids, self.top_k, gate.scoring_func,
-            gate.routed_scaling_factor, ex.gate_up_proj, ex.down_proj, ex.limit, shared.gate_up, shared.down_proj.weight,
+            gate.routed_scaling_factor, ex.gate_up_proj, ex.down_proj, ex.limit, shared.gate_up, shared.w_down,
         )  # fmt: skip
         if out is not None:
             return out
         plan = self.gate.forward(x, token_ids, num_tokens, batch_invariant)
-        if not x.is_cpu and ops.backend_of("moe_experts_") != "torch_ref":
+        if isinstance(ex.gate_up_proj, Fp8Weight) or not x.is_cpu and ops.backend_of("moe_experts_") != "torch_ref":
             # fused GPU experts: grouped GEMMs over the routed rows read only the routed experts
+            # (FP8 experts: this op on every device, the torch reference on the CPU)
             out = shared.forward(x, batch_invariant)
             return ops.moe_experts_(out, x, plan.expert_ids, plan.weights, ex.gate_up_proj, ex.down_proj, ex.limit,
                                     batch_invariant)  # fmt: skip
@@ -294,3 +313,15 @@ class MoE(nn.Module):
     def combine(self, out: torch.Tensor, rows: torch.Tensor, dispatch: DispatchPlan, plan: RoutePlan) -> torch.Tensor:
         """Add each token's weighted expert outputs (ascending expert order) onto ``out``."""
         return ops.moe_combine_(out, rows, dispatch.row_of_pair, plan.weights)
+
+
+def stacked_fp8(weights: torch.Tensor, scale_format: str) -> Fp8Weight:
+    """``[E, N, K]`` -> one Fp8Weight stack, quantised a matrix at a time (no float32 twin of the
+    whole stack)."""
+    e, n, k = weights.shape
+    data = torch.empty(e, n, k, dtype=torch.float8_e4m3fn, device=weights.device)
+    scale = torch.empty(e, num_blocks(n), num_blocks(k), dtype=torch.float32, device=weights.device)
+    for i in range(e):
+        one = Fp8Weight.quantize(weights[i], scale_format)
+        data[i], scale[i] = one.data, one.scale
+    return Fp8Weight(data, scale)
