@@ -12,7 +12,9 @@ Both run the same random weights and prompts in one process, bf16, greedy:
   ids on the device (gpu_slice.our_generate); ``engine_*`` the same generate through the
   serving engine (EngineCore + the pipelined step loop), with device-fed ids and without;
 - the batch-1 roofline: measured copy bandwidth over the weight bytes a decode step must read
-  (embedding: one row; experts: the 6 routed + shared ones), and ours against it;
+  (embedding: one row; experts: the 6 routed + shared ones), and ours against it; with
+  ``--quantization fp8`` ours serves FP8 weights and the bytes are those it reads (1 per FP8
+  weight + its block scales: the halved roofline issue 26 counts FP8 against);
 - an 8,192-token prefill of both, with ours as a fraction of the measured bf16 matrix rate;
 - CUDA kernels launched per decoded token (torch.profiler over decode steps at batch 1 and 64;
   ``--profile-dir`` writes the per-kernel tables of those steps);
@@ -62,13 +64,14 @@ def ceilings() -> tuple[float, float]:
     return 2 * 4 * (1 << 30) / (copy_ms * 1e-3) / 1e9, 2 * n**3 / (mm_ms * 1e-3) / 1e12
 
 
-def _runner(ref, num_blocks: int, num_slots: int):
+def _runner(ref, num_blocks: int, num_slots: int, quantization: str | None = None):
     try:
         from deepinfer.engine.core.model_runner import ModelRunner
     except ImportError:  # before the engine's reorganisation
         from deepinfer.engine.model_runner import ModelRunner
+    kw = {"quantization": quantization} if quantization else {}
     return ModelRunner(ref.config, ref.state_dict, num_blocks=num_blocks, num_slots=num_slots, block_size=128,
-                       device="cuda", dtype=torch.bfloat16)  # fmt: skip
+                       device="cuda", dtype=torch.bfloat16, **kw)  # fmt: skip
 
 
 def _prompts(vocab: int, batch: int, length: int, seed: int) -> list[list[int]]:
@@ -166,7 +169,7 @@ def slice_part(report: Report, args, copy_gbps: float, mm_tflops: float, profile
     ref = flash_slice(seed=args.seed)
     bps = -(-(max(lengths) + max(news) + 16) // 128)
     prefill_blocks = -(-(args.prefill_len + 16) // 128)
-    runner = _runner(ref, max(max(batches) * bps, prefill_blocks), max(batches))
+    runner = _runner(ref, max(max(batches) * bps, prefill_blocks), max(batches), args.quantization)
     fl = floors(runner.model, ref.config)
     roofline = copy_gbps * 1e9 / fl.decode_bytes
     report.figure("slice_params_b", fl.num_params / 1e9)
@@ -272,11 +275,15 @@ def main(argv=None) -> int:
     p.add_argument("--parts", default="tiny,slice", help="comma-separated: tiny, slice")
     p.add_argument("--profile-dir", default=None, help="write per-kernel tables of profiled decode steps here")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quantization", default=None, choices=("fp8",),
+                   help="ours with FP8 weights (transformers stays bf16); the roofline counts the bytes as served")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench gpu: skipped (needs a CUDA device)")
         return 0
-    report = Report(f"V4 on {torch.cuda.get_device_name()}: ours vs transformers, bf16 greedy (tokens/s)")
+    weights = "FP8 weights" if args.quantization else "bf16"
+    report = Report(f"V4 on {torch.cuda.get_device_name()}: ours ({weights}) vs transformers (bf16), greedy (tokens/s)")
+    report.figure("ours_fp8_weights", float(args.quantization == "fp8"))
     copy_gbps, mm_tflops = ceilings()
     report.figure("copy_gbps", copy_gbps)
     report.figure("bf16_matmul_tflops", mm_tflops)

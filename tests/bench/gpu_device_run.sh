@@ -2,6 +2,8 @@
 # One call on the GPU machine (run from the repo root): Triton kernel tests, `deepinfer bench gpu`,
 # then the model-level CUDA tests, each under its own time cap, logs and figures under $OUT.
 #   STAGES=kernels,bench,model  BENCH_ARGS="..."  MODEL_K="pytest -k expression"  KERNEL_TESTS="files"  bash tests/bench/gpu_device_run.sh
+# STAGES=bench_fp8: the same bench with FP8 weights (--quantization fp8), figures in bench_fp8.json
+# (FP8_ARGS, default "--parts slice --skip-engine"; FP8_CAP seconds, default 240).
 # STAGES=eplb_steps: `deepinfer bench eplb --traces steps` on the machine's CPUs (a 2-rank gloo group,
 # step times around re-placements; the quiet cores of a lent machine, EPLB_CAP seconds, default 300).
 # Carry .whl (transformers 5.23, README of the device tool) when the image's transformers is older.
@@ -23,13 +25,19 @@ STAGES=${STAGES:-kernels,bench,model}
 status=0
 if [[ ",$STAGES," == *",kernels,"* ]]; then
   KERNEL_TESTS=${KERNEL_TESTS:-tests/kernels/test_gpu_norm.py tests/kernels/test_gpu_mhc.py tests/kernels/test_gpu_attention.py \
-    tests/kernels/test_gpu_indexer.py tests/kernels/test_gpu_moe.py tests/kernels/test_gpu_routing.py tests/kernels/test_gpu_sampling.py}
+    tests/kernels/test_gpu_indexer.py tests/kernels/test_gpu_moe.py tests/kernels/test_gpu_routing.py tests/kernels/test_gpu_sampling.py \
+    tests/kernels/test_gpu_fp8.py tests/kernels/test_gpu_moe_fp8.py}
   # shellcheck disable=SC2086  # a list of files
   timeout "${KERNEL_CAP:-150}" python3 -m pytest -q --maxfail=8 $KERNEL_TESTS 2>&1 | tee "$OUT/kernel_tests.log" | tail -25 || status=1
 fi
 if [[ ",$STAGES," == *",bench,"* ]]; then
   timeout "${BENCH_CAP:-270}" python3 tests/bench/package_loader.py gpu --kernels --json "$OUT/bench.json" \
     --profile-dir "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -60 || status=1
+fi
+if [[ ",$STAGES," == *",bench_fp8,"* ]]; then
+  # shellcheck disable=SC2086  # arguments
+  timeout "${FP8_CAP:-240}" python3 tests/bench/package_loader.py gpu --quantization fp8 --json "$OUT/bench_fp8.json" \
+    ${FP8_ARGS:---parts slice --skip-engine} 2>&1 | tee "$OUT/bench_fp8.log" | tail -40 || status=1
 fi
 if [[ ",$STAGES," == *",model,"* ]]; then
   # warnings logged live: a forward that could not be captured as a CUDA graph says so here

@@ -98,28 +98,42 @@ def tiny_model(seed: int = 0, **shape) -> testing.Reference:
     return ref
 
 
-def floors(model: torch.nn.Module, config) -> Floors:
-    """Byte and flop floors of our model (its parameter dtypes as loaded)."""
-    total = embed = experts = 0
-    matrix = 0
+def _weights(model: torch.nn.Module):
+    """(name, dims, numel, bytes) of every parameter and of every FP8 weight the model serves from
+    (``quantization="fp8"``: attributes holding kernels/fp8.py ``Fp8Weight``, data + scales)."""
     for name, p in model.named_parameters():
-        nbytes = p.numel() * p.element_size()
+        yield name, p.dim(), p.numel(), p.numel() * p.element_size()
+    try:
+        from deepinfer.kernels.fp8 import Fp8Weight
+    except ImportError:  # a tree without FP8 weights
+        return
+    for prefix, module in model.named_modules():
+        for attr, value in vars(module).items():
+            if isinstance(value, Fp8Weight):
+                yield f"{prefix}.{attr}", value.dim(), value.data.numel(), value.nbytes
+
+
+def floors(model: torch.nn.Module, config) -> Floors:
+    """Byte and flop floors of our model (its weights as served: FP8 ones at 1 byte + scales)."""
+    total = embed = experts = expert_params = num_params = 0
+    matrix = 0
+    for name, dims, numel, nbytes in _weights(model):
+        num_params += numel
         total += nbytes
         if name.startswith("embed_tokens"):
             embed += nbytes
         elif ".mlp.experts." in name:
             experts += nbytes
-        elif p.dim() >= 2 and not name.startswith("lm_head"):
-            matrix += p.numel()
+            expert_params += numel
+        elif dims >= 2 and not name.startswith("lm_head"):
+            matrix += numel
     if config.tie_word_embeddings:
         embed = 0
     e, k = config.n_routed_experts, config.num_experts_per_tok
     row = config.hidden_size * model.embed_tokens.weight.element_size()
     decode = total - embed + row - experts * (e - k) // e
-    expert_params = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
     flops = 2.0 * (matrix + expert_params * k / e)
-    return Floors(decode_bytes=decode, prefill_flops_per_token=flops,
-                  num_params=sum(p.numel() for p in model.parameters()))  # fmt: skip
+    return Floors(decode_bytes=decode, prefill_flops_per_token=flops, num_params=num_params)
 
 
 def hf_generate(ref, prompts: list[list[int]], new_tokens: int) -> tuple[float, list[list[int]]]:
