@@ -4,6 +4,9 @@
 #   STAGES=kernels,bench,model  BENCH_ARGS="..."  MODEL_K="pytest -k expression"  KERNEL_TESTS="files"  bash tests/bench/gpu_device_run.sh
 # STAGES=bench_fp8: the same bench with FP8 weights (--quantization fp8), figures in bench_fp8.json
 # (FP8_ARGS, default "--parts slice --skip-engine"; FP8_CAP seconds, default 240).
+# STAGES=spec: `deepinfer bench spec` (DSpark on the trained tiny V4.1) on the GPU, SPEC_ARGS
+# (default "--repeats 3 --bounded"), SPEC_CAP seconds (default 300), figures in spec.json.
+# Wheels for a device call: `bash tests/bench/device_wheels.sh` here, then carry `.whl`.
 # STAGES=eplb_steps: `deepinfer bench eplb --traces steps` on the machine's CPUs (a 2-rank gloo group,
 # step times around re-placements; the quiet cores of a lent machine, EPLB_CAP seconds, default 300).
 # Carry .whl (transformers 5.23, README of the device tool) when the image's transformers is older.
@@ -44,6 +47,11 @@ if [[ ",$STAGES," == *",model,"* ]]; then
   timeout "${MODEL_CAP:-200}" python3 -m pytest -q --maxfail=8 -m gpu -o log_cli=true --log-cli-level=WARNING \
     ${MODEL_K:+-k "$MODEL_K"} tests/kernels/test_gpu_model.py tests/engine/test_v4_device.py \
     tests/engine/test_v4_cuda_parity.py tests/engine/test_cuda_graphs.py tests/engine/v41/test_v41_compact_context.py 2>&1 | tee "$OUT/model_tests.log" | tail -25 || status=1
+fi
+if [[ ",$STAGES," == *",spec,"* ]]; then
+  # shellcheck disable=SC2086  # arguments
+  timeout "${SPEC_CAP:-300}" python3 tests/bench/package_loader.py spec ${SPEC_ARGS:---repeats 3 --bounded} \
+    --json "$OUT/spec.json" 2>&1 | tee "$OUT/spec.log" | tail -40 || status=1
 fi
 if [[ ",$STAGES," == *",eplb_steps,"* ]]; then
   timeout "${EPLB_CAP:-300}" python3 tests/bench/package_loader.py eplb --traces steps ${EPLB_ARGS:-} --json "$OUT/eplb_steps.json" \
