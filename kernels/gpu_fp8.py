@@ -5,6 +5,21 @@ The numbers are kernels/fp8.py's (its ``linear_ref`` is the oracle): each 128-co
 input row gets the scale ``amax / 448`` and is rounded to E4M3 inside the GEMM's load of that
 group (``quant_group``), each group's FP8 x FP8 product is scaled by the row's and the weight
 block's scales and accumulated in float32.
+
+    linear          x [M, K] @ weight[N, K]^T -> [M, N]
+    grouped_linear  x [M, G, K], weight [G, N, K] -> [M, G, N] (block-diagonal, one launch)
+
+Both run ``_gemm_kernel``: a program owns a tile of rows x weight rows of one group and walks K
+one quantisation group (128 columns) at a time, so a group's FP8 x FP8 product on the tensor
+cores is scaled and added to the float32 accumulator before the next group starts:
+
+    acc[m, n] += (q[m, g] . data[n, g]) * s[m, g] * scale[n // 128, g]
+
+Inside a group the tensor cores sum the 128 products themselves; on Hopper their FP8 accumulator
+keeps ~13 mantissa bits (DeepGEMM's "promotion every 128" is this same scheme), so a float32
+output is ~1e-4 off the oracle there (~1e-7 in the CPU interpreter, whose products are exact).
+Decode (few rows) swaps the product's orientation, ``W . x^T`` as [BN, 16], so the weight rows
+fill the tensor cores' long side; a deep cp.async pipeline streams the weight.
 """
 
 from __future__ import annotations
@@ -13,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.kernels.fp8 import BLOCK, FP8_MAX, num_blocks
+from deepinfer.kernels.fp8 import BLOCK, FP8_MAX, Fp8FormatError, Fp8Weight, num_blocks
 
 
 @triton.jit
@@ -72,6 +87,108 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _quantize_rows_kernel[(triton.cdiv(m, br), g)](x, x.stride(0), q, s, m, k, g, BR=br, BK=BLOCK,
                                                     EXACT=not x.is_cuda, num_warps=4)
     return q, s
+
+
+@triton.jit
+def _gemm_kernel(x_ptr, s_row, w_ptr, ws_ptr, y_ptr, s_out, M, N, K, BM: tl.constexpr, BN: tl.constexpr,
+                 BK: tl.constexpr, SWAP: tl.constexpr, EXACT: tl.constexpr):
+    """Program (n tile, m tile, group g): ``y[m, g, n]`` for BM rows and BN weight rows. x row m of
+    group g starts at ``m * s_row + g * K``; ``w [G, N, K]``, ``ws [G, ceil(N/128), ceil(K/128)]``,
+    ``y`` rows ``s_out`` apart. BK = 128 is both the input's quantisation group and the weight's
+    block: one group per K step, and weight row n takes the scales of block row n // BK."""
+    nb, mb, g = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    m = mb * BM + tl.arange(0, BM)
+    n = nb * BN + tl.arange(0, BN)
+    ml, nl = m < M, n < N
+    num_groups = tl.cdiv(K, BK)
+    x_rows = x_ptr + m.to(tl.int64) * s_row + g * K
+    w_rows = w_ptr + (g * N + n) * K
+    ws_rows = ws_ptr + (g * tl.cdiv(N, BK) + n // BK) * num_groups
+    if SWAP:
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for kg in range(0, num_groups):
+        k = kg * BK + tl.arange(0, BK)
+        kl = k < K
+        w = tl.load(w_rows[:, None] + k[None, :], mask=nl[:, None] & kl[None, :], other=0.0)
+        w_scale = tl.load(ws_rows + kg, mask=nl, other=0.0)
+        if SWAP:  # [BN, BK] . [BK, BM]
+            a = tl.load(x_rows[None, :] + k[:, None], mask=ml[None, :] & kl[:, None], other=0.0)
+            q, s = quant_group(a.to(tl.float32), 0, EXACT)
+            acc += tl.dot(w, q) * s[None, :] * w_scale[:, None]
+        else:  # [BM, BK] . [BK, BN]
+            a = tl.load(x_rows[:, None] + k[None, :], mask=ml[:, None] & kl[None, :], other=0.0)
+            q, s = quant_group(a.to(tl.float32), 1, EXACT)
+            acc += tl.dot(q, tl.trans(w)) * s[:, None] * w_scale[None, :]
+    y_rows = y_ptr + m.to(tl.int64) * s_out + g * N
+    y = acc.to(y_ptr.dtype.element_ty)
+    if SWAP:
+        tl.store(y_rows[None, :] + n[:, None], y, mask=ml[None, :] & nl[:, None])
+    else:
+        tl.store(y_rows[:, None] + n[None, :], y, mask=ml[:, None] & nl[None, :])
+
+
+_SMALL_M = 64  # up to this many rows: decode tiles
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _tiles(m: int, batch_invariant: bool) -> tuple[int, int, int, int, bool]:
+    """(BM, BN, num_stages, num_warps, SWAP): for decode 16 rows against 64 weight rows (one
+    warpgroup's wgmma M = 64 on the weight side), 6 stages of 8 KB weight tiles in flight; for
+    prefill 128 x 128 tiles, 8 warps, 3 stages (a float32 x tile is 64 KB a stage: 192 KB of shared
+    memory). One shape in batch-invariant mode (the tile shape fixes the order of a row's sums)."""
+    if m <= _SMALL_M or batch_invariant:
+        return 16, 64, 6, 4, True
+    return 128, 128, 3, 8, False
+
+
+def _gemm(x: torch.Tensor, weight: Fp8Weight, y: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
+    """``y [M, G, N]`` (``[M, N]`` for a 2-D weight) from ``x``: rows of G * K values ``x.stride(0)`` apart."""
+    groups = weight.shape[0] if weight.dim() == 3 else 1
+    m, n, k = x.shape[0], weight.shape[-2], weight.shape[-1]
+    if m == 0 or n == 0:
+        return y
+    bm, bn, stages, warps, swap = _tiles(m, batch_invariant)
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), groups)
+    _gemm_kernel[grid](x, x.stride(0), weight.data, weight.scale, y, y.stride(0), m, n, k, BM=bm, BN=bn, BK=BLOCK,
+                       SWAP=swap, EXACT=not x.is_cuda, num_warps=warps, num_stages=stages)  # fmt: skip
+    return y
+
+
+def linear(x: torch.Tensor, weight: Fp8Weight, batch_invariant: bool = False) -> torch.Tensor:
+    """kernels/fp8.py ``linear_ref``: ``x [M, K]`` (float32, bfloat16 or float16) times the FP8
+    ``weight [N, K]`` -> ``[M, N]`` in x's dtype."""
+    _check(x, weight, 2)
+    if x.shape[1] != weight.shape[1]:
+        raise Fp8FormatError(f"linear: input has {x.shape[1]} columns, the FP8 weight {tuple(weight.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    return _gemm(x, weight, y, batch_invariant)
+
+
+def grouped_linear(x: torch.Tensor, weight: Fp8Weight, batch_invariant: bool = False) -> torch.Tensor:
+    """kernels/fp8.py ``grouped_linear_ref``: ``x [M, G, K]``, FP8 ``weight [G, N, K]`` -> ``[M, G, N]``
+    in x's dtype (group g's rows times matrix g)."""
+    _check(x, weight, 3)
+    m, groups, k = x.shape
+    if (groups, k) != (weight.shape[0], weight.shape[2]):
+        raise Fp8FormatError(f"grouped_linear: input {tuple(x.shape)} does not fit the FP8 weight "
+                             f"{tuple(weight.shape)}")
+    if x.stride(2) != 1 or (groups > 1 and x.stride(1) != k):  # the kernel takes rows of G * K contiguous values
+        x = x.contiguous()
+    y = torch.empty(m, groups, weight.shape[1], dtype=x.dtype, device=x.device)
+    return _gemm(x, weight, y, batch_invariant)
+
+
+def _check(x: torch.Tensor, weight: Fp8Weight, dims: int) -> None:
+    if not isinstance(weight, Fp8Weight) or weight.dim() != dims or x.dim() != dims:
+        raise Fp8FormatError(f"expected a {dims}-D input and a {dims}-D Fp8Weight, got {tuple(x.shape)} and {weight!r}")
+    if x.dtype not in DTYPES:
+        raise Fp8FormatError(f"FP8 GEMM inputs must be float32, bfloat16 or float16, got {x.dtype}")
+    if x.device != weight.device:
+        raise Fp8FormatError(f"input on {x.device}, FP8 weight on {weight.device}")
 
 
 assert FP8_MAX == 448.0  # quant_group's literal

@@ -2,8 +2,10 @@
 
 Each wrapper looks at the op's first tensor argument: a CUDA tensor (with a shape the kernel
 takes) goes to the kernel, anything else to the routing the op had before, so CPU numbers never
-change. The kernels live in gpu_norm / gpu_mhc / gpu_attention / gpu_indexer / gpu_moe; their
-torch_ref counterparts are their oracles (tests/kernels/test_gpu_*.py).
+change. The kernels live in gpu_norm / gpu_mhc / gpu_attention / gpu_indexer / gpu_moe / gpu_fp8;
+their torch_ref counterparts are their oracles (tests/kernels/test_gpu_*.py). ``linear`` and
+``grouped_linear`` go to the kernels only with an FP8 weight (``Fp8Weight``); dense weights keep
+the previous routing.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from deepinfer.kernels import gpu_attention, gpu_indexer, gpu_mhc, gpu_moe, gpu_norm
+from deepinfer.kernels import gpu_attention, gpu_fp8, gpu_indexer, gpu_mhc, gpu_moe, gpu_norm
+from deepinfer.kernels.fp8 import Fp8Weight
 
 _MAX_HEAD_DIM = 1024  # one head row of q and the accumulator stay in registers
 _MAX_STREAMS = 16
@@ -50,6 +53,16 @@ def _rope_ok(x, cos, *_args, **_kw) -> bool:
     return x.dim() >= 1 and cos.shape[-1] <= x.shape[-1]
 
 
+def _fp8_linear_ok(x, weight, *_args, **_kw) -> bool:
+    return (isinstance(weight, Fp8Weight) and weight.dim() == 2 and x.dim() == 2 and x.shape[1] == weight.shape[1]
+            and x.dtype in gpu_fp8.DTYPES)
+
+
+def _fp8_grouped_ok(x, weight, *_args, **_kw) -> bool:
+    return (isinstance(weight, Fp8Weight) and weight.dim() == 3 and x.dim() == 3
+            and x.shape[1:] == (weight.shape[0], weight.shape[2]) and x.dtype in gpu_fp8.DTYPES)
+
+
 def _always(*_args, **_kw) -> bool:
     return True
 
@@ -69,6 +82,8 @@ KERNELS: dict[str, tuple[Callable, Callable]] = {
     "moe_route": (gpu_moe.moe_route, _route_ok),
     "moe_combine_": (gpu_moe.moe_combine_, lambda out, rows, *a, **k: out.dtype == rows.dtype),
     "moe_experts_": (gpu_moe.moe_experts_, _experts_ok),
+    "linear": (gpu_fp8.linear, _fp8_linear_ok),
+    "grouped_linear": (gpu_fp8.grouped_linear, _fp8_grouped_ok),
 }
 
 

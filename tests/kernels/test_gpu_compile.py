@@ -1,6 +1,6 @@
 """The Triton kernels compile for Hopper (sm_90) at the V4-Flash shapes without a GPU, with no
 register spills (ptxas' stack frame) and, for the expert GEMMs, with the tensor-core (wgmma) and
-asynchronous-copy (cp.async) instructions the memory-bound decode needs. Runs wherever Triton
+asynchronous-copy (cp.async) instructions the memory-bound decode needs (FP8 x FP8 ones for the FP8 GEMMs). Runs wherever Triton
 is installed (its wheel carries ptxas and cuobjdump); skipped otherwise.
 
 Operands are declared 16-byte aligned (``tt.divisibility``) as the JIT specialises torch tensors
@@ -16,10 +16,11 @@ from tests.conftest import load_test_helper
 sm90 = load_test_helper("kernels/sm90_compile")
 sm90.skip_unless_compilable()
 
-from deepinfer.kernels import gpu_attention, gpu_mhc, gpu_moe, gpu_norm  # noqa: E402
+from deepinfer.kernels import gpu_attention, gpu_fp8, gpu_mhc, gpu_moe, gpu_norm  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(300)]
-BF, F32, I64, I32 = sm90.BF, sm90.F32, sm90.I64, sm90.I32
+BF, F32, I64, I32, FP8 = sm90.BF, sm90.F32, sm90.I64, sm90.I32, sm90.FP8
+FP8_GEMM = dict(x_ptr=BF, w_ptr=FP8, ws_ptr=F32, y_ptr=BF)
 MOE_UP = dict(x_ptr=BF, w_ptr=BF, tok_ptr=I32, bexp_ptr=I32, act_ptr=BF)
 MOE_DOWN = dict(act_ptr=BF, w_ptr=BF, tok_ptr=I32, bexp_ptr=I32, y_ptr=BF)
 ATTN = dict(q_ptr=BF, pool_ptr=BF, prow_ptr=I64, pbias_ptr=F32, extra_ptr=BF, erow_ptr=I64, ebias_ptr=F32,
@@ -42,6 +43,10 @@ CASES = [
     ("moe align", gpu_moe._align_kernel, dict(ids_ptr=I64, tok_ptr=I32, rop_ptr=I64, bexp_ptr=I32),
      dict(BM=16, EP=64, BP=64, BB=64), 4, 3),
 ]
+for rows in (1, 4096):  # the FP8 GEMM's decode (swapped, 16 x 64) and prefill (128 x 128) tiles
+    bm, bn, stages, warps, swap = gpu_fp8._tiles(rows, False)
+    CASES.append((f"fp8 gemm {bm}x{bn}", gpu_fp8._gemm_kernel, FP8_GEMM,
+                  dict(BM=bm, BN=bn, BK=128, SWAP=swap, EXACT=False), warps, stages))
 for pairs in (6, 50_000):
     bm, bn, bk, stages, warps, swap = gpu_moe._tiles(pairs, False)
     flags = dict(BM=bm, BN=bn, BK=bk, SWAP=swap, IEEE=False, UPCAST=False)
@@ -55,6 +60,9 @@ def test_kernel_compiles_for_sm90_without_spills(case, tmp_path):
     compiled = sm90.compile_sm90(kernel, pointers, constexprs, warps, stages)
     usage = sm90.resources(compiled.asm["cubin"], tmp_path)
     assert usage["STACK"] == 0 and usage["LOCAL"] == 0, f"{name}: register spills {usage}"
+    ptx = compiled.asm["ptx"]
     if name.startswith(("moe up", "moe down")):
-        ptx = compiled.asm["ptx"]
         assert "wgmma.mma_async" in ptx and "cp.async" in ptx, f"{name}: no wgmma / cp.async pipeline"
+    if "fp8" in name:  # FP8 x FP8 on the tensor cores, operands streamed by cp.async
+        wgmma = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
+        assert wgmma and all("e4m3.e4m3" in line for line in wgmma) and "cp.async" in ptx, f"{name}: no FP8 wgmma"
