@@ -10,7 +10,7 @@ PIP=${PIP:-.venv/bin/python -m pip}
 # the versions this checkout is tested with (CPU venv), so the GPU runs import the same code
 PACKAGES="pyzmq==27.3.0 msgspec==0.23.0 xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 pydantic==2.14.4
   pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 pyeclib==1.8.0 crc32c==2.9.post0
-  transformers==5.23.0 pytest-asyncio"
+  transformers==5.23.0 pytest-asyncio hypothesis==6.170.27 sortedcontainers==2.4.0 pytest-timeout==2.4.0"
 PLATFORMS=""
 for n in 2_17 2_24 2_27 2_28 2_31 2_34 2_35; do PLATFORMS="$PLATFORMS --platform manylinux_${n}_x86_64"; done
 mkdir -p .whl
