@@ -25,6 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
+from deepinfer.kernels import gpu_moe_fp8
+from deepinfer.kernels.fp8 import Fp8Weight
+
 SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 _SMALL_PAIRS = 1024  # up to this many (token, expert) pairs: decode tiles
 
@@ -240,7 +243,8 @@ def _tiles(pairs: int, batch_invariant: bool) -> tuple[int, int, int, int, int, 
 
 def moe_experts_(out, x, expert_ids, weights, gate_up, down, limit: float, batch_invariant: bool = False):
     """``out[t] += sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` for the first T rows (T = len(ids));
-    expert e is ``down[e] @ swiglu_clamped(gate_up[e] @ x)``; returns ``out``."""
+    expert e is ``down[e] @ swiglu_clamped(gate_up[e] @ x)``; returns ``out``. Experts of ``Fp8Weight``
+    run gpu_moe_fp8's kernels (kernels/fp8.py's numbers) between the same align and combine."""
     t, k = expert_ids.shape
     if t == 0:
         return out
@@ -257,6 +261,9 @@ def moe_experts_(out, x, expert_ids, weights, gate_up, down, limit: float, batch
     _align_kernel[(1,)](expert_ids.contiguous(), pairs, num_experts, k, t, tok, row_of_pair, block_expert, max_blocks,
                         BM=bm, EP=ep, BP=max(16, 4096 // ep), BB=64, num_warps=4)  # fmt: skip
     x = x.contiguous()
+    if isinstance(gate_up, Fp8Weight) or isinstance(down, Fp8Weight):
+        rows = gpu_moe_fp8.expert_rows(x, gate_up, down, tok, block_expert, t, limit, bm, swap)
+        return moe_combine_(out, rows, row_of_pair, weights)
     act = torch.empty(max_blocks * bm, inter, dtype=x.dtype, device=dev)
     flags = dict(SWAP=swap, IEEE=x.dtype == torch.float32, UPCAST=not x.is_cuda, num_warps=warps, num_stages=stages)
     _up_kernel[(max_blocks, triton.cdiv(inter, bn))](x, gate_up.contiguous(), tok, block_expert, act, t, hidden, inter,

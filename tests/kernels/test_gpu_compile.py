@@ -16,11 +16,13 @@ from tests.conftest import load_test_helper
 sm90 = load_test_helper("kernels/sm90_compile")
 sm90.skip_unless_compilable()
 
-from deepinfer.kernels import gpu_attention, gpu_fp8, gpu_mhc, gpu_moe, gpu_norm  # noqa: E402
+from deepinfer.kernels import gpu_attention, gpu_fp8, gpu_mhc, gpu_moe, gpu_moe_fp8, gpu_norm  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(300)]
 BF, F32, I64, I32, FP8 = sm90.BF, sm90.F32, sm90.I64, sm90.I32, sm90.FP8
 FP8_GEMM = dict(x_ptr=BF, w_ptr=FP8, ws_ptr=F32, y_ptr=BF)
+MOE_UP_FP8 = dict(x_ptr=BF, w_ptr=FP8, ws_ptr=F32, tok_ptr=I32, bexp_ptr=I32, act_ptr=BF)
+MOE_DOWN_FP8 = dict(act_ptr=BF, w_ptr=FP8, ws_ptr=F32, tok_ptr=I32, bexp_ptr=I32, y_ptr=BF)
 MOE_UP = dict(x_ptr=BF, w_ptr=BF, tok_ptr=I32, bexp_ptr=I32, act_ptr=BF)
 MOE_DOWN = dict(act_ptr=BF, w_ptr=BF, tok_ptr=I32, bexp_ptr=I32, y_ptr=BF)
 ATTN = dict(q_ptr=BF, pool_ptr=BF, prow_ptr=I64, pbias_ptr=F32, extra_ptr=BF, erow_ptr=I64, ebias_ptr=F32,
@@ -52,6 +54,11 @@ for pairs in (6, 50_000):
     flags = dict(BM=bm, BN=bn, BK=bk, SWAP=swap, IEEE=False, UPCAST=False)
     CASES.append((f"moe up {bm}x{bn}", gpu_moe._up_kernel, MOE_UP, flags, warps, stages))
     CASES.append((f"moe down {bm}x{bn}", gpu_moe._down_kernel, MOE_DOWN, flags, warps, stages))
+    for up, kernel, pointers in ((True, gpu_moe_fp8._up_fp8_kernel, MOE_UP_FP8),
+                                 (False, gpu_moe_fp8._down_fp8_kernel, MOE_DOWN_FP8)):
+        bn8, stages8, warps8 = gpu_moe_fp8.tiles(swap, up)
+        CASES.append((f"moe {'up' if up else 'down'} fp8 {bm}x{bn8}", kernel, pointers,
+                      dict(BM=bm, BN=bn8, BK=128, SWAP=swap, EXACT=False), warps8, stages8))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
