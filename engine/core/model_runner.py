@@ -81,15 +81,18 @@ class QuantizationError(ValueError):
 
 def quantize_weights(model: torch.nn.Module, quantization: str, config: FamilyConfig) -> None:
     """Serve ``model``'s quantisable GEMM weights in ``quantization`` (after ``finalize``). Scales
-    are powers of two (UE8M0) for a checkpoint stored in FP8 with UE8M0 scales, so its own values
-    come back exactly, and amax / 448 otherwise (finer)."""
+    are powers of two (UE8M0) for a checkpoint stored in FP8 with UE8M0 scales on 128 x 128 blocks,
+    so its own values come back exactly, and amax / 448 otherwise (finer; a checkpoint of smaller
+    blocks cannot come back exactly in 128 x 128 ones)."""
     if quantization not in QUANTIZATIONS:
         raise QuantizationError(f"quantization must be one of {', '.join(QUANTIZATIONS)} (or none), got {quantization!r}")
     hook = getattr(model, "quantize_fp8", None)
     if hook is None:
         raise QuantizationError(f"model type {config.model_type!r} has no FP8 serving path; run it without --quantization")
     stored = getattr(config, "quantization", None) or {}
-    hook("ue8m0" if stored.get("quant_method") == "fp8" and stored.get("scale_fmt") == "ue8m0" else "float")
+    exact = (stored.get("quant_method") == "fp8" and stored.get("scale_fmt") == "ue8m0"
+             and list(stored.get("weight_block_size") or ()) == [128, 128])
+    hook("ue8m0" if exact else "float")
 
 
 def paged_bytes_per_block(specs, block_size: int, dtype: torch.dtype) -> int:

@@ -118,6 +118,17 @@ class DeepseekV41ForCausalLM(nn.Module):
         for layer in self.layers:
             layer.finalize()
 
+    def quantize_fp8(self, scale_format: str = "float") -> None:
+        """Serve the decoder stack's FP8/FP4 GEMM weights (attention q_a, kv, q_b, o_b; shared and
+        routed experts) as block-scaled FP8 (V4's ``quantize_fp8``, kernels/fp8.py); Engram, the
+        DSpark drafter and the vision tower stay dense. The float numerics only: the released ones
+        round inputs in blocks of 32, which 128-column FP8 GEMMs do not reproduce."""
+        if self.numerics.official:
+            raise ValueError("FP8 weights serve V4.1's float numerics only; unset DEEPINFER_V41_NUMERICS=official")
+        for layer in self.layers:
+            layer.self_attn.quantize_fp8(scale_format)
+            layer.mlp.quantize_fp8(scale_format)
+
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, ctx: V41ForwardContext, blocks: BlockCache, swa: SwaArena) -> torch.Tensor:
         """Final hidden states ``[num_logits, hidden]`` of the rows in ``ctx.logit_index``."""
