@@ -10,8 +10,9 @@ multiplies). A GEMM over such a weight quantises its input the way DeepSeek's Ho
 
     quantize_rows(x [..., K]) -> q float8_e4m3fn [..., K], s float32 [..., ceil(K / 128)]
         for each row and each group g of columns [128 g, 128 g + 128) (the last one shorter):
-        a = max |x| over the group (float32); s = a / 448 (1 where a = 0);
-        q = clamp(x / s, -448, 448) rounded to the nearest E4M3 (ties to even)
+        a = max |x| over the group (float32); s = a / 448 and r = 448 / a (both 1 where a = 0);
+        q = clamp(x * r, -448, 448) rounded to the nearest E4M3 (ties to even)
+        (one division per group and a product per value: what a GEMM's load can afford)
 
     linear(x [M, K], w [N, K]) = sum over groups g of (q[:, g] . data[:, g]^T) * s[:, g] * scale[n // 128, g]
         accumulated in float32, rounded once to x's dtype
@@ -143,8 +144,11 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     padded[..., :k] = x.to(torch.float32)
     g = padded.view(*lead, groups, BLOCK)
     amax = g.abs().amax(dim=-1)
-    s = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    q = (g / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(*lead, groups * BLOCK)[..., :k]
+    positive = amax > 0
+    s = torch.where(positive, amax / FP8_MAX, torch.ones_like(amax))
+    # a tensor over a tensor: IEEE division (a Python number over a tensor is its reciprocal times it)
+    r = torch.where(positive, torch.full_like(amax, FP8_MAX) / torch.where(positive, amax, 1.0), torch.ones_like(amax))
+    q = (g * r.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(*lead, groups * BLOCK)[..., :k]
     return q.contiguous(), s
 
 

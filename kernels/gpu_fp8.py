@@ -19,7 +19,10 @@ Inside a group the tensor cores sum the 128 products themselves; on Hopper their
 keeps ~13 mantissa bits (DeepGEMM's "promotion every 128" is this same scheme), so a float32
 output is ~1e-4 off the oracle there (~1e-7 in the CPU interpreter, whose products are exact).
 Decode (few rows) swaps the product's orientation, ``W . x^T`` as [BN, 16], so the weight rows
-fill the tensor cores' long side; a deep cp.async pipeline streams the weight.
+fill the tensor cores' long side; a deep cp.async pipeline streams the weight, and the rows are
+quantised in the load. Prefill (many rows) quantises them once first (``quantize_rows``, bitwise
+the in-load form) and streams FP8 rows: quantising in the load would redo each row for every
+column tile.
 """
 
 from __future__ import annotations
@@ -49,14 +52,16 @@ def to_e4m3(v, EXACT: tl.constexpr):
 @triton.jit
 def quant_group(a, AXIS: tl.constexpr, EXACT: tl.constexpr):
     """``a`` float32 (zeros where masked), one 128-column group of rows along ``AXIS`` ->
-    (q float8e4nv, s float32 along the other axis): s = amax / 448 (1 where amax = 0),
-    q = clamp(a / s, -448, 448) rounded to nearest (kernels/fp8.py ``quantize_rows``)."""
+    (q float8e4nv, s float32 along the other axis): s = amax / 448 and r = 448 / amax (1 where
+    amax = 0), q = clamp(a * r, -448, 448) rounded to nearest (kernels/fp8.py ``quantize_rows``)."""
     amax = tl.max(tl.abs(a), axis=AXIS)
-    s = tl.where(amax > 0.0, tl.math.div_rn(amax, 448.0), 1.0)
+    positive = amax > 0.0
+    s = tl.where(positive, tl.math.div_rn(amax, 448.0), 1.0)
+    r = tl.where(positive, tl.math.div_rn(448.0, tl.where(positive, amax, 1.0)), 1.0)
     if AXIS == 1:
-        q = tl.math.div_rn(a, s[:, None])
+        q = a * r[:, None]
     else:
-        q = tl.math.div_rn(a, s[None, :])
+        q = a * r[None, :]
     q = to_e4m3(tl.minimum(tl.maximum(q, -448.0), 448.0), EXACT)
     return q, s
 
@@ -90,18 +95,20 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _gemm_kernel(x_ptr, s_row, w_ptr, ws_ptr, y_ptr, s_out, M, N, K, BM: tl.constexpr, BN: tl.constexpr,
-                 BK: tl.constexpr, SWAP: tl.constexpr, EXACT: tl.constexpr):
+def _gemm_kernel(x_ptr, s_row, xs_ptr, xs_row, w_ptr, ws_ptr, y_ptr, s_out, M, N, K, BM: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr, EXACT: tl.constexpr, A_FP8: tl.constexpr):
     """Program (n tile, m tile, group g): ``y[m, g, n]`` for BM rows and BN weight rows. x row m of
     group g starts at ``m * s_row + g * K``; ``w [G, N, K]``, ``ws [G, ceil(N/128), ceil(K/128)]``,
     ``y`` rows ``s_out`` apart. BK = 128 is both the input's quantisation group and the weight's
-    block: one group per K step, and weight row n takes the scales of block row n // BK."""
+    block: one group per K step, and weight row n takes the scales of block row n // BK. A_FP8: x
+    is already quantised (``quantize_rows``), its scales at ``xs_ptr + m * xs_row + g * groups``."""
     nb, mb, g = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
     m = mb * BM + tl.arange(0, BM)
     n = nb * BN + tl.arange(0, BN)
     ml, nl = m < M, n < N
     num_groups = tl.cdiv(K, BK)
     x_rows = x_ptr + m.to(tl.int64) * s_row + g * K
+    xs_rows = xs_ptr + m.to(tl.int64) * xs_row + g * num_groups
     w_rows = w_ptr + (g * N + n) * K
     ws_rows = ws_ptr + (g * tl.cdiv(N, BK) + n // BK) * num_groups
     if SWAP:
@@ -115,11 +122,17 @@ def _gemm_kernel(x_ptr, s_row, w_ptr, ws_ptr, y_ptr, s_out, M, N, K, BM: tl.cons
         w_scale = tl.load(ws_rows + kg, mask=nl, other=0.0)
         if SWAP:  # [BN, BK] . [BK, BM]
             a = tl.load(x_rows[None, :] + k[:, None], mask=ml[None, :] & kl[:, None], other=0.0)
-            q, s = quant_group(a.to(tl.float32), 0, EXACT)
+            if A_FP8:
+                q, s = a, tl.load(xs_rows + kg, mask=ml, other=1.0)
+            else:
+                q, s = quant_group(a.to(tl.float32), 0, EXACT)
             acc += tl.dot(w, q) * s[None, :] * w_scale[:, None]
         else:  # [BM, BK] . [BK, BN]
             a = tl.load(x_rows[:, None] + k[None, :], mask=ml[:, None] & kl[None, :], other=0.0)
-            q, s = quant_group(a.to(tl.float32), 1, EXACT)
+            if A_FP8:
+                q, s = a, tl.load(xs_rows + kg, mask=ml, other=1.0)
+            else:
+                q, s = quant_group(a.to(tl.float32), 1, EXACT)
             acc += tl.dot(q, tl.trans(w)) * s[:, None] * w_scale[None, :]
     y_rows = y_ptr + m.to(tl.int64) * s_out + g * N
     y = acc.to(y_ptr.dtype.element_ty)
@@ -136,23 +149,33 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _tiles(m: int, batch_invariant: bool) -> tuple[int, int, int, int, bool]:
     """(BM, BN, num_stages, num_warps, SWAP): for decode 16 rows against 64 weight rows (one
     warpgroup's wgmma M = 64 on the weight side), 6 stages of 8 KB weight tiles in flight; for
-    prefill 128 x 128 tiles, 8 warps, 3 stages (a float32 x tile is 64 KB a stage: 192 KB of shared
-    memory). One shape in batch-invariant mode (the tile shape fixes the order of a row's sums)."""
+    prefill 128 x 128 tiles of FP8 rows and weights (32 KB a stage), 8 warps, 4 stages. One shape
+    in batch-invariant mode (the tile shape fixes the order of a row's sums)."""
     if m <= _SMALL_M or batch_invariant:
         return 16, 64, 6, 4, True
-    return 128, 128, 3, 8, False
+    return 128, 128, 4, 8, False
 
 
 def _gemm(x: torch.Tensor, weight: Fp8Weight, y: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
-    """``y [M, G, N]`` (``[M, N]`` for a 2-D weight) from ``x``: rows of G * K values ``x.stride(0)`` apart."""
+    """``y [M, G, N]`` (``[M, N]`` for a 2-D weight) from ``x``: rows of G * K values ``x.stride(0)`` apart.
+    Decode tiles quantise x inside the GEMM's load; prefill tiles take it quantised once by
+    ``quantize_rows`` (in the load, every column tile would quantise each row again, and the FP8
+    rows are half the bytes to stream) - the same numbers either way."""
     groups = weight.shape[0] if weight.dim() == 3 else 1
     m, n, k = x.shape[0], weight.shape[-2], weight.shape[-1]
     if m == 0 or n == 0:
         return y
     bm, bn, stages, warps, swap = _tiles(m, batch_invariant)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), groups)
-    _gemm_kernel[grid](x, x.stride(0), weight.data, weight.scale, y, y.stride(0), m, n, k, BM=bm, BN=bn, BK=BLOCK,
-                       SWAP=swap, EXACT=not x.is_cuda, num_warps=warps, num_stages=stages)  # fmt: skip
+    if swap:
+        a, a_row, scales, scales_row = x, x.stride(0), x, 0
+    else:
+        rows = x if x.stride(0) == groups * k else x.contiguous()
+        a, scales = quantize_rows(rows.view(m * groups, k))
+        a_row, scales_row = groups * k, groups * scales.shape[1]
+    _gemm_kernel[grid](a, a_row, scales, scales_row, weight.data, weight.scale, y, y.stride(0), m, n, k, BM=bm, BN=bn,
+                       BK=BLOCK, SWAP=swap, EXACT=not x.is_cuda, A_FP8=not swap, num_warps=warps,
+                       num_stages=stages)  # fmt: skip
     return y
 
 

@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from deepinfer.kernels.fp8 import BLOCK, Fp8Weight
+from deepinfer.kernels import gpu_fp8
 from deepinfer.kernels.gpu_fp8 import quant_group
 
 
@@ -49,11 +50,13 @@ def _group_product(q, s, w, ws, SWAP: tl.constexpr):
 
 
 @triton.jit
-def _rows_times_fp8(x_ptr, tok, live, w_ptr, ws_ptr, n, n2, nl, K, BM: tl.constexpr, BN: tl.constexpr,
-                    BK: tl.constexpr, SWAP: tl.constexpr, PAIR: tl.constexpr, EXACT: tl.constexpr):
+def _rows_times_fp8(x_ptr, xs_ptr, tok, live, w_ptr, ws_ptr, n, n2, nl, K, BM: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr, SWAP: tl.constexpr, PAIR: tl.constexpr, EXACT: tl.constexpr,
+                    A_FP8: tl.constexpr):
     """``x[tok] @ value(w)[n]^T`` over K, one 128-column group per step: ``[BM, BN]``, or its
     transpose ``[BN, BM]`` with SWAP (decode: the weight rows are the product's long side); with
-    PAIR also rows ``n2`` of ``w`` (the up kernel's up half) from the same quantised tiles."""
+    PAIR also rows ``n2`` of ``w`` (the up kernel's up half) from the same quantised tiles. A_FP8:
+    x's rows are quantised already (``quantize_rows``), their scales ``ceil(K / BK)`` a row at xs."""
     if SWAP:
         acc, acc2 = tl.zeros([BN, BM], dtype=tl.float32), tl.zeros([BN, BM], dtype=tl.float32)
     else:
@@ -64,10 +67,14 @@ def _rows_times_fp8(x_ptr, tok, live, w_ptr, ws_ptr, n, n2, nl, K, BM: tl.conste
         if SWAP:
             a = tl.load(x_ptr + tok[None, :].to(tl.int64) * K + kk[:, None], mask=live[None, :] & kl[:, None],
                         other=0.0)
-            q, s = quant_group(a.to(tl.float32), 0, EXACT)
         else:
             a = tl.load(x_ptr + tok[:, None].to(tl.int64) * K + kk[None, :], mask=live[:, None] & kl[None, :],
                         other=0.0)
+        if A_FP8:
+            q, s = a, tl.load(xs_ptr + tok.to(tl.int64) * tl.cdiv(K, BK) + k0 // BK, mask=live, other=1.0)
+        elif SWAP:
+            q, s = quant_group(a.to(tl.float32), 0, EXACT)
+        else:
             q, s = quant_group(a.to(tl.float32), 1, EXACT)
         w, ws = _weight_group(w_ptr, ws_ptr, n, nl, K, k0, BK)
         acc += _group_product(q, s, w, ws, SWAP)
@@ -78,8 +85,8 @@ def _rows_times_fp8(x_ptr, tok, live, w_ptr, ws_ptr, n, n2, nl, K, BM: tl.conste
 
 
 @triton.jit
-def _up_fp8_kernel(x_ptr, w_ptr, ws_ptr, tok_ptr, bexp_ptr, act_ptr, T, H, I, limit, BM: tl.constexpr,
-                   BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr, EXACT: tl.constexpr):
+def _up_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, tok_ptr, bexp_ptr, act_ptr, T, H, I, limit, BM: tl.constexpr,
+                   BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr, EXACT: tl.constexpr, A_FP8: tl.constexpr):
     b, nb = tl.program_id(0), tl.program_id(1)
     expert = tl.load(bexp_ptr + b)
     if expert >= 0:
@@ -91,7 +98,8 @@ def _up_fp8_kernel(x_ptr, w_ptr, ws_ptr, tok_ptr, bexp_ptr, act_ptr, T, H, I, li
         base = w_ptr + expert.to(tl.int64) * (2 * I) * H
         scales = ws_ptr + expert * tl.cdiv(2 * I, BK) * tl.cdiv(H, BK)
         # gate rows n and up rows I + n: x's tiles quantised once for both
-        acc_g, acc_u = _rows_times_fp8(x_ptr, tok, live, base, scales, n, I + n, nl, H, BM, BN, BK, SWAP, True, EXACT)
+        acc_g, acc_u = _rows_times_fp8(x_ptr, xs_ptr, tok, live, base, scales, n, I + n, nl, H, BM, BN, BK, SWAP, True,
+                                       EXACT, A_FP8)
         dtype = act_ptr.dtype.element_ty
         g = tl.minimum(acc_g.to(dtype).to(tl.float32), limit)
         u = tl.minimum(tl.maximum(acc_u.to(dtype).to(tl.float32), -limit), limit)
@@ -103,8 +111,8 @@ def _up_fp8_kernel(x_ptr, w_ptr, ws_ptr, tok_ptr, bexp_ptr, act_ptr, T, H, I, li
 
 
 @triton.jit
-def _down_fp8_kernel(act_ptr, w_ptr, ws_ptr, tok_ptr, bexp_ptr, y_ptr, T, H, I, BM: tl.constexpr, BN: tl.constexpr,
-                     BK: tl.constexpr, SWAP: tl.constexpr, EXACT: tl.constexpr):
+def _down_fp8_kernel(act_ptr, acts_ptr, w_ptr, ws_ptr, tok_ptr, bexp_ptr, y_ptr, T, H, I, BM: tl.constexpr,
+                     BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr, EXACT: tl.constexpr, A_FP8: tl.constexpr):
     b, nb = tl.program_id(0), tl.program_id(1)
     expert = tl.load(bexp_ptr + b)
     if expert >= 0:
@@ -115,7 +123,8 @@ def _down_fp8_kernel(act_ptr, w_ptr, ws_ptr, tok_ptr, bexp_ptr, y_ptr, T, H, I, 
         base = w_ptr + expert.to(tl.int64) * H * I
         scales = ws_ptr + expert * tl.cdiv(H, BK) * tl.cdiv(I, BK)
         # act rows are dispatch rows themselves: "tokens" r
-        acc, _ = _rows_times_fp8(act_ptr, r, live, base, scales, n, n, nl, I, BM, BN, BK, SWAP, False, EXACT)
+        acc, _ = _rows_times_fp8(act_ptr, acts_ptr, r, live, base, scales, n, n, nl, I, BM, BN, BK, SWAP, False, EXACT,
+                                 A_FP8)
         y = acc.to(y_ptr.dtype.element_ty)
         if SWAP:
             tl.store(y_ptr + r[None, :].to(tl.int64) * H + n[:, None], y, mask=live[None, :] & nl[:, None])
@@ -126,10 +135,12 @@ def _down_fp8_kernel(act_ptr, w_ptr, ws_ptr, tok_ptr, bexp_ptr, y_ptr, T, H, I, 
 def tiles(swap: bool, up: bool) -> tuple[int, int, int]:
     """(BN, num_stages, num_warps) beside gpu_moe's BM and SWAP; BK is one quantisation group. Decode
     keeps 48-64 KB of 8 KB weight tiles in flight (the up kernel reads two a step, gate and up: 4
-    stages; down 6, as gpu_fp8's decode); prefill 128 x 64 tiles, 8 warps, 3 stages (as gpu_moe's)."""
+    stages; down 6, as gpu_fp8's decode). Prefill streams FP8 rows, 4 stages: the up kernel's two
+    [128, 64] accumulators take what registers a 128-wide tile would need (248 a thread on sm_90),
+    the down kernel has one and takes 128 x 128 tiles (243)."""
     if swap:
         return 64, 4 if up else 6, 4
-    return 64, 3, 8
+    return (64 if up else 128), 4, 8
 
 
 def expert_rows(x, gate_up: Fp8Weight, down: Fp8Weight, tok, block_expert, t: int, limit: float, bm: int,
@@ -148,15 +159,25 @@ def expert_rows(x, gate_up: Fp8Weight, down: Fp8Weight, tok, block_expert, t: in
     return down_rows(act, down, tok, block_expert, t, bm, swap)
 
 
+def _operand(rows: torch.Tensor, quantized: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the GEMM's row operand, its scales): prefill tiles read rows quantised once here (each row
+    feeds every column tile: quantising in the load would redo it per tile), decode tiles quantise
+    in the load (the rows themselves and a placeholder for the scales)."""
+    return gpu_fp8.quantize_rows(rows) if quantized else (rows, rows)
+
+
 def up_rows(x, gate_up: Fp8Weight, tok, block_expert, t: int, limit: float, bm: int, swap: bool) -> torch.Tensor:
     """``swiglu_clamped(gate_up[e] @ x[tok])`` of each dispatch row: ``[len(tok), I]`` in x's dtype."""
     _, two_i, hidden = gate_up.shape
     inter = two_i // 2
     bn, stages, warps = tiles(swap, up=True)
-    act = torch.empty(tok.shape[0], inter, dtype=x.dtype, device=x.device)
+    # prefill: zeros where no program writes (padding rows, unused blocks), as the down GEMM's
+    # quantisation reads every row
+    act = (torch.empty if swap else torch.zeros)(tok.shape[0], inter, dtype=x.dtype, device=x.device)
+    a, scales = _operand(x[:t], not swap)
     _up_fp8_kernel[(block_expert.shape[0], triton.cdiv(inter, bn))](
-        x, gate_up.data, gate_up.scale, tok, block_expert, act, t, hidden, inter, float(limit), BM=bm, BN=bn, BK=BLOCK,
-        SWAP=swap, EXACT=not x.is_cuda, num_warps=warps, num_stages=stages)  # fmt: skip
+        a, scales, gate_up.data, gate_up.scale, tok, block_expert, act, t, hidden, inter, float(limit), BM=bm, BN=bn,
+        BK=BLOCK, SWAP=swap, EXACT=not x.is_cuda, A_FP8=not swap, num_warps=warps, num_stages=stages)  # fmt: skip
     return act
 
 
@@ -165,7 +186,8 @@ def down_rows(act, down: Fp8Weight, tok, block_expert, t: int, bm: int, swap: bo
     _, hidden, inter = down.shape
     bn, stages, warps = tiles(swap, up=False)
     rows = torch.empty(tok.shape[0], hidden, dtype=act.dtype, device=act.device)
+    a, scales = _operand(act, not swap)
     _down_fp8_kernel[(block_expert.shape[0], triton.cdiv(hidden, bn))](
-        act, down.data, down.scale, tok, block_expert, rows, t, hidden, inter, BM=bm, BN=bn, BK=BLOCK, SWAP=swap,
-        EXACT=not act.is_cuda, num_warps=warps, num_stages=stages)  # fmt: skip
+        a, scales, down.data, down.scale, tok, block_expert, rows, t, hidden, inter, BM=bm, BN=bn, BK=BLOCK, SWAP=swap,
+        EXACT=not act.is_cuda, A_FP8=not swap, num_warps=warps, num_stages=stages)  # fmt: skip
     return rows

@@ -76,9 +76,10 @@ def test_quantize_rows(m, k, seed, dtype):
     groups = torch.nn.functional.pad(x.float(), (0, s.shape[1] * BLOCK - k)).view(m, s.shape[1], BLOCK)
     amax = groups.abs().amax(-1)
     assert torch.equal(s, torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax)))
-    # q is the nearest grid value of x / s (the amax element lands on +-448)
+    # q is the nearest grid value of x * (448 / amax) (the amax element lands on +-448)
     grid = _e4m3_grid()
-    scaled = x.float() / s.repeat_interleave(BLOCK, 1)[:, :k]
+    r = torch.where(amax > 0, torch.full_like(amax, FP8_MAX) / amax.clamp(min=1e-38), torch.ones_like(amax))
+    scaled = (x.float() * r.repeat_interleave(BLOCK, 1)[:, :k]).clamp(-FP8_MAX, FP8_MAX)
     nearest = (scaled.unsqueeze(-1) - grid).abs().min(-1).values
     assert torch.allclose((q.float() - scaled).abs(), nearest, atol=0.0, rtol=0.0)
     if m > 1:

@@ -20,9 +20,12 @@ from deepinfer.kernels import gpu_attention, gpu_fp8, gpu_mhc, gpu_moe, gpu_moe_
 
 pytestmark = [pytest.mark.timeout(300)]
 BF, F32, I64, I32, FP8 = sm90.BF, sm90.F32, sm90.I64, sm90.I32, sm90.FP8
-FP8_GEMM = dict(x_ptr=BF, w_ptr=FP8, ws_ptr=F32, y_ptr=BF)
-MOE_UP_FP8 = dict(x_ptr=BF, w_ptr=FP8, ws_ptr=F32, tok_ptr=I32, bexp_ptr=I32, act_ptr=BF)
-MOE_DOWN_FP8 = dict(act_ptr=BF, w_ptr=FP8, ws_ptr=F32, tok_ptr=I32, bexp_ptr=I32, y_ptr=BF)
+FP8_GEMM = dict(x_ptr=BF, xs_ptr=BF, w_ptr=FP8, ws_ptr=F32, y_ptr=BF)  # decode: bf16 rows quantised in the load
+FP8_GEMM_Q = dict(x_ptr=FP8, xs_ptr=F32, w_ptr=FP8, ws_ptr=F32, y_ptr=BF)  # prefill: rows quantised before
+MOE_UP_FP8 = dict(x_ptr=BF, xs_ptr=BF, w_ptr=FP8, ws_ptr=F32, tok_ptr=I32, bexp_ptr=I32, act_ptr=BF)
+MOE_DOWN_FP8 = dict(act_ptr=BF, acts_ptr=BF, w_ptr=FP8, ws_ptr=F32, tok_ptr=I32, bexp_ptr=I32, y_ptr=BF)
+MOE_UP_FP8_Q = {**MOE_UP_FP8, "x_ptr": FP8, "xs_ptr": F32}  # prefill: rows quantised before
+MOE_DOWN_FP8_Q = {**MOE_DOWN_FP8, "act_ptr": FP8, "acts_ptr": F32}
 MOE_UP = dict(x_ptr=BF, w_ptr=BF, tok_ptr=I32, bexp_ptr=I32, act_ptr=BF)
 MOE_DOWN = dict(act_ptr=BF, w_ptr=BF, tok_ptr=I32, bexp_ptr=I32, y_ptr=BF)
 ATTN = dict(q_ptr=BF, pool_ptr=BF, prow_ptr=I64, pbias_ptr=F32, extra_ptr=BF, erow_ptr=I64, ebias_ptr=F32,
@@ -47,18 +50,18 @@ CASES = [
 ]
 for rows in (1, 4096):  # the FP8 GEMM's decode (swapped, 16 x 64) and prefill (128 x 128) tiles
     bm, bn, stages, warps, swap = gpu_fp8._tiles(rows, False)
-    CASES.append((f"fp8 gemm {bm}x{bn}", gpu_fp8._gemm_kernel, FP8_GEMM,
-                  dict(BM=bm, BN=bn, BK=128, SWAP=swap, EXACT=False), warps, stages))
+    CASES.append((f"fp8 gemm {bm}x{bn}", gpu_fp8._gemm_kernel, FP8_GEMM if swap else FP8_GEMM_Q,
+                  dict(BM=bm, BN=bn, BK=128, SWAP=swap, EXACT=False, A_FP8=not swap), warps, stages))
 for pairs in (6, 50_000):
     bm, bn, bk, stages, warps, swap = gpu_moe._tiles(pairs, False)
     flags = dict(BM=bm, BN=bn, BK=bk, SWAP=swap, IEEE=False, UPCAST=False)
     CASES.append((f"moe up {bm}x{bn}", gpu_moe._up_kernel, MOE_UP, flags, warps, stages))
     CASES.append((f"moe down {bm}x{bn}", gpu_moe._down_kernel, MOE_DOWN, flags, warps, stages))
-    for up, kernel, pointers in ((True, gpu_moe_fp8._up_fp8_kernel, MOE_UP_FP8),
-                                 (False, gpu_moe_fp8._down_fp8_kernel, MOE_DOWN_FP8)):
+    for up, kernel, pointers in ((True, gpu_moe_fp8._up_fp8_kernel, MOE_UP_FP8 if swap else MOE_UP_FP8_Q),
+                                 (False, gpu_moe_fp8._down_fp8_kernel, MOE_DOWN_FP8 if swap else MOE_DOWN_FP8_Q)):
         bn8, stages8, warps8 = gpu_moe_fp8.tiles(swap, up)
         CASES.append((f"moe {'up' if up else 'down'} fp8 {bm}x{bn8}", kernel, pointers,
-                      dict(BM=bm, BN=bn8, BK=128, SWAP=swap, EXACT=False), warps8, stages8))
+                      dict(BM=bm, BN=bn8, BK=128, SWAP=swap, EXACT=False, A_FP8=not swap), warps8, stages8))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
