@@ -19,13 +19,16 @@ Inside a group the tensor cores sum the 128 products themselves; on Hopper their
 keeps ~13 mantissa bits (DeepGEMM's "promotion every 128" is this same scheme), so a float32
 output is ~1e-4 off the oracle there (~1e-7 in the CPU interpreter, whose products are exact).
 Decode (few rows) swaps the product's orientation, ``W . x^T`` as [BN, 16], so the weight rows
-fill the tensor cores' long side; a deep cp.async pipeline streams the weight, and the rows are
-quantised in the load. Prefill (many rows) quantises them once first (``quantize_rows``, bitwise
+fill the tensor cores' long side; a deep cp.async pipeline streams the weight, the rows are
+quantised in the load, and K is cut in ranges when the weight has too few column tiles to keep
+the SMs streaming (float32 partial sums, added in order by ``_sum_splits_kernel``). Prefill (many rows) quantises them once first (``quantize_rows``, bitwise
 the in-load form) and streams FP8 rows: quantising in the load would redo each row for every
 column tile.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import triton
@@ -95,14 +98,18 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _gemm_kernel(x_ptr, s_row, xs_ptr, xs_row, w_ptr, ws_ptr, y_ptr, s_out, M, N, K, BM: tl.constexpr,
-                 BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr, EXACT: tl.constexpr, A_FP8: tl.constexpr):
-    """Program (n tile, m tile, group g): ``y[m, g, n]`` for BM rows and BN weight rows. x row m of
-    group g starts at ``m * s_row + g * K``; ``w [G, N, K]``, ``ws [G, ceil(N/128), ceil(K/128)]``,
-    ``y`` rows ``s_out`` apart. BK = 128 is both the input's quantisation group and the weight's
-    block: one group per K step, and weight row n takes the scales of block row n // BK. A_FP8: x
-    is already quantised (``quantize_rows``), its scales at ``xs_ptr + m * xs_row + g * groups``."""
-    nb, mb, g = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+def _gemm_kernel(x_ptr, s_row, xs_ptr, xs_row, w_ptr, ws_ptr, y_ptr, s_out, M, N, K, G, splits, per_split,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr, EXACT: tl.constexpr,
+                 A_FP8: tl.constexpr, PARTIAL: tl.constexpr):
+    """Program (n tile, m tile, group g x split): ``y[m, g, n]`` for BM rows and BN weight rows over
+    the split's ``per_split`` quantisation groups of K. x row m of group g starts at
+    ``m * s_row + g * K``; ``w [G, N, K]``, ``ws [G, ceil(N/128), ceil(K/128)]``, ``y`` rows
+    ``s_out`` apart. BK = 128 is both the input's quantisation group and the weight's block: one
+    group per K step, and weight row n takes the scales of block row n // BK. A_FP8: x is already
+    quantised (``quantize_rows``), its scales at ``xs_ptr + m * xs_row + g * groups``. PARTIAL:
+    float32 partial sums go to ``y_ptr`` as [splits, M, G, N] (``_sum_splits_kernel`` adds them)."""
+    nb, mb, gs = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    g, split = (gs // splits).to(tl.int64), gs % splits
     m = mb * BM + tl.arange(0, BM)
     n = nb * BN + tl.arange(0, BN)
     ml, nl = m < M, n < N
@@ -115,7 +122,7 @@ def _gemm_kernel(x_ptr, s_row, xs_ptr, xs_row, w_ptr, ws_ptr, y_ptr, s_out, M, N
         acc = tl.zeros([BN, BM], dtype=tl.float32)
     else:
         acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for kg in range(0, num_groups):
+    for kg in range(split * per_split, tl.minimum(num_groups, (split + 1) * per_split)):
         k = kg * BK + tl.arange(0, BK)
         kl = k < K
         w = tl.load(w_rows[:, None] + k[None, :], mask=nl[:, None] & kl[None, :], other=0.0)
@@ -134,7 +141,10 @@ def _gemm_kernel(x_ptr, s_row, xs_ptr, xs_row, w_ptr, ws_ptr, y_ptr, s_out, M, N
             else:
                 q, s = quant_group(a.to(tl.float32), 1, EXACT)
             acc += tl.dot(q, tl.trans(w)) * s[:, None] * w_scale[None, :]
-    y_rows = y_ptr + m.to(tl.int64) * s_out + g * N
+    if PARTIAL:  # this split's float32 sums, [splits, M, G, N]
+        y_rows = y_ptr + (split * M + m.to(tl.int64)) * G * N + g * N
+    else:
+        y_rows = y_ptr + m.to(tl.int64) * s_out + g * N
     y = acc.to(y_ptr.dtype.element_ty)
     if SWAP:
         tl.store(y_rows[None, :] + n[:, None], y, mask=ml[None, :] & nl[:, None])
@@ -142,18 +152,47 @@ def _gemm_kernel(x_ptr, s_row, xs_ptr, xs_row, w_ptr, ws_ptr, y_ptr, s_out, M, N
         tl.store(y_rows[:, None] + n[None, :], y, mask=ml[:, None] & nl[None, :])
 
 
+@triton.jit
+def _sum_splits_kernel(p_ptr, y_ptr, total, splits, BLOCK_SIZE: tl.constexpr):
+    """``y[i] = sum over s of p[s, i]`` (float32, in split order), rounded to y's dtype."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+    live = i < total
+    acc = tl.zeros([BLOCK_SIZE], dtype=tl.float32)
+    for s in range(0, splits):
+        acc += tl.load(p_ptr + s * total + i, mask=live, other=0.0)
+    tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=live)
+
+
 _SMALL_M = 64  # up to this many rows: decode tiles
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# decode: enough programs for two waves of a 132-SM Hopper, so enough weight streams are in flight
+# (a 1536 x 4096 projection is 24 column tiles of 64 rows)
+_DECODE_PROGRAMS = 264
 
 
-def _tiles(m: int, batch_invariant: bool) -> tuple[int, int, int, int, bool]:
-    """(BM, BN, num_stages, num_warps, SWAP): for decode 16 rows against 64 weight rows (one
-    warpgroup's wgmma M = 64 on the weight side), 6 stages of 8 KB weight tiles in flight; for
-    prefill 128 x 128 tiles of FP8 rows and weights (32 KB a stage), 8 warps, 4 stages. One shape
+@dataclasses.dataclass(frozen=True, slots=True)
+class Tiles:
+    bm: int
+    bn: int
+    stages: int
+    warps: int
+    swap: bool
+    splits: int = 1  # K cut in this many ranges (decode), summed by _sum_splits_kernel
+    per_split: int = 1  # quantisation groups of K a split takes
+
+
+def _tiles(m: int, n: int, k: int, batch_invariant: bool) -> Tiles:
+    """Decode: 16 rows against 64 weight rows (one warpgroup's wgmma M = 64 on the weight side),
+    6 stages of 8 KB weight tiles in flight, K split so that the column tiles x splits reach
+    ``_DECODE_PROGRAMS`` (the split depends on N and K only: a row's sums never depend on M).
+    Prefill: 128 x 128 tiles of FP8 rows and weights (32 KB a stage), 8 warps, 4 stages. One shape
     in batch-invariant mode (the tile shape fixes the order of a row's sums)."""
     if m <= _SMALL_M or batch_invariant:
-        return 16, 64, 6, 4, True
-    return 128, 128, 4, 8, False
+        groups = num_blocks(k)
+        wanted = max(1, min(groups, -(-_DECODE_PROGRAMS // -(-n // 64))))
+        per_split = -(-groups // wanted) if groups else 1
+        return Tiles(16, 64, 6, 4, True, max(1, -(-groups // per_split)), per_split)
+    return Tiles(128, 128, 4, 8, False, 1, num_blocks(k) or 1)
 
 
 def _gemm(x: torch.Tensor, weight: Fp8Weight, y: torch.Tensor, batch_invariant: bool) -> torch.Tensor:
@@ -165,17 +204,22 @@ def _gemm(x: torch.Tensor, weight: Fp8Weight, y: torch.Tensor, batch_invariant: 
     m, n, k = x.shape[0], weight.shape[-2], weight.shape[-1]
     if m == 0 or n == 0:
         return y
-    bm, bn, stages, warps, swap = _tiles(m, batch_invariant)
-    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm), groups)
-    if swap:
+    t = _tiles(m, n, k, batch_invariant)
+    grid = (triton.cdiv(n, t.bn), triton.cdiv(m, t.bm), groups * t.splits)
+    if t.swap:
         a, a_row, scales, scales_row = x, x.stride(0), x, 0
     else:
         rows = x if x.stride(0) == groups * k else x.contiguous()
         a, scales = quantize_rows(rows.view(m * groups, k))
         a_row, scales_row = groups * k, groups * scales.shape[1]
-    _gemm_kernel[grid](a, a_row, scales, scales_row, weight.data, weight.scale, y, y.stride(0), m, n, k, BM=bm, BN=bn,
-                       BK=BLOCK, SWAP=swap, EXACT=not x.is_cuda, A_FP8=not swap, num_warps=warps,
-                       num_stages=stages)  # fmt: skip
+    partial = t.splits > 1
+    out = torch.empty(t.splits, m, groups, n, dtype=torch.float32, device=x.device) if partial else y
+    _gemm_kernel[grid](a, a_row, scales, scales_row, weight.data, weight.scale, out, y.stride(0), m, n, k, groups,
+                       t.splits, t.per_split, BM=t.bm, BN=t.bn, BK=BLOCK, SWAP=t.swap, EXACT=not x.is_cuda,
+                       A_FP8=not t.swap, PARTIAL=partial, num_warps=t.warps, num_stages=t.stages)  # fmt: skip
+    if partial:
+        total = m * groups * n  # y is allocated contiguous by linear / grouped_linear
+        _sum_splits_kernel[(triton.cdiv(total, 1024),)](out, y, total, t.splits, BLOCK_SIZE=1024, num_warps=4)
     return y
 
 

@@ -48,10 +48,11 @@ CASES = [
     ("moe align", gpu_moe._align_kernel, dict(ids_ptr=I64, tok_ptr=I32, rop_ptr=I64, bexp_ptr=I32),
      dict(BM=16, EP=64, BP=64, BB=64), 4, 3),
 ]
-for rows in (1, 4096):  # the FP8 GEMM's decode (swapped, 16 x 64) and prefill (128 x 128) tiles
-    bm, bn, stages, warps, swap = gpu_fp8._tiles(rows, False)
-    CASES.append((f"fp8 gemm {bm}x{bn}", gpu_fp8._gemm_kernel, FP8_GEMM if swap else FP8_GEMM_Q,
-                  dict(BM=bm, BN=bn, BK=128, SWAP=swap, EXACT=False, A_FP8=not swap), warps, stages))
+for rows in (1, 4096):  # the FP8 GEMM's decode (swapped, 16 x 64, K split) and prefill (128 x 128) tiles
+    t = gpu_fp8._tiles(rows, 4096, 4096, False)
+    CASES.append((f"fp8 gemm {t.bm}x{t.bn}", gpu_fp8._gemm_kernel, FP8_GEMM if t.swap else FP8_GEMM_Q,
+                  dict(BM=t.bm, BN=t.bn, BK=128, SWAP=t.swap, EXACT=False, A_FP8=not t.swap, PARTIAL=t.splits > 1),
+                  t.warps, t.stages))
 for pairs in (6, 50_000):
     bm, bn, bk, stages, warps, swap = gpu_moe._tiles(pairs, False)
     flags = dict(BM=bm, BN=bn, BK=bk, SWAP=swap, IEEE=False, UPCAST=False)

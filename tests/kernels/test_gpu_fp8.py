@@ -142,3 +142,17 @@ def test_quantize_rows_is_bitwise_the_reference():
         # the subnormals are really there
         subnormal = (q.float().abs() < 2**-6) & (q.float() != 0)
         assert subnormal[6:10].sum() > 100
+
+
+def test_decode_splits_k_where_few_column_tiles_would_run():
+    """Decode tiles cut K in ranges when the weight has few column tiles (a 1536 x 4096 projection
+    is 24 of them): the ranges' float32 sums are added in order, the same for every M."""
+    few, many = gpu_fp8._tiles(1, 300, 1000, False), gpu_fp8._tiles(1, 64 * 300, 1000, False)
+    assert few.swap and few.splits > 1 and few.splits * few.per_split >= 8 and many.splits == 1
+    g = cases.gen(5)
+    weight = _weight(300, 1000, scale_format="float", gen=g)
+    x = cases.randn(9, 1000, dtype=torch.bfloat16, gen=g, scale=3.0)
+    with cases.poisoned_allocations():
+        got = gpu_fp8.linear(x, weight)
+    assert cases.rel_err(got, fp8.linear_ref(x.float(), weight)) < cases.BF16_TOL
+    assert torch.equal(gpu_fp8.linear(x[:1], weight), got[:1])
