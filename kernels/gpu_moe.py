@@ -27,6 +27,7 @@ import triton.language as tl
 
 from deepinfer.kernels import gpu_moe_fp8
 from deepinfer.kernels.fp8 import Fp8Weight
+from deepinfer.kernels.gpu_tiles import store_rows, swiglu_rounded
 
 SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 _SMALL_PAIRS = 1024  # up to this many (token, expert) pairs: decode tiles
@@ -155,14 +156,8 @@ def _up_kernel(x_ptr, w_ptr, tok_ptr, bexp_ptr, act_ptr, T, H, I, limit, BM: tl.
         base = w_ptr + expert.to(tl.int64) * (2 * I) * H
         acc_g = _rows_times_weights(x_ptr, tok, live, base, n, nl, H, BM, BN, BK, SWAP, IEEE, UPCAST)
         acc_u = _rows_times_weights(x_ptr, tok, live, base + I * H, n, nl, H, BM, BN, BK, SWAP, IEEE, UPCAST)
-        dtype = act_ptr.dtype.element_ty
-        g = tl.minimum(acc_g.to(dtype).to(tl.float32), limit)
-        u = tl.minimum(tl.maximum(acc_u.to(dtype).to(tl.float32), -limit), limit)
-        act = (g / (1.0 + tl.exp(-g)) * u).to(dtype)
-        if SWAP:
-            tl.store(act_ptr + r[None, :].to(tl.int64) * I + n[:, None], act, mask=live[None, :] & nl[:, None])
-        else:
-            tl.store(act_ptr + r[:, None].to(tl.int64) * I + n[None, :], act, mask=live[:, None] & nl[None, :])
+        act = swiglu_rounded(acc_g, acc_u, limit, act_ptr.dtype.element_ty)
+        store_rows(act_ptr, r, n, live, nl, I, act, SWAP)
 
 
 @triton.jit
@@ -178,11 +173,7 @@ def _down_kernel(act_ptr, w_ptr, tok_ptr, bexp_ptr, y_ptr, T, H, I, BM: tl.const
         base = w_ptr + expert.to(tl.int64) * H * I
         # act rows are dispatch rows themselves: "tokens" r
         acc = _rows_times_weights(act_ptr, r, live, base, n, nl, I, BM, BN, BK, SWAP, IEEE, UPCAST)
-        y = acc.to(y_ptr.dtype.element_ty)
-        if SWAP:
-            tl.store(y_ptr + r[None, :].to(tl.int64) * H + n[:, None], y, mask=live[None, :] & nl[:, None])
-        else:
-            tl.store(y_ptr + r[:, None].to(tl.int64) * H + n[None, :], y, mask=live[:, None] & nl[None, :])
+        store_rows(y_ptr, r, n, live, nl, H, acc.to(y_ptr.dtype.element_ty), SWAP)
 
 
 @triton.jit

@@ -25,9 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-from deepinfer.kernels.fp8 import BLOCK, Fp8Weight
 from deepinfer.kernels import gpu_fp8
+from deepinfer.kernels.fp8 import BLOCK, Fp8Weight
 from deepinfer.kernels.gpu_fp8 import quant_group
+from deepinfer.kernels.gpu_tiles import store_rows, swiglu_rounded
 
 
 @triton.jit
@@ -100,14 +101,8 @@ def _up_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, tok_ptr, bexp_ptr, act_ptr, T, 
         # gate rows n and up rows I + n: x's tiles quantised once for both
         acc_g, acc_u = _rows_times_fp8(x_ptr, xs_ptr, tok, live, base, scales, n, I + n, nl, H, BM, BN, BK, SWAP, True,
                                        EXACT, A_FP8)
-        dtype = act_ptr.dtype.element_ty
-        g = tl.minimum(acc_g.to(dtype).to(tl.float32), limit)
-        u = tl.minimum(tl.maximum(acc_u.to(dtype).to(tl.float32), -limit), limit)
-        act = (g / (1.0 + tl.exp(-g)) * u).to(dtype)
-        if SWAP:
-            tl.store(act_ptr + r[None, :].to(tl.int64) * I + n[:, None], act, mask=live[None, :] & nl[:, None])
-        else:
-            tl.store(act_ptr + r[:, None].to(tl.int64) * I + n[None, :], act, mask=live[:, None] & nl[None, :])
+        act = swiglu_rounded(acc_g, acc_u, limit, act_ptr.dtype.element_ty)
+        store_rows(act_ptr, r, n, live, nl, I, act, SWAP)
 
 
 @triton.jit
@@ -125,11 +120,7 @@ def _down_fp8_kernel(act_ptr, acts_ptr, w_ptr, ws_ptr, tok_ptr, bexp_ptr, y_ptr,
         # act rows are dispatch rows themselves: "tokens" r
         acc, _ = _rows_times_fp8(act_ptr, acts_ptr, r, live, base, scales, n, n, nl, I, BM, BN, BK, SWAP, False, EXACT,
                                  A_FP8)
-        y = acc.to(y_ptr.dtype.element_ty)
-        if SWAP:
-            tl.store(y_ptr + r[None, :].to(tl.int64) * H + n[:, None], y, mask=live[None, :] & nl[:, None])
-        else:
-            tl.store(y_ptr + r[:, None].to(tl.int64) * H + n[None, :], y, mask=live[:, None] & nl[None, :])
+        store_rows(y_ptr, r, n, live, nl, H, acc.to(y_ptr.dtype.element_ty), SWAP)
 
 
 def tiles(swap: bool, up: bool) -> tuple[int, int, int]:
