@@ -46,6 +46,8 @@ def add_parser(subparsers, name):
     e.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens (default: the model's)")
     e.add_argument("--block-size", type=int, default=None, help="tokens per KV block (default 128)")
     e.add_argument("--dtype", default=None, help="compute dtype (default auto: float32 on CPU)")
+    e.add_argument("--quantization", default=None, choices=("fp8",),
+                   help="fp8: serve the checkpoint's FP8/FP4 GEMM weights as block-scaled FP8 (serve --help)")
     e.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
     e.add_argument("--lease-s", type=float, default=5.0,
                    help="prefill: seconds exported KV is held without an ack or renewal (default 5)")
@@ -68,7 +70,7 @@ def add_parser(subparsers, name):
     return p
 
 
-_ENGINE_FLAGS = ("max_num_seqs", "num_blocks", "max_model_len", "block_size", "dtype", "num_threads",
+_ENGINE_FLAGS = ("max_num_seqs", "num_blocks", "max_model_len", "block_size", "dtype", "quantization", "num_threads",
                  "kv_store_nodes", "kv_store_ec", "kv_load_deadline_s", "kv_host_tier_bytes", *NODE_SWA_FLAGS)
 
 

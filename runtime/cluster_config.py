@@ -30,6 +30,7 @@
     block_size = 128
     max_model_len = 65536
     dtype = "auto"
+    quantization = ""              # "fp8": FP8 weights (serve --quantization)
     num_threads = 0
     kv_host_tier_bytes = 0
     kv_load_deadline_s = 0.25
@@ -154,6 +155,7 @@ class EngineSection(_Section):
     block_size: Annotated[int, msgspec.Meta(ge=0)] = 0
     max_model_len: Annotated[int, msgspec.Meta(ge=0)] = 0
     dtype: str = ""
+    quantization: str = ""  # "fp8": the engines serve FP8 weights (serve --quantization); "": none
     num_threads: Annotated[int, msgspec.Meta(ge=0)] = 0
     kv_host_tier_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
     kv_load_deadline_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
@@ -161,7 +163,7 @@ class EngineSection(_Section):
 
     def options(self) -> dict[str, object]:
         """The EngineOptions fields this section sets."""
-        keys = ("max_num_seqs", "num_blocks", "block_size", "max_model_len", "dtype", "num_threads",
+        keys = ("max_num_seqs", "num_blocks", "block_size", "max_model_len", "dtype", "quantization", "num_threads",
                 "kv_host_tier_bytes", "kv_load_deadline_s")
         return {k: getattr(self, k) for k in keys if getattr(self, k)}
 
@@ -362,4 +364,6 @@ def _check_sections(config: ClusterConfig) -> str | None:
                 f"({', '.join(ttl.class2ttl_s)}); its blocks would get the default TTL")
     if config.engine.dtype not in ("", "auto", "float32", "bfloat16", "float16"):
         return f"engine.dtype: expected auto, float32, bfloat16 or float16, got {config.engine.dtype!r}"
+    if config.engine.quantization not in ("", "fp8"):
+        return f"engine.quantization: expected fp8 or nothing, got {config.engine.quantization!r}"
     return None

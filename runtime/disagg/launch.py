@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 # node flags whose name is not the option's (bin/node.py takes the serve spellings)
 _FLAG_NAMES = {"swa_fetch_deadline_s": "--swa-fetch-deadline"}
 
-_NODE_FLAGS = ("max_num_seqs", "num_blocks", "max_model_len", "block_size", "dtype", "num_threads",
+_NODE_FLAGS = ("max_num_seqs", "num_blocks", "max_model_len", "block_size", "dtype", "quantization", "num_threads",
                "swa_replay", "swa_replay_tokens", "swa_store_slots", "swa_fetch_deadline_s")
 
 

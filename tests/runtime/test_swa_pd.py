@@ -100,3 +100,14 @@ def test_node_argv_carries_the_swa_flags_the_node_parses(tmp_path):
         swa_replay="bounded", swa_replay_tokens=32, swa_store_slots=3, swa_fetch_deadline_s=0.5)
     with pytest.raises(ValueError, match="'swa_directory' is not supported by disaggregated engines"):
         LocalPdCluster(tmp_path, engine_options=dict(swa_directory="tcp://127.0.0.1:9"))
+
+
+def test_node_argv_carries_the_weight_quantization(tmp_path):
+    """``serve --disaggregated --quantization fp8``: every prefill/decode node serves FP8 weights."""
+    from deepinfer.bin import cli, node
+    from deepinfer.runtime.cluster_config import NodeRole
+
+    cluster = LocalPdCluster(tmp_path, engine_options=dict(quantization="fp8", dtype="bfloat16"))
+    for name, role in (("prefill-0", NodeRole.PREFILL), ("decode-0", NodeRole.DECODE)):
+        args = cli.build_parser().parse_args(cluster._argv(tmp_path / "cluster.toml", name)[3:])
+        assert node._role_kwargs(args, role)["engine_options"] == dict(quantization="fp8", dtype="bfloat16")
