@@ -159,6 +159,25 @@ def test_trained_v41_keeps_its_heldout_loss_with_fp8_weights():
     assert abs(nll["fp8"] - nll[None]) <= 0.01, nll
 
 
+def test_dspark_over_fp8_weights_keeps_greedy_outputs():
+    """The drafter (dense) proposes for the FP8 target: verification keeps greedy outputs exact."""
+    from deepinfer.engine.models.deepseek_v41.builtin_checkpoint import builtin_checkpoint
+
+    prompts = ["def fibonacci(n):\n", "import os\n\ndef list_files(path):\n"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    tokens, accepted = {}, 0
+    for mode in ("off", "dspark"):
+        llm = LLM(model=str(builtin_checkpoint()), device="cpu", max_model_len=256, max_num_seqs=2,
+                  quantization="fp8", speculative=mode)
+        try:
+            tokens[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+            if mode == "dspark":
+                accepted = llm.engine.core.spec.stats.num_accepted
+        finally:
+            llm.shutdown()
+    assert tokens["dspark"] == tokens["off"] and accepted > 0
+
+
 def test_v41_official_numerics_refuse_fp8_weights(monkeypatch):
     from deepinfer.engine.models.deepseek_v41.builtin_checkpoint import builtin_checkpoint
 
