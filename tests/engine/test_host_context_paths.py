@@ -74,3 +74,30 @@ def test_buckets_of_one_step_and_of_many_equal_the_scalar_rule(counts):
     want = [index_plans.candidate_bucket(c) for c in counts]
     assert index_plans._buckets(arr).tolist() == want  # one path for one step, one for many
     assert [index_plans._buckets(arr[i : i + 1])[0] for i in range(len(counts))] == want
+
+
+def test_the_runner_rescans_for_hooks_only_after_a_registration():
+    """``ModelRunner._has_hooks`` (CUDA graphs skip hooks): a hook registered anywhere is seen at
+    the next forward, a removed one too, and with no registration since a clean scan the scan is
+    skipped (counted through the modules' hook dicts being read)."""
+    from deepinfer.engine.core.model_runner import ModelRunner
+    from deepinfer.engine.models.deepseek_v4.testing import PARITY_CONFIGS, hf_reference
+
+    ref = hf_reference(seed=0, **PARITY_CONFIGS["mixed_hc2"])
+    runner = ModelRunner(ref.config, ref.state_dict, num_blocks=8, num_slots=1, block_size=16)
+    assert not runner._has_hooks()
+
+    class Counting(list):
+        reads = 0
+
+        def __iter__(self):
+            Counting.reads += 1
+            return super().__iter__()
+
+    runner._modules = Counting(runner._modules)
+    assert not runner._has_hooks() and Counting.reads == 0  # nothing registered since the scan
+    handle = runner.model.layers[1].mlp.register_forward_pre_hook(lambda module, args: None)
+    assert runner._has_hooks() and Counting.reads == 1
+    handle.remove()
+    assert not runner._has_hooks() and Counting.reads == 2  # hooked last time: looked again
+    assert not runner._has_hooks() and Counting.reads == 2
