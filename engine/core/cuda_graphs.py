@@ -309,7 +309,3 @@ def _to_device(ctx, device: torch.device):
         _set(leaf, leaf.tensor.to(device, non_blocking=True))
     return ctx
 
-
-def has_hooks(model: torch.nn.Module) -> bool:
-    """True when any submodule has forward hooks (a graph replay would not run them)."""
-    return any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
