@@ -182,16 +182,18 @@ class Tiles:
 
 
 def _tiles(m: int, n: int, k: int, batch_invariant: bool) -> Tiles:
-    """Decode: 16 rows against 64 weight rows (one warpgroup's wgmma M = 64 on the weight side),
-    6 stages of 8 KB weight tiles in flight, K split so that the column tiles x splits reach
-    ``_DECODE_PROGRAMS`` (the split depends on N and K only: a row's sums never depend on M).
-    Prefill: 128 x 128 tiles of FP8 rows and weights (32 KB a stage), 8 warps, 4 stages. One shape
-    in batch-invariant mode (the tile shape fixes the order of a row's sums)."""
+    """Decode: all of the (at most 64) rows in one tile, 16 32 or 64 wide, against 64 weight rows
+    (one warpgroup's wgmma M = 64 on the weight side), so each weight tile is read once, not once
+    per 16 rows; 6 stages of 8 KB weight tiles in flight; K split so that the column tiles x
+    splits reach ``_DECODE_PROGRAMS`` (the split depends on N and K only). Prefill: 128 x 128 tiles
+    of FP8 rows and weights (32 KB a stage), 8 warps, 4 stages. Batch-invariant: always the 16-row
+    decode tile (the tile shape fixes the order of a row's sums)."""
     if m <= _SMALL_M or batch_invariant:
         groups = num_blocks(k)
         wanted = max(1, min(groups, -(-_DECODE_PROGRAMS // -(-n // 64))))
         per_split = -(-groups // wanted) if groups else 1
-        return Tiles(16, 64, 6, 4, True, max(1, -(-groups // per_split)), per_split)
+        bm = 16 if batch_invariant else max(16, triton.next_power_of_2(m))
+        return Tiles(bm, 64, 6, 4, True, max(1, -(-groups // per_split)), per_split)
     return Tiles(128, 128, 4, 8, False, 1, num_blocks(k) or 1)
 
 
