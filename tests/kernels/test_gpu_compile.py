@@ -48,7 +48,7 @@ CASES = [
     ("moe align", gpu_moe._align_kernel, dict(ids_ptr=I64, tok_ptr=I32, rop_ptr=I64, bexp_ptr=I32),
      dict(BM=16, EP=64, BP=64, BB=64), 4, 3),
 ]
-for rows in (1, 4096):  # the FP8 GEMM's decode (swapped, 16 x 64, K split) and prefill (128 x 128) tiles
+for rows in (1, 64, 4096):  # the FP8 GEMM's decode (swapped, 16 or 64 rows x 64, K split) and prefill (128 x 128) tiles
     t = gpu_fp8._tiles(rows, 4096, 4096, False)
     CASES.append((f"fp8 gemm {t.bm}x{t.bn}", gpu_fp8._gemm_kernel, FP8_GEMM if t.swap else FP8_GEMM_Q,
                   dict(BM=t.bm, BN=t.bn, BK=128, SWAP=t.swap, EXACT=False, A_FP8=not t.swap, PARTIAL=t.splits > 1),
