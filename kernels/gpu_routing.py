@@ -2,10 +2,10 @@
 
 Each wrapper looks at the op's first tensor argument: a CUDA tensor (with a shape the kernel
 takes) goes to the kernel, anything else to the routing the op had before, so CPU numbers never
-change. The kernels live in gpu_norm / gpu_mhc / gpu_attention / gpu_indexer / gpu_moe / gpu_fp8;
-their torch_ref counterparts are their oracles (tests/kernels/test_gpu_*.py). ``linear`` and
-``grouped_linear`` go to the kernels only with an FP8 weight (``Fp8Weight``); dense weights keep
-the previous routing.
+change. The kernels live in gpu_norm / gpu_mhc / gpu_attention / gpu_indexer / gpu_compressor /
+gpu_moe / gpu_fp8; their torch_ref counterparts are their oracles (tests/kernels/test_gpu_*.py).
+``linear`` and ``grouped_linear`` go to the kernels only with an FP8 weight (``Fp8Weight``); dense
+weights keep the previous routing.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from deepinfer.kernels import gpu_attention, gpu_fp8, gpu_indexer, gpu_mhc, gpu_moe, gpu_norm
+from deepinfer.kernels import gpu_attention, gpu_compressor, gpu_fp8, gpu_indexer, gpu_mhc, gpu_moe, gpu_norm
 from deepinfer.kernels.fp8 import Fp8Weight
 
 _MAX_HEAD_DIM = 1024  # one head row of q and the accumulator stay in registers
@@ -22,6 +22,8 @@ _MAX_STREAMS = 16
 _MAX_EXPERTS = 4096
 _MAX_INDEX_HEADS = 128  # all heads of a token and their [H, BN] scores stay in registers
 _MAX_INDEX_DIM = 256
+_MAX_COMPRESS_DIM = 1024  # an entry's pooled row stays in registers
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _gathered_ok(q, *_args, **_kw) -> bool:
@@ -31,6 +33,12 @@ def _gathered_ok(q, *_args, **_kw) -> bool:
 def _index_ok(q, head_weights, keys, *_args, **_kw) -> bool:
     return (q.dim() == 3 and q.shape[1] <= _MAX_INDEX_HEADS and q.shape[2] <= _MAX_INDEX_DIM
             and q.dtype == keys.dtype and keys.dtype in (torch.float32, torch.bfloat16, torch.float16))
+
+
+def _compress_ok(kv, gate, ring_kv, ring_gate, ring_rows, src_index, src_valid, position_bias, ratio, head_dim,
+                 overlap, norm_weight, *_args, **_kw) -> bool:
+    return (head_dim <= _MAX_COMPRESS_DIM and kv.dtype in _FLOATS and norm_weight is not None
+            and gate.dtype == ring_kv.dtype == ring_gate.dtype == kv.dtype)
 
 
 def _streams_ok(streams, *_args, **_kw) -> bool:
@@ -74,6 +82,7 @@ KERNELS: dict[str, tuple[Callable, Callable]] = {
     "apply_rope_": (gpu_norm.apply_rope_, _rope_ok),
     "gathered_attention": (gpu_attention.gathered_attention, _gathered_ok),
     "index_scores": (gpu_indexer.index_scores, _index_ok),
+    "compress_pool": (gpu_compressor.compress_pool, _compress_ok),
     "sinkhorn": (gpu_mhc.sinkhorn, lambda comb, *a, **k: comb.dim() == 3 and comb.shape[1] <= _MAX_STREAMS),
     "hc_pre": (gpu_mhc.hc_pre, _streams_ok),
     "hc_post": (gpu_mhc.hc_post, _post_ok),

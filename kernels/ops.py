@@ -8,10 +8,12 @@ A faster backend (Triton/CuPy on NVIDIA) registers replacements for the ops it i
 ``register``; ``reset`` restores the default routing and ``use_reference`` the pure reference.
 ``use_gpu`` registers the Triton kernels (kernels/gpu_routing.py) for CUDA tensors only.
 
-Two ops exist for fused backends: ``rms_norm_rope`` (by default ``apply_rope_(rms_norm(...))``
-through the current routing, so CPU numbers stay those of the two ops) and ``moe_experts_``
-(routed experts of a MoE block; its reference is an expert-by-expert oracle, so models call it
-only where ``backend_of("moe_experts_")`` names a fused backend).
+Three ops exist for fused backends: ``rms_norm_rope`` (by default ``apply_rope_(rms_norm(...))``
+through the current routing, so CPU numbers stay those of the two ops), ``compress_pool`` (a gated
+compressor's pooling, by default the reference's pooling then ``rms_norm`` through the current
+routing, for the same reason) and ``moe_experts_`` (routed experts of a MoE block; its reference
+is an expert-by-expert oracle, so models call it only where ``backend_of("moe_experts_")`` names a
+fused backend).
 """
 
 from __future__ import annotations
@@ -41,8 +43,18 @@ OP_NAMES = (
     "moe_route",
     "moe_combine_",
     "rms_norm_rope",
+    "compress_pool",
     "moe_experts_",
 )
+
+
+def _compress_pool(kv, gate, ring_kv, ring_gate, ring_rows, src_index, src_valid, position_bias, ratio, head_dim,
+                   overlap, norm_weight, eps):
+    """The reference's pooling, then ``rms_norm`` through the current routing."""
+    pooled = torch_ref.compress_pooled(kv, gate, ring_kv, ring_gate, ring_rows, src_index, src_valid, position_bias,
+                                       ratio, head_dim, overlap)
+    return rms_norm(pooled, norm_weight, eps)
+
 
 _reference: dict[str, Callable] = {name: getattr(torch_ref, name) for name in OP_NAMES}
 _default: dict[str, Callable] = {
@@ -56,6 +68,7 @@ _default: dict[str, Callable] = {
     "linear": cpu_gemm.linear,
     "grouped_linear": cpu_gemm.grouped_linear,
     "rms_norm_rope": lambda x, weight, eps, cos, sin: apply_rope_(rms_norm(x, weight, eps), cos, sin),
+    "compress_pool": _compress_pool,
 }
 _active: dict[str, Callable] = {}
 
@@ -124,5 +137,6 @@ swiglu_clamped = torch_ref.swiglu_clamped
 moe_route = torch_ref.moe_route
 moe_combine_ = torch_ref.moe_combine_
 rms_norm_rope = torch_ref.rms_norm_rope
+compress_pool = torch_ref.compress_pool
 moe_experts_ = torch_ref.moe_experts_
 reset()

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.kernels import fp8
+from deepinfer.kernels.compress_ref import compress_pooled
 
 def gemm_rows(m: int) -> int:
     """Rows to run a GEMM of ``m`` rows with so it takes the kernel every large M takes."""
@@ -353,6 +354,15 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, cos:
                   sin: torch.Tensor) -> torch.Tensor:
     """``apply_rope_(rms_norm(x, weight, eps), cos, sin)``: a query's or key's norm and rotation."""
     return apply_rope_(rms_norm(x, weight, eps), cos, sin)
+
+
+def compress_pool(kv, gate, ring_kv, ring_gate, ring_rows, src_index, src_valid, position_bias, ratio: int,
+                  head_dim: int, overlap: bool, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """A gated compressor's entries ``[E, head_dim]`` before the rotation: ``rms_norm`` of
+    ``compress_pooled`` (kernels/compress_ref.py: shapes, slot layout and rounding)."""
+    pooled = compress_pooled(kv, gate, ring_kv, ring_gate, ring_rows, src_index, src_valid, position_bias, ratio,
+                             head_dim, overlap)
+    return rms_norm(pooled, norm_weight, eps)
 
 
 def moe_experts_(out: torch.Tensor, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor,

@@ -16,7 +16,9 @@ from tests.conftest import load_test_helper
 sm90 = load_test_helper("kernels/sm90_compile")
 sm90.skip_unless_compilable()
 
-from deepinfer.kernels import gpu_attention, gpu_fp8, gpu_mhc, gpu_moe, gpu_moe_fp8, gpu_norm  # noqa: E402
+from deepinfer.kernels import (  # noqa: E402
+    gpu_attention, gpu_compressor, gpu_fp8, gpu_mhc, gpu_moe, gpu_moe_fp8, gpu_norm,
+)
 
 pytestmark = [pytest.mark.timeout(300)]
 BF, F32, I64, I32, FP8 = sm90.BF, sm90.F32, sm90.I64, sm90.I32, sm90.FP8
@@ -30,6 +32,10 @@ MOE_UP = dict(x_ptr=BF, w_ptr=BF, tok_ptr=I32, bexp_ptr=I32, act_ptr=BF)
 MOE_DOWN = dict(act_ptr=BF, w_ptr=BF, tok_ptr=I32, bexp_ptr=I32, y_ptr=BF)
 ATTN = dict(q_ptr=BF, pool_ptr=BF, prow_ptr=I64, pbias_ptr=F32, extra_ptr=BF, erow_ptr=I64, ebias_ptr=F32,
             sinks_ptr=F32, out_ptr=BF, pm_ptr=F32, pl_ptr=F32, pacc_ptr=F32)
+COMPRESS = dict(kv_ptr=BF, gate_ptr=BF, rkv_ptr=BF, rgate_ptr=BF, rrows_ptr=I64, idx_ptr=I64, valid_ptr="*u8",
+                bias_ptr=F32, w_ptr=F32, out_ptr=BF)
+# the compressor's row strides (widths of 256 .. 1024 elements) specialise as multiples of 16: vector loads
+sm90.ALIGNED_INTS.update({"s_kv", "s_gate", "s_rkv", "s_rgate", "s_bias"})
 
 # (name, kernel, pointer types, constexprs, num_warps, num_stages)
 CASES = [
@@ -48,6 +54,12 @@ CASES = [
     ("moe align", gpu_moe._align_kernel, dict(ids_ptr=I64, tok_ptr=I32, rop_ptr=I64, bexp_ptr=I32),
      dict(BM=16, EP=64, BP=64, BB=64), 4, 3),
 ]
+# the compressors: CSA (ratio 4, overlap, span 8) and HCA (ratio 128, span 128) at head_dim 512, and
+# the CSA indexer's (head_dim 128)
+for label, head_dim, span, overlap in (("csa", 512, 8, True), ("hca", 512, 128, False), ("csa indexer", 128, 8, True)):
+    bs, dp, warps = gpu_compressor.tiles(head_dim, span)
+    CASES.append((f"compress pool {label}", gpu_compressor._compress_kernel, COMPRESS,
+                  dict(OVERLAP=overlap, HAS_BIAS=True, BS=bs, DP=dp), warps, 3))
 for rows in (1, 64, 4096):  # the FP8 GEMM's decode (swapped, 16 or 64 rows x 64, K split) and prefill (128 x 128) tiles
     t = gpu_fp8._tiles(rows, 4096, 4096, False)
     CASES.append((f"fp8 gemm {t.bm}x{t.bn}", gpu_fp8._gemm_kernel, FP8_GEMM if t.swap else FP8_GEMM_Q,
@@ -74,6 +86,8 @@ def test_kernel_compiles_for_sm90_without_spills(case, tmp_path):
     ptx = compiled.asm["ptx"]
     if name.startswith(("moe up", "moe down")):
         assert "wgmma.mma_async" in ptx and "cp.async" in ptx, f"{name}: no wgmma / cp.async pipeline"
+    if name.startswith("compress pool"):  # rows gathered from two tensors still load 16 bytes at a time
+        assert "ld.global.v4.b32" in ptx and "ld.global.b16" not in ptx, f"{name}: scalar row loads"
     if "fp8" in name:  # FP8 x FP8 on the tensor cores, operands streamed by cp.async
         wgmma = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
         assert wgmma and all("e4m3.e4m3" in line for line in wgmma) and "cp.async" in ptx, f"{name}: no FP8 wgmma"

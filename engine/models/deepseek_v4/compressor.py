@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.engine.models.deepseek_v4.context import NEG_INF, EntryPlan, TokenGroup
+from deepinfer.engine.models.deepseek_v4.context import EntryPlan, TokenGroup
 from deepinfer.engine.models.deepseek_v4.layers import Norm, linear_holder
 from deepinfer.kernels import ops
 
@@ -71,28 +71,14 @@ class Compressor(nn.Module):
         plan: EntryPlan,
     ) -> torch.Tensor:
         """``close_entries`` before the rotation: the normed pooled latent ``[E, head_dim]``
-        (V4.1's indexer keys are projected from it). An ungated compressor takes its one row."""
-        num_entries, span = plan.src_index.shape
+        (V4.1's indexer keys are projected from it). A gated compressor pools through
+        ``ops.compress_pool`` (one kernel on a GPU); an ungated one takes its one row."""
         if self.gate_proj is None:
             return ops.rms_norm(kv.index_select(0, plan.src_index.reshape(-1) - plan.ring_rows.numel()),
                                 self.kv_norm.weight, self.eps)
-
-        r, d = self.ratio, self.head_dim
-        pool_kv = torch.cat([ring_kv.index_select(0, plan.ring_rows), kv])
-        pool_gate = torch.cat([ring_gate.index_select(0, plan.ring_rows), gate])
-        flat_index = plan.src_index.reshape(-1)
-        src_kv = pool_kv.index_select(0, flat_index).view(num_entries, span, self.width)
-        src_gate = pool_gate.index_select(0, flat_index).view(num_entries, span, self.width).float()
-        bias = self.position_bias
-        if self.overlap:
-            # slots 0..r-1: Ca of window w-1, slots r..2r-1: Cb of window w
-            src_kv = torch.cat([src_kv[:, :r, :d], src_kv[:, r:, d:]], dim=1)
-            src_gate = torch.cat([src_gate[:, :r, :d] + bias[:, :d], src_gate[:, r:, d:] + bias[:, d:]], dim=1)
-        elif bias is not None:
-            src_gate = src_gate + bias
-        src_gate = src_gate.masked_fill(~plan.src_valid[..., None], NEG_INF)
-        weights = src_gate.softmax(dim=1).to(src_kv.dtype)
-        return ops.rms_norm((src_kv * weights).sum(dim=1), self.kv_norm.weight, self.eps)
+        return ops.compress_pool(kv, gate, ring_kv, ring_gate, plan.ring_rows, plan.src_index, plan.src_valid,
+                                 self.position_bias, self.ratio, self.head_dim, self.overlap, self.kv_norm.weight,
+                                 self.eps)
 
 
 class Scorer(nn.Module):
