@@ -29,7 +29,7 @@ status=0
 if [[ ",$STAGES," == *",kernels,"* ]]; then
   KERNEL_TESTS=${KERNEL_TESTS:-tests/kernels/test_gpu_norm.py tests/kernels/test_gpu_mhc.py tests/kernels/test_gpu_attention.py \
     tests/kernels/test_gpu_indexer.py tests/kernels/test_gpu_moe.py tests/kernels/test_gpu_routing.py tests/kernels/test_gpu_sampling.py \
-    tests/kernels/test_gpu_fp8.py tests/kernels/test_gpu_moe_fp8.py}
+    tests/kernels/test_gpu_fp8.py tests/kernels/test_gpu_moe_fp8.py tests/kernels/test_gpu_compressor.py}
   # shellcheck disable=SC2086  # a list of files
   timeout "${KERNEL_CAP:-150}" python3 -m pytest -q --maxfail=8 $KERNEL_TESTS 2>&1 | tee "$OUT/kernel_tests.log" | tail -25 || status=1
 fi
