@@ -61,6 +61,9 @@ class Envs:
     # Set to 0 to read each decode step's sampled ids on the host before the next decode forward
     # is launched (accelerators only; by default that forward takes them from the device).
     feed_ids: bool = True
+    # Comma-separated op names (kernels/ops.py) whose Triton kernels stay off on CUDA: those ops
+    # keep the torch routing there (e.g. "compress_pool,linear" to bisect a kernel on a device).
+    triton_off: str = ""
 
 
 _ENV_NAMES = {
@@ -68,6 +71,7 @@ _ENV_NAMES = {
     "v41_numerics": "DEEPINFER_V41_NUMERICS",
     "cuda_graphs": "DEEPINFER_CUDA_GRAPHS",
     "feed_ids": "DEEPINFER_FEED_IDS",
+    "triton_off": "DEEPINFER_TRITON_OFF",
     "cache_dir": "DEEPINFER_CACHE_DIR",
     "builtin_model": "DEEPINFER_BUILTIN_MODEL",
     "accelerator": "DEEPINFER_ACCELERATOR",

@@ -109,11 +109,19 @@ def cuda_only(name: str, kernel: Callable, fits: Callable, fallback: Callable) -
     return op
 
 
-def routing(active: dict[str, Callable]) -> dict[str, Callable]:
+def routing(active: dict[str, Callable], off: str = "") -> dict[str, Callable]:
     """The wrappers to register over the routing ``active`` (idempotent: a wrapper already in
-    place keeps its original fallback)."""
+    place keeps its original fallback); ops named in ``off`` (comma-separated,
+    DEEPINFER_TRITON_OFF) keep their previous routing."""
+    skipped = {name.strip() for name in off.split(",") if name.strip()}
+    unknown = sorted(skipped - set(KERNELS))
+    if unknown:
+        raise ValueError(f"DEEPINFER_TRITON_OFF names {unknown[0]!r}, which has no Triton kernel; "
+                         f"ops with one: {', '.join(KERNELS)}")
     table = {}
     for name, (kernel, fits) in KERNELS.items():
+        if name in skipped:
+            continue
         previous = active[name]
         table[name] = cuda_only(name, kernel, fits, getattr(previous, "gpu_fallback", previous))
     return table

@@ -107,7 +107,7 @@ def use_gpu() -> bool:
         from deepinfer.kernels import gpu_routing
     except ImportError:  # no Triton: the torch ops run on the GPU
         return False
-    for name, fn in gpu_routing.routing(_active).items():
+    for name, fn in gpu_routing.routing(_active, envs.get().triton_off).items():
         register(name, fn)
     return True
 
