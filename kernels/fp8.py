@@ -72,14 +72,6 @@ class Fp8Weight:
     def device(self) -> torch.device:
         return self.data.device
 
-    @property
-    def is_cuda(self) -> bool:
-        return self.data.is_cuda
-
-    @property
-    def is_cpu(self) -> bool:
-        return self.data.is_cpu
-
     def dim(self) -> int:
         return self.data.dim()
 
@@ -95,9 +87,6 @@ class Fp8Weight:
         if self.data.dim() < 3:
             raise IndexError("an FP8 matrix is indexed by its leading (stack) dims only")
         return Fp8Weight(self.data[index], self.scale[index])
-
-    def __iter__(self):
-        return (self[i] for i in range(len(self)))
 
     def to(self, device) -> Fp8Weight:
         return Fp8Weight(self.data.to(device), self.scale.to(device))

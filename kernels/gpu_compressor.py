@@ -58,15 +58,19 @@ def _rows(fresh_ptr, ring_ptr, fresh_row, ring_row, is_ring, col, mask, s_fresh,
 
 
 @triton.jit
-def _gates(gate_ptr, rgate_ptr, bias_ptr, ring_row, fresh_row, is_ring, valid, half, j, col, is_chan, ratio, s_gate,
-           s_rgate, s_bias, HAS_BIAS: tl.constexpr):
-    """gate + bias ``[BS, DP]`` in float32, -inf for invalid and padded slots; padded channels
-    stay finite (0) so their unused sums cannot turn into NaN."""
+def _block(idx_ptr, valid_ptr, rrows_ptr, gate_ptr, rgate_ptr, bias_ptr, e, j, c, is_chan, span, ratio, num_ring, D,
+           s_gate, s_rgate, s_bias, OVERLAP: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Slots ``j`` of entry ``e``: their rows (as ``_slots``), the channel columns ``col`` they
+    read, and gate + bias ``[BS, DP]`` in float32, -inf for invalid and padded slots; padded
+    channels stay finite (0) so their unused sums cannot turn into NaN."""
+    ring_row, fresh_row, is_ring, valid, half = _slots(idx_ptr, valid_ptr, rrows_ptr, e, j, span, ratio, num_ring,
+                                                       OVERLAP)
+    col = (half * D)[:, None] + c[None, :]
     live = valid[:, None] & is_chan
     g = _rows(gate_ptr, rgate_ptr, fresh_row, ring_row, is_ring, col, live, s_gate, s_rgate).to(tl.float32)
     if HAS_BIAS:
         g += tl.load(bias_ptr + ((j - half * ratio) * s_bias)[:, None] + col, mask=live, other=0.0)
-    return tl.where(valid[:, None] | ~is_chan, g, -float("inf"))
+    return ring_row, fresh_row, is_ring, valid, col, tl.where(valid[:, None] | ~is_chan, g, -float("inf"))
 
 
 @triton.jit
@@ -81,12 +85,9 @@ def _compress_kernel(kv_ptr, gate_ptr, rkv_ptr, rgate_ptr, rrows_ptr, idx_ptr, v
     m = tl.full([DP], -float("inf"), tl.float32)
     l = tl.zeros([DP], dtype=tl.float32)
     for start in range(0, span, BS):
-        j = start + tl.arange(0, BS)
-        ring_row, fresh_row, is_ring, valid, half = _slots(idx_ptr, valid_ptr, rrows_ptr, e, j, span, ratio, num_ring,
-                                                           OVERLAP)
-        col = (half * D)[:, None] + c[None, :]
-        g = _gates(gate_ptr, rgate_ptr, bias_ptr, ring_row, fresh_row, is_ring, valid, half, j, col, is_chan, ratio,
-                   s_gate, s_rgate, s_bias, HAS_BIAS)
+        _, _, _, _, _, g = _block(  # (Triton takes no starred targets)
+            idx_ptr, valid_ptr, rrows_ptr, gate_ptr, rgate_ptr, bias_ptr, e, start + tl.arange(0, BS), c, is_chan, span,
+            ratio, num_ring, D, s_gate, s_rgate, s_bias, OVERLAP, HAS_BIAS)
         m_new = tl.maximum(m, tl.max(g, 0))
         shift = tl.where(m_new == -float("inf"), 0.0, m_new)  # no slot valid yet: l stays 0
         l = l * tl.exp(m - shift) + tl.sum(tl.exp(g - shift[None, :]), 0)
@@ -94,12 +95,9 @@ def _compress_kernel(kv_ptr, gate_ptr, rkv_ptr, rgate_ptr, rrows_ptr, idx_ptr, v
     # pass 2: rounded weights times kv, summed in float32
     acc = tl.zeros([DP], dtype=tl.float32)
     for start in range(0, span, BS):
-        j = start + tl.arange(0, BS)
-        ring_row, fresh_row, is_ring, valid, half = _slots(idx_ptr, valid_ptr, rrows_ptr, e, j, span, ratio, num_ring,
-                                                           OVERLAP)
-        col = (half * D)[:, None] + c[None, :]
-        g = _gates(gate_ptr, rgate_ptr, bias_ptr, ring_row, fresh_row, is_ring, valid, half, j, col, is_chan, ratio,
-                   s_gate, s_rgate, s_bias, HAS_BIAS)
+        ring_row, fresh_row, is_ring, valid, col, g = _block(
+            idx_ptr, valid_ptr, rrows_ptr, gate_ptr, rgate_ptr, bias_ptr, e, start + tl.arange(0, BS), c, is_chan, span,
+            ratio, num_ring, D, s_gate, s_rgate, s_bias, OVERLAP, HAS_BIAS)
         weight = (tl.exp(g - m[None, :]) / l[None, :]).to(kdtype).to(tl.float32)
         x = _rows(kv_ptr, rkv_ptr, fresh_row, ring_row, is_ring, col, valid[:, None] & is_chan, s_kv, s_rkv)
         acc += tl.sum((x.to(tl.float32) * weight).to(kdtype).to(tl.float32), 0)

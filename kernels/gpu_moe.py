@@ -27,7 +27,7 @@ import triton.language as tl
 
 from deepinfer.kernels import gpu_moe_fp8
 from deepinfer.kernels.fp8 import Fp8Weight
-from deepinfer.kernels.gpu_tiles import store_rows, swiglu_rounded
+from deepinfer.kernels.gpu_tiles import dispatch_tile, store_rows, swiglu_rounded
 
 SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 _SMALL_PAIRS = 1024  # up to this many (token, expert) pairs: decode tiles
@@ -145,14 +145,8 @@ def _rows_times_weights(x_ptr, tok, live, w_ptr, n, nl, K, BM: tl.constexpr, BN:
 @triton.jit
 def _up_kernel(x_ptr, w_ptr, tok_ptr, bexp_ptr, act_ptr, T, H, I, limit, BM: tl.constexpr, BN: tl.constexpr,
                BK: tl.constexpr, SWAP: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    b, nb = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(bexp_ptr + b)
+    expert, r, tok, live, n, nl = dispatch_tile(bexp_ptr, tok_ptr, T, I, BM, BN)
     if expert >= 0:
-        r = b * BM + tl.arange(0, BM)
-        tok = tl.load(tok_ptr + r)
-        live = tok < T
-        n = nb * BN + tl.arange(0, BN)
-        nl = n < I
         base = w_ptr + expert.to(tl.int64) * (2 * I) * H
         acc_g = _rows_times_weights(x_ptr, tok, live, base, n, nl, H, BM, BN, BK, SWAP, IEEE, UPCAST)
         acc_u = _rows_times_weights(x_ptr, tok, live, base + I * H, n, nl, H, BM, BN, BK, SWAP, IEEE, UPCAST)
@@ -163,13 +157,8 @@ def _up_kernel(x_ptr, w_ptr, tok_ptr, bexp_ptr, act_ptr, T, H, I, limit, BM: tl.
 @triton.jit
 def _down_kernel(act_ptr, w_ptr, tok_ptr, bexp_ptr, y_ptr, T, H, I, BM: tl.constexpr, BN: tl.constexpr,
                  BK: tl.constexpr, SWAP: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    b, nb = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(bexp_ptr + b)
+    expert, r, _tok, live, n, nl = dispatch_tile(bexp_ptr, tok_ptr, T, H, BM, BN)  # act rows: the rows r
     if expert >= 0:
-        r = b * BM + tl.arange(0, BM)
-        live = tl.load(tok_ptr + r) < T
-        n = nb * BN + tl.arange(0, BN)
-        nl = n < H
         base = w_ptr + expert.to(tl.int64) * H * I
         # act rows are dispatch rows themselves: "tokens" r
         acc = _rows_times_weights(act_ptr, r, live, base, n, nl, I, BM, BN, BK, SWAP, IEEE, UPCAST)

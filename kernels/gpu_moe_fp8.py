@@ -28,7 +28,7 @@ import triton.language as tl
 from deepinfer.kernels import gpu_fp8
 from deepinfer.kernels.fp8 import BLOCK, Fp8Weight
 from deepinfer.kernels.gpu_fp8 import quant_group
-from deepinfer.kernels.gpu_tiles import store_rows, swiglu_rounded
+from deepinfer.kernels.gpu_tiles import dispatch_tile, store_rows, swiglu_rounded
 
 
 @triton.jit
@@ -88,14 +88,8 @@ def _rows_times_fp8(x_ptr, xs_ptr, tok, live, w_ptr, ws_ptr, n, n2, nl, K, BM: t
 @triton.jit
 def _up_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, tok_ptr, bexp_ptr, act_ptr, T, H, I, limit, BM: tl.constexpr,
                    BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr, EXACT: tl.constexpr, A_FP8: tl.constexpr):
-    b, nb = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(bexp_ptr + b)
+    expert, r, tok, live, n, nl = dispatch_tile(bexp_ptr, tok_ptr, T, I, BM, BN)
     if expert >= 0:
-        r = b * BM + tl.arange(0, BM)
-        tok = tl.load(tok_ptr + r)
-        live = tok < T
-        n = nb * BN + tl.arange(0, BN)
-        nl = n < I
         base = w_ptr + expert.to(tl.int64) * (2 * I) * H
         scales = ws_ptr + expert * tl.cdiv(2 * I, BK) * tl.cdiv(H, BK)
         # gate rows n and up rows I + n: x's tiles quantised once for both
@@ -108,13 +102,8 @@ def _up_fp8_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, tok_ptr, bexp_ptr, act_ptr, T, 
 @triton.jit
 def _down_fp8_kernel(act_ptr, acts_ptr, w_ptr, ws_ptr, tok_ptr, bexp_ptr, y_ptr, T, H, I, BM: tl.constexpr,
                      BN: tl.constexpr, BK: tl.constexpr, SWAP: tl.constexpr, EXACT: tl.constexpr, A_FP8: tl.constexpr):
-    b, nb = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(bexp_ptr + b)
+    expert, r, _tok, live, n, nl = dispatch_tile(bexp_ptr, tok_ptr, T, H, BM, BN)  # act rows: the rows r
     if expert >= 0:
-        r = b * BM + tl.arange(0, BM)
-        live = tl.load(tok_ptr + r) < T
-        n = nb * BN + tl.arange(0, BN)
-        nl = n < H
         base = w_ptr + expert.to(tl.int64) * H * I
         scales = ws_ptr + expert * tl.cdiv(H, BK) * tl.cdiv(I, BK)
         # act rows are dispatch rows themselves: "tokens" r

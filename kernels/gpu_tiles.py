@@ -1,11 +1,23 @@
-"""Triton pieces the expert GEMM kernels share (kernels/gpu_moe.py, kernels/gpu_moe_fp8.py): the
-clamped SwiGLU of an up kernel's two accumulators and the store of a tile of dispatch rows in
-either orientation."""
+"""Triton pieces the expert GEMM kernels share (kernels/gpu_moe.py, kernels/gpu_moe_fp8.py): a
+program's block of dispatch rows and column tile, the clamped SwiGLU of an up kernel's two
+accumulators and the store of a tile of dispatch rows in either orientation."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def dispatch_tile(bexp_ptr, tok_ptr, T, N, BM: tl.constexpr, BN: tl.constexpr):
+    """Program (block b, column tile nb) of an expert GEMM over the align kernel's layout:
+    (the block's expert, -1 for an unused block; its rows r [BM], their tokens, live = a real
+    token; columns n [BN] and n < N)."""
+    b, nb = tl.program_id(0), tl.program_id(1)
+    r = b * BM + tl.arange(0, BM)
+    tok = tl.load(tok_ptr + r)
+    n = nb * BN + tl.arange(0, BN)
+    return tl.load(bexp_ptr + b), r, tok, tok < T, n, n < N
 
 
 @triton.jit
