@@ -115,10 +115,11 @@ class Fp8Weight:
         padded[..., :n, :k] = weight.to(torch.float32)
         tiles = padded.view(*lead, nb, BLOCK, kb, BLOCK)
         amax = tiles.abs().amax(dim=(-3, -1))
+        ratio = amax / torch.full_like(amax, FP8_MAX)  # IEEE on every device (quantize_rows says why)
         if scale_format == "float":
-            scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+            scale = torch.where(amax > 0, ratio, torch.ones_like(amax))
         else:
-            scale = torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX))), torch.ones_like(amax))
+            scale = torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(ratio))), torch.ones_like(amax))
         q = (tiles / scale[..., :, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
         data = q.view(*lead, nb * BLOCK, kb * BLOCK)[..., :n, :k].to(FP8)
         return cls(data, scale)
@@ -134,8 +135,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     g = padded.view(*lead, groups, BLOCK)
     amax = g.abs().amax(dim=-1)
     positive = amax > 0
-    s = torch.where(positive, amax / FP8_MAX, torch.ones_like(amax))
-    # a tensor over a tensor: IEEE division (a Python number over a tensor is its reciprocal times it)
+    # tensors over tensors: IEEE division on every device (CUDA divides a tensor by a Python number
+    # as a product with its reciprocal, 1 ulp off amax / 448 for some amax; seen on an H100)
+    s = torch.where(positive, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     r = torch.where(positive, torch.full_like(amax, FP8_MAX) / torch.where(positive, amax, 1.0), torch.ones_like(amax))
     q = (g * r.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(*lead, groups * BLOCK)[..., :k]
     return q.contiguous(), s

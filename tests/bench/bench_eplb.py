@@ -106,6 +106,8 @@ def build_parser():
     p.add_argument("--steps-duty", type=float, default=STEPS_DUTY,
                    help="steps: share of wall time the staging thread works (EpSettings.background_duty; "
                         "default %(default)s)")
+    p.add_argument("--steps-records", metavar="PATH.json", default=None,
+                   help="steps: write rank 0's raw per-step records there (step start times, swaps, background phases)")
     p.add_argument("--steps-default-gc", action="store_true",
                    help="steps: leave the cyclic GC as it is (default: the model frozen out of it, "
                         "tune_interpreter(freeze_gc=True))")
@@ -189,7 +191,7 @@ def _measure_steps(report: Report, args) -> None:
     if not 0 < args.steps_duty <= 1:
         raise BenchError(f"--steps-duty {args.steps_duty}: give a share in (0, 1]")
     for name, value in measure(steps=args.steps_decode, rounds=args.steps_rounds, duty=args.steps_duty,
-                               freeze_gc=not args.steps_default_gc).items():
+                               freeze_gc=not args.steps_default_gc, records_path=args.steps_records).items():
         report.figure(f"steps_{name}", value)
 
 

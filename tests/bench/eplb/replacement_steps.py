@@ -74,8 +74,10 @@ LAYERS, NUM_HASH = "WWCHCHCH", 2
 
 def measure(steps: int = 240, window: int = 20, period: int = 80, rounds: int = 2, hidden: int = 1024,
             intermediate: int = 512, seqs: int = 64, pin: bool = True, duty: float = 1.0, freeze_gc: bool = True,
-            timeout_s: float = 1800) -> dict[str, float]:
-    """``rounds`` pairs of runs in one pair of rank processes: re-placing, then the control."""
+            timeout_s: float = 1800, records_path: str | None = None) -> dict[str, float]:
+    """``rounds`` pairs of runs in one pair of rank processes: re-placing, then the control.
+    ``records_path``: also write rank 0's raw records there (JSON: every step's start time, the
+    swaps, the background phases' timeline) for a closer look at single steps."""
     if not (HARNESS_DIR / "ep_harness.py").is_file():
         raise FileNotFoundError(f"the EP test harness {HARNESS_DIR / 'ep_harness.py'} is missing "
                                 "(a checkout without tests/engine?)")
@@ -101,6 +103,8 @@ def measure(steps: int = 240, window: int = 20, period: int = 80, rounds: int = 
             if p.returncode != 0:
                 raise RuntimeError(f"EP rank {r} exited with {p.returncode}: {logs[r][-2000:]}")
         records = json.loads((Path(out) / "rank0.json").read_text())
+        if records_path is not None:
+            Path(records_path).write_text(json.dumps(records))
     runs = [Run.of(records[f"steps{r}"], records[f"control{r}"]) for r in range(rounds)]
     gc_ms = [max(records[f"{kind}{r}"].get("step_gc_ms") or [0.0]) for r in range(rounds) for kind in ("steps", "control")]
     return {**figures(runs), "cores_per_rank": float(len(records.get("cores", ()))), "duty": float(duty),
@@ -139,9 +143,10 @@ class Run:
                    phases, ms(list(staged.values())))
 
     def stretches(self) -> list[tuple[int, int]]:
-        """[first, end) of each re-placement's stretch: 3 steps before its first swap to 1 after its
-        last. A re-placement is a run of steps with one in flight; its swaps need not be at
-        consecutive boundaries (a layer swaps when every rank has staged it)."""
+        """[first, end) of each re-placement's stretch: the whole re-placement (from the step it
+        started in: the window's snapshot, the plan, the staging, the swaps) with 3 steps before it
+        and 1 after its last swap. A re-placement is a run of steps with one in flight; its swaps
+        need not be at consecutive boundaries (a layer swaps when every rank has staged it)."""
         n, spans = len(self.step_ms), []
         flight = np.concatenate([[False], self.in_flight, [False]]).astype(np.int8)
         edges = np.flatnonzero(np.diff(flight))
@@ -149,7 +154,7 @@ class Run:
             # the swap that ends a re-placement comes at the boundary of its last step in flight
             swapped = np.flatnonzero(self.swaps[first:min(n, end + 1)]) + first
             if swapped.size:
-                spans.append((max(1, int(swapped[0]) - 3), min(n, int(swapped[-1]) + 2)))
+                spans.append((max(1, int(first) - 3), min(n, int(swapped[-1]) + 2)))
         return spans
 
 

@@ -15,14 +15,26 @@ def run_of(step_ms, swaps, in_flight, control_ms):
                np.asarray(control_ms, float))
 
 
-def test_a_stretch_runs_from_three_steps_before_the_first_swap_to_one_after_the_last():
+def test_a_stretch_runs_from_three_steps_before_the_replacement_to_one_after_its_last_swap():
     swaps, flight = np.zeros(40, int), np.zeros(40, bool)
     flight[10:20] = True
     swaps[[13, 16, 19]] = 1  # not at consecutive boundaries: still one re-placement
     flight[30:34] = True
     swaps[33] = 1
     run = run_of(np.ones(40), swaps, flight, np.ones(40))
-    assert run.stretches() == [(10, 21), (30, 35)]
+    assert run.stretches() == [(7, 21), (27, 35)]
+
+
+def test_a_slow_step_while_planning_counts_around_the_replacement():
+    from deepinfer_bench.eplb.replacement_steps import figures
+
+    swaps, flight = np.zeros(60, int), np.zeros(60, bool)
+    flight[20:40] = True  # planned at step 20, staged for 18 steps, swapped at the boundary of step 39
+    swaps[39] = 1
+    step_ms = np.full(60, 10.0)
+    step_ms[21] = 13.0  # a step during the plan, far from the swap
+    got = figures([run_of(step_ms, swaps, flight, np.full(60, 10.0))])
+    assert got["replacement_max_over_median"] == 1.3 and got["control_max_over_median"] == 1.0
 
 
 def test_a_stall_at_a_swap_shows_over_the_control_and_noise_shows_in_both():
