@@ -190,6 +190,7 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     buffer: torch.Tensor  # the graph's context bytes on the device
     output: torch.Tensor  # the forward's result, rewritten by every replay
+    side: object = None  # the forward's side outputs (``GraphedForward``'s ``side``), rewritten likewise
 
 
 @dataclasses.dataclass(slots=True)
@@ -204,8 +205,12 @@ class GraphedForward:
     """``run(ctx)`` = ``forward(ctx)`` for a host-built context, from a CUDA graph when one fits."""
 
     def __init__(self, forward: Callable[[object], torch.Tensor], device: torch.device, *, max_tokens: int = 512,
-                 max_graphs: int = 64) -> None:
+                 max_graphs: int = 64, side: tuple[Callable[[], object], Callable[[object], None]] | None = None) -> None:
+        """``side``: (get, put) of what a forward leaves beside its result (lists and tuples of
+        tensors, e.g. a model's ``side_outputs``): a capture keeps the captured forward's, and a
+        replay puts copies of them back, as an eager forward would have left them."""
         self.forward = forward
+        self.side = side
         self.device = device
         self.max_tokens = max_tokens
         self.max_graphs = max_graphs
@@ -234,6 +239,8 @@ class GraphedForward:
             if tokens is not None:
                 tokens.write(_device_view(lay, entry.buffer, ctx, "token_ids"))
             entry.graph.replay()
+            if self.side is not None:
+                self.side[1](_copies(entry.side))  # copies: the next replay rewrites the graph's
             self.stats.replays += 1
             return entry.output, True
         if key is None or key in self._failed or key not in self._seen:
@@ -259,6 +266,7 @@ class GraphedForward:
             result = self.forward(ctx)
         current.wait_stream(self._stream)
         result.record_stream(current)
+        real_side = None if self.side is None else self.side[0]()
         graph = torch.cuda.CUDAGraph()
         rng = _default_generator(self.device)
         rng_state = rng.clone_state()  # a failed capture leaves the generator's state in capture mode
@@ -273,12 +281,27 @@ class GraphedForward:
             log.warning("forward not captured as a CUDA graph, running it eagerly: %s", str(exc).splitlines()[0],
                         exc_info=log.isEnabledFor(logging.DEBUG))
             torch.cuda.synchronize(self.device)
+            if self.side is not None:
+                self.side[1](real_side)
             return result
-        self._graphs[key] = _Graph(graph, buffer, output)
+        captured_side = None
+        if self.side is not None:  # the captured forward left the graph's own tensors: keep them, and
+            captured_side = self.side[0]()  # give this step the real forward's
+            self.side[1](real_side)
+        self._graphs[key] = _Graph(graph, buffer, output, captured_side)
         self.stats.captures += 1
         if len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)
         return result
+
+
+def _copies(obj):
+    """``obj`` with every tensor in it (lists and tuples, any depth) cloned."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_copies(v) for v in obj)
+    return obj
 
 
 def _default_generator(device: torch.device) -> torch.Generator:

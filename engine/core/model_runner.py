@@ -150,7 +150,10 @@ class ModelRunner:
             cuda_graphs = envs.get().cuda_graphs
         self.graphs: GraphedForward | None = None
         if cuda_graphs and self.device.type == "cuda":
-            self.graphs = GraphedForward(lambda ctx: self.model(ctx, self.blocks, self.swa), self.device)
+            side = None
+            if hasattr(self.model, "side_outputs"):  # what a forward leaves beside its result (V4.1: DSpark's features)
+                side = (lambda: self.model.side_outputs, lambda value: setattr(self.model, "side_outputs", value))
+            self.graphs = GraphedForward(lambda ctx: self.model(ctx, self.blocks, self.swa), self.device, side=side)
         self._modules = list(self.model.modules())
         self._hook_scan = (-1, True)  # (hook registrations seen at the last scan, its answer)
 

@@ -225,6 +225,45 @@ def test_graphed_decode_equals_eager_v41(tmp_path):
 
 
 @needs_cuda
+def test_graphed_forwards_hand_back_the_dspark_features(tmp_path):
+    """DSpark's target features come from inside the forward: with the capture on, decode steps
+    are still graphed, and each replay hands back that step's features, bitwise the eager ones."""
+    from tests.conftest import load_test_helper
+    from deepinfer.engine.models.deepseek_v41.dspark_serving import FeatureCapture
+
+    harness = load_test_helper("engine/v41/v41_harness")
+    model_dir = tmp_path / "m"
+    harness.write_tiny_v41(model_dir, seed=1, **harness.TEST_SIZES)
+    per = 24
+    rng = random.Random(3)
+    prompts = [[rng.randrange(50, 200) for _ in range(n)] for n in (9, 40, 75)]
+    runs = []
+    for graphs in (False, True):
+        runner = harness.load_runner(model_dir, num_blocks=3 * per, num_slots=3, block_size=BLOCK, device="cuda",
+                                     dtype=torch.bfloat16, cuda_graphs=graphs)  # fmt: skip
+        capture = FeatureCapture(runner.model)
+        feats = []
+        execute = runner.execute
+
+        def execute_and_take(batch, execute=execute, capture=capture, feats=feats):
+            logits = execute(batch)
+            rows, f = capture.take()
+            feats.append(f.float().cpu())
+            return logits
+
+        runner.execute = execute_and_take
+        logits = _decode_run(runner, prompts, 30, per)
+        runs.append((logits, feats))
+        if graphs:
+            assert runner.graphs.stats.failed == 0 and runner.graphs.stats.replays >= 20, runner.graphs.stats
+    (eager_logits, eager_feats), (graph_logits, graph_feats) = runs
+    assert torch.equal(eager_logits, graph_logits)
+    assert len(eager_feats) == len(graph_feats) == 31
+    assert all(torch.equal(a, b) for a, b in zip(eager_feats, graph_feats))
+    assert not torch.equal(graph_feats[-1], graph_feats[-2])  # each replay's own step, not a stale copy
+
+
+@needs_cuda
 def test_failed_capture_runs_eagerly_and_leaves_the_generator_usable(ref):
     from deepinfer.engine.core.cuda_graphs import GraphedForward
 

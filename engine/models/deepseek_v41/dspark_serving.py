@@ -2,10 +2,10 @@
 
 engine/spec/ drafts through the ``DraftModel`` seam (engine/spec/draft_model.py); this is V4.1's:
 
-    capture   forward pre-hooks on the target layers ``dspark_target_layer_ids`` record the
-              mean over the 4 streams of the residual entering each (after Engram, as
-              dense_forward.py's training features), for every real row of the last forward;
-              no change to the model's forward, nothing recorded while the drafter is off
+    capture   the target's forward keeps, for the layers ``dspark_target_layer_ids``, the mean
+              over the 4 streams of the residual entering each (after Engram, as
+              dense_forward.py's training features), for every real row of the last forward
+              (``model.feature_layers``; CUDA graphs hand back their replay's copies)
     context   ``context_rows(features, positions)``: every stage's injected K=V row of those
               positions (``DSparkDrafter.inject`` + ``context_kv``), for the engine's context ring
     propose   ``propose(y, anchors, ctx_kv, ctx_valid)``: the block ``[y, noise x (K - 1)]`` at
@@ -36,35 +36,22 @@ from deepinfer.kernels import ops
 class FeatureCapture:
     """The DSpark target features of every real row of the model's last forward.
 
-    ``take()`` -> (rows, features): ``features [n, targets * hidden]`` float32; ``rows`` None when
-    they are the forward's rows 0..n-1, else the batch rows they belong to (a bounded decoder
-    replay runs the layers from the CED source on a sub-batch; rows outside it have none)."""
+    The forward itself keeps them (the model's ``feature_layers`` / ``side_outputs``; a CUDA
+    graph's replay hands its copies back, engine/core/cuda_graphs.py), so forwards with DSpark on
+    are graphed like any other. ``take()`` -> (rows, features): ``features [n, targets * hidden]``
+    float32; ``rows`` None when they are the forward's rows 0..n-1, else the batch rows they belong
+    to (a bounded decoder replay runs the layers from the CED source on a sub-batch; rows outside
+    it have none)."""
 
     def __init__(self, model) -> None:
         self.targets = tuple(model.config.dspark_target_layer_ids)
-        self.enabled = True
-        self._ctx = None
-        self._parts: list[tuple[torch.Tensor | None, torch.Tensor]] = []
-        self._handles = [model.register_forward_pre_hook(self._on_model)]
-        for layer in model.layers:
-            if layer.self_attn.layer in self.targets:
-                self._handles.append(layer.register_forward_pre_hook(self._on_layer))
-
-    def _on_model(self, module, args) -> None:
-        self._ctx = args[0] if self.enabled else None
-        self._parts = []
-
-    def _on_layer(self, module, args) -> None:
-        top = self._ctx
-        if top is None:
-            return
-        streams, _, here = args[0], args[1], args[2]
-        rows = None if here is top else top.decoder.rows
-        self._parts.append((rows, streams[: here.num_tokens].float().mean(dim=-2)))
+        self._model = model
+        model.feature_layers = frozenset(self.targets)
+        model.side_outputs = []
 
     def take(self) -> tuple[torch.Tensor | None, torch.Tensor] | None:
         """The last forward's features (None when nothing was captured); clears them."""
-        parts, self._parts = self._parts, []
+        parts, self._model.side_outputs = self._model.side_outputs, []
         if len(parts) != len(self.targets):
             return None
         sub = next((rows for rows, _ in parts if rows is not None), None)
@@ -75,9 +62,8 @@ class FeatureCapture:
         return sub, torch.cat(feats, dim=-1)
 
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self._model.feature_layers = frozenset()
+        self._model.side_outputs = []
 
 
 def load_calibration(model_dir: str | Path | None, block_size: int) -> torch.Tensor | None:

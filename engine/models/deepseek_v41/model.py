@@ -53,6 +53,12 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.register_buffer("compress_inv_freq", inv_freq(c.rope_compress, c.qk_rope_head_dim), persistent=False)
         self.decoder_from = c.ced_source  # first layer of a bounded decoder replay
         self.decoder_replay_tokens: int | None = None
+        # DSpark's target features, taken inside the forward (a CUDA graph's replay keeps them; a
+        # hook would not run): for each layer of ``feature_layers``, (rows, the mean over the
+        # streams entering it) of the last forward, rows None for the whole batch, else the
+        # bounded decoder replay's rows (dspark_serving.FeatureCapture reads them)
+        self.feature_layers: frozenset[int] = frozenset()
+        self.side_outputs: list[tuple[torch.Tensor | None, torch.Tensor]] = []
 
     # ---- cache declarations ---------------------------------------------------------------
     def compress_kinds(self) -> tuple[tuple[int, bool], ...]:
@@ -146,6 +152,7 @@ class DeepseekV41ForCausalLM(nn.Module):
         dead = self._image_tokens(ctx)
         engram_rows = self._engram_rows(ctx, swa, dead)
         shared, here = SharedPicks(), ctx
+        taps: list[tuple[torch.Tensor | None, torch.Tensor]] | None = [] if self.feature_layers else None
         for layer in self.layers:
             if here is ctx and ctx.decoder is not None and layer.self_attn.layer == self.decoder_from:
                 # bounded decoder replay: from here on only the sub-batch's rows
@@ -155,7 +162,12 @@ class DeepseekV41ForCausalLM(nn.Module):
                 dead = None if dead is None else dead.index_select(0, ctx.decoder.rows)
             if layer.engram is not None:
                 streams = layer.engram(streams, engram_rows[:, layer.engram.index], here.num_tokens, bi, dead)
+            if taps is not None and layer.self_attn.layer in self.feature_layers:
+                rows = None if here is ctx else ctx.decoder.rows
+                taps.append((rows, streams[: here.num_tokens].float().mean(dim=-2)))
             streams, pre = layer(streams, pre, here, blocks, swa, shared)
+        if taps is not None:
+            self.side_outputs = taps
         index = here.logit_index
         hidden = HyperConnection.collapse(streams.index_select(0, index), pre.index_select(0, index), bi)
         return ops.rms_norm(hidden, self.norm.weight, c.rms_norm_eps)
