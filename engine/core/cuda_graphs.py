@@ -20,6 +20,9 @@ repeat), contexts holding device tensors or tuples of tensors (image embeddings)
 forward hooks (they are Python side effects a replay would skip), and a signature whose capture
 failed (an op that waits on the host): those run eagerly, and the failure is logged once.
 
+A forward may leave tensors beside its result (``side``: V4.1's DSpark features): a capture keeps
+the captured forward's, and each replay puts fresh copies of them back where the forward leaves them.
+
 ``run(..., tokens=TokenSource)``: the context's ``token_ids`` are overwritten on the device from
 a device tensor (the previous step's sampled ids) after the packed copy and before the forward
 or replay, on the same stream, so a decode step can be launched before the host has read the
