@@ -94,6 +94,11 @@ def build_parser():
     p.add_argument("--bounded", action="store_true", help="engine run: also the 'bounded' schedule (accepted-length floor)")
     p.add_argument("--num-draft-tokens", type=int, default=5, help="engine run: drafts per step (default %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="engine run: torch threads (default torch's)")
+    p.add_argument("--dtype", default="auto", help="engine run: model dtype (default: float32 on CPU, the "
+                   "checkpoint's on a GPU)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="engine run: batch-invariant numerics (the CPU's float32 default; on a GPU, needed for "
+                        "speculation's greedy outputs to equal no speculation's bitwise)")
     p.add_argument("--concurrency", default=DEFAULT_CONCURRENCY, help="sequences per rank (default %(default)s)")
     p.add_argument("--steps", type=int, default=None, help="steps per concurrency (default max(1000, 20000 / C))")
     p.add_argument("--seed", type=int, default=0, help="random seed (default %(default)s)")
@@ -173,7 +178,8 @@ def run_engine(args) -> int:
     prompts = spec_engine.prompts_of(model_dir, max(concurrencies) * args.waves)
     modes = dict(spec_engine.MODES, **(spec_engine.EXTRA_MODES if args.bounded else {}))
     engines = spec_engine.start_engines(model_dir, max(concurrencies), max_model_len=512, num_threads=args.threads,
-                                        num_draft_tokens=args.num_draft_tokens, modes=modes)
+                                        num_draft_tokens=args.num_draft_tokens, modes=modes, dtype=args.dtype,
+                                        batch_invariant=True if args.batch_invariant else None)
     report = Report(f"spec (engine, {model_dir}, D={args.num_draft_tokens}, greedy, {args.max_tokens} tokens per "
                     f"request, {args.waves} wave(s) per concurrency): verified drafts and committed tokens per request per decode step")
     report.figure("mode", "engine")
@@ -214,6 +220,9 @@ def run_engine(args) -> int:
                     report.figure(f"accepted_len_{name}", res[name].accepted_len)
                 for name in ("off", "fixed", "sched"):
                     report.figure(f"tok_s_{name}", res[name].tok_s)
+        for name, llm in engines.items():  # on a GPU: how many forwards ran from CUDA graphs
+            for key, value in (spec_engine.graph_stats(llm) or {}).items():
+                report.figure(f"graph_{key}_{name}", value)
     finally:
         for llm in engines.values():
             llm.shutdown()

@@ -58,13 +58,24 @@ def prompts_of(model_dir: Path, count: int) -> list[str]:
 
 
 def start_engines(model_dir: Path, max_seqs: int, *, max_model_len: int, num_threads: int | None,
-                  num_draft_tokens: int, modes=MODES) -> dict[str, LLM]:
+                  num_draft_tokens: int, modes=MODES, dtype: str = "auto",
+                  batch_invariant: bool | None = None) -> dict[str, LLM]:
     engines = {}
     for name, spec in modes.items():
         kw = dict(spec, num_draft_tokens=num_draft_tokens) if spec else {}
         engines[name] = LLM(str(model_dir), max_num_seqs=max_seqs, block_size=16, max_model_len=max_model_len,
-                            num_threads=num_threads, seed=0, **kw)
+                            num_threads=num_threads, seed=0, dtype=dtype, batch_invariant=batch_invariant, **kw)
     return engines
+
+
+def graph_stats(llm: LLM) -> dict[str, int] | None:
+    """The engine's CUDA-graph counters (replays, captures, eager forwards, failed captures), or
+    None without graphs (CPU)."""
+    graphs = getattr(llm.engine.core.runner, "graphs", None)
+    if graphs is None:
+        return None
+    st = graphs.stats
+    return dict(replays=st.replays, captures=st.captures, eager=st.eager, failed=st.failed)
 
 
 def _run_once(llm: LLM, waves: list[list[str]], params: SamplingParams) -> ModeResult:
