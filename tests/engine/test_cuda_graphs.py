@@ -225,6 +225,23 @@ def test_graphed_decode_equals_eager_v41(tmp_path):
 
 
 @needs_cuda
+def test_a_v41_model_alone_routes_cuda_ops_to_the_kernels(tmp_path):
+    """A process that loads only V4.1 (the built-in model) runs the Triton kernels, not the torch
+    reference ops, on CUDA: its finalize switches the routing on as V4's does."""
+    from tests.conftest import load_test_helper
+    from deepinfer.kernels import ops
+
+    harness = load_test_helper("engine/v41/v41_harness")
+    harness.write_tiny_v41(tmp_path / "m", seed=0, **harness.TEST_SIZES)
+    ops.reset()
+    try:
+        harness.load_runner(tmp_path / "m", device="cuda", dtype=torch.bfloat16)
+        assert ops.backend_of("moe_experts_") != "torch_ref" and ops.backend_of("rms_norm") != "torch_ref"
+    finally:
+        ops.use_gpu()  # the routing the other CUDA tests of this process expect
+
+
+@needs_cuda
 def test_graphed_forwards_hand_back_the_dspark_features(tmp_path):
     """DSpark's target features come from inside the forward: with the capture on, decode steps
     are still graphed, and each replay hands back that step's features, bitwise the eager ones."""
