@@ -17,6 +17,7 @@ import torch
 
 from deepinfer.engine.mm.inputs import ImageInputError, PreparedImage
 from deepinfer.engine.models.registry import family
+from deepinfer.kernels import ops
 
 
 class VisionEncoder:
@@ -41,6 +42,8 @@ class VisionEncoder:
         if encoder is None:
             return None
         tower = family(config.model_type).load_vision_tower(model_dir, config, dtype=dtype, device=device)
+        if torch.device(device).type == "cuda":
+            ops.use_gpu()  # an encoder node loads the tower alone: its ops take the Triton kernels too
         return cls(encoder.processor, tower)
 
     def prepare(self, image: Any) -> PreparedImage:
