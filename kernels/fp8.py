@@ -137,8 +137,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     positive = amax > 0
     # tensors over tensors: IEEE division on every device (CUDA divides a tensor by a Python number
     # as a product with its reciprocal, 1 ulp off amax / 448 for some amax; seen on an H100)
-    s = torch.where(positive, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
-    r = torch.where(positive, torch.full_like(amax, FP8_MAX) / torch.where(positive, amax, 1.0), torch.ones_like(amax))
+    limit = torch.full_like(amax, FP8_MAX)
+    s = torch.where(positive, amax / limit, torch.ones_like(amax))
+    r = torch.where(positive, limit / torch.where(positive, amax, 1.0), torch.ones_like(amax))
     q = (g * r.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(*lead, groups * BLOCK)[..., :k]
     return q.contiguous(), s
 

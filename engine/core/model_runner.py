@@ -42,6 +42,7 @@ from deepinfer.engine.core.batch import ForwardBatch
 from deepinfer.engine.core.cuda_graphs import GraphedForward
 from deepinfer.engine.kv.layout import KvLayout, KvTensor
 from deepinfer.engine.models.registry import FamilyConfig, family
+from deepinfer.kernels import ops
 
 
 _HOST = torch.device("cpu")
@@ -137,6 +138,8 @@ class ModelRunner:
         self.model = model_family.build_model(config, device=self.device, dtype=dtype)
         load_weights(self.model, state_dict, tied=config.tie_word_embeddings)
         self.model.finalize()
+        if self.device.type == "cuda":
+            ops.use_gpu()  # every family's CUDA tensors take the Triton kernels (kernels/gpu_routing.py)
         if quantization is not None:
             quantize_weights(self.model, quantization, config)
         self.model.eval()

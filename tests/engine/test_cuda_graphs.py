@@ -204,13 +204,18 @@ def test_hooks_turn_graphs_off(ref):
     assert runner.graphs.stats.replays == 0 and runner.graphs.stats.captures == 0
 
 
-@needs_cuda
-def test_graphed_decode_equals_eager_v41(tmp_path):
+def _tiny_v41(tmp_path, seed: int):
+    """(the V4.1 test harness, a tiny V4.1 checkpoint written under ``tmp_path``)."""
     from tests.conftest import load_test_helper
 
     harness = load_test_helper("engine/v41/v41_harness")
-    model_dir = tmp_path / "m"
-    harness.write_tiny_v41(model_dir, seed=0, **harness.TEST_SIZES)
+    harness.write_tiny_v41(tmp_path / "m", seed=seed, **harness.TEST_SIZES)
+    return harness, tmp_path / "m"
+
+
+@needs_cuda
+def test_graphed_decode_equals_eager_v41(tmp_path):
+    harness, model_dir = _tiny_v41(tmp_path, seed=0)
     per = 24
     rng = random.Random(2)
     prompts = [[rng.randrange(50, 200) for _ in range(n)] for n in (5, 70, 150)]
@@ -227,15 +232,13 @@ def test_graphed_decode_equals_eager_v41(tmp_path):
 @needs_cuda
 def test_a_v41_model_alone_routes_cuda_ops_to_the_kernels(tmp_path):
     """A process that loads only V4.1 (the built-in model) runs the Triton kernels, not the torch
-    reference ops, on CUDA: its finalize switches the routing on as V4's does."""
-    from tests.conftest import load_test_helper
+    reference ops, on CUDA: the runner switches the routing on for any model it loads there."""
     from deepinfer.kernels import ops
 
-    harness = load_test_helper("engine/v41/v41_harness")
-    harness.write_tiny_v41(tmp_path / "m", seed=0, **harness.TEST_SIZES)
+    harness, model_dir = _tiny_v41(tmp_path, seed=0)
     ops.reset()
     try:
-        harness.load_runner(tmp_path / "m", device="cuda", dtype=torch.bfloat16)
+        harness.load_runner(model_dir, device="cuda", dtype=torch.bfloat16)
         assert ops.backend_of("moe_experts_") != "torch_ref" and ops.backend_of("rms_norm") != "torch_ref"
     finally:
         ops.use_gpu()  # the routing the other CUDA tests of this process expect
@@ -245,12 +248,9 @@ def test_a_v41_model_alone_routes_cuda_ops_to_the_kernels(tmp_path):
 def test_graphed_forwards_hand_back_the_dspark_features(tmp_path):
     """DSpark's target features come from inside the forward: with the capture on, decode steps
     are still graphed, and each replay hands back that step's features, bitwise the eager ones."""
-    from tests.conftest import load_test_helper
     from deepinfer.engine.models.deepseek_v41.dspark_serving import FeatureCapture
 
-    harness = load_test_helper("engine/v41/v41_harness")
-    model_dir = tmp_path / "m"
-    harness.write_tiny_v41(model_dir, seed=1, **harness.TEST_SIZES)
+    harness, model_dir = _tiny_v41(tmp_path, seed=1)
     per = 24
     rng = random.Random(3)
     prompts = [[rng.randrange(50, 200) for _ in range(n)] for n in (9, 40, 75)]

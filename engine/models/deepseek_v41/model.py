@@ -123,8 +123,6 @@ class DeepseekV41ForCausalLM(nn.Module):
         """Build fused projection weights; call after loading and moving the weights."""
         for layer in self.layers:
             layer.finalize()
-        if self.embed_tokens.weight.is_cuda:
-            ops.use_gpu()  # the Triton kernels take this model's CUDA tensors (kernels/gpu_routing.py)
 
     def quantize_fp8(self, scale_format: str = "float") -> None:
         """Serve the decoder stack's FP8/FP4 GEMM weights (attention q_a, kv, q_b, o_b; shared and
