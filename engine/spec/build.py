@@ -32,11 +32,14 @@ def build_spec_decoding(runner, drafter: DraftModel, *, num_draft_tokens: int, s
     """``runner``: the plain ModelRunner (calibration runs scratch forwards through it);
     ``sps``: a table measured before (tests, benches), else calibrated here."""
     config = SpecConfig(num_draft_tokens=num_draft_tokens, schedule=schedule)
+    # the drafter's pass is CUDA-graphed when the target's forwards are
+    proposer = DraftProposer(drafter, num_slots=max_num_seqs, cuda_graphs=getattr(runner, "graphs", None) is not None)
     if sps is None:
         t0 = time.perf_counter()
         context = max(min(CALIBRATION_CONTEXT, max_model_len - num_draft_tokens - 2), 1)
         sps = calibrate_sps(runner, drafter, max_num_seqs=max_num_seqs, num_blocks=runner.blocks.num_blocks,
-                            block_size=block_size, max_depth=num_draft_tokens, context=context)
+                            block_size=block_size, max_depth=num_draft_tokens, context=context,
+                            graphed_pass=proposer.graphs)  # fmt: skip
         log.info("DSpark: SPS table over %s requests calibrated in %.1f s", list(sps.grid), time.perf_counter() - t0)
-    proposer = DraftProposer(drafter, num_slots=max_num_seqs, draft_threads=sps.draft_threads)
+    proposer.draft_threads = dict(sps.draft_threads or {})
     return SpecDecoding(proposer, sps, config, max_verify_tokens=max_num_batched_tokens)

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from deepinfer.engine.spec.context_ring import ContextRing
-from deepinfer.engine.spec.draft_model import DraftModel
+from deepinfer.engine.spec.draft_model import DraftModel, Drafts
+from deepinfer.engine.spec.graphed_proposals import GraphedProposals
 
 
 @dataclass(slots=True)
@@ -72,12 +73,23 @@ def threads_for(draft_threads: Mapping[int, int] | None, num_requests: int) -> i
 
 
 class DraftProposer:
-    def __init__(self, model: DraftModel, num_slots: int, *, draft_threads: Mapping[int, int] | None = None) -> None:
-        """``draft_threads``: request count -> intra-op threads for the pass (module docstring)."""
+    def __init__(self, model: DraftModel, num_slots: int, *, draft_threads: Mapping[int, int] | None = None,
+                 cuda_graphs: bool = False) -> None:
+        """``draft_threads``: request count -> intra-op threads for the pass (module docstring);
+        ``cuda_graphs``: on a CUDA device, replay the pass from graphs per padded request count
+        (graphed_proposals.py)."""
         self.model = model
         self.ring = ContextRing(num_stages=model.num_stages, num_slots=num_slots, window=model.window,
                                 width=model.row_width, device=model.device, dtype=model.dtype)
         self.draft_threads = dict(draft_threads or {})
+        self.graphs = None
+        if cuda_graphs and torch.device(model.device).type == "cuda":
+            self.graphs = GraphedProposals(self._pass, model.device, max_requests=num_slots)
+
+    def _pass(self, y: torch.Tensor, anchors: torch.Tensor, slots: torch.Tensor) -> Drafts:
+        """The proposal pass over device tensors ``[N]``: the ring's context, then the drafts."""
+        ctx, valid = self.ring.read(slots, anchors)
+        return self.model.propose(y, anchors, ctx, valid)
 
     def propose(self, scheduled, accepted: dict[str, list[int]], *, draft: bool = True) -> StepDrafts:
         """``scheduled``: the step's ScheduledSeqs in batch order; ``accepted``: request id ->
@@ -117,11 +129,11 @@ class DraftProposer:
                         np.concatenate(write_slots))
         out = StepDrafts(ids, anchors)
         if ids:
-            dev = self.model.device
-            slot_t = torch.tensor(slots, dtype=torch.int64, device=dev)
-            anchor_t = torch.tensor(anchors, dtype=torch.int64, device=dev)
-            ctx, valid = self.ring.read(slot_t, anchor_t)
-            drafts = self.model.propose(torch.tensor(ys, dtype=torch.int64, device=dev), anchor_t, ctx, valid)
+            if self.graphs is not None:
+                drafts = self.graphs(ys, anchors, slots)
+            else:
+                dev = self.model.device
+                drafts = self._pass(*(torch.tensor(v, dtype=torch.int64, device=dev) for v in (ys, anchors, slots)))
             out.tokens = drafts.tokens.tolist()
             out.confidence = drafts.confidence.float().cpu().numpy().astype(np.float64)
         return out

@@ -70,9 +70,12 @@ def draft_thread_options() -> list[int]:
 @torch.inference_mode()
 def calibrate_sps(runner, draft_model: DraftModel, *, max_num_seqs: int, num_blocks: int, block_size: int,
                   max_depth: int, context: int = 256, depths: Sequence[int] = DEFAULT_DEPTHS,
-                  grid: Sequence[int] | None = None, rounds: int = 5, seed: int = 0) -> SpsTable:
+                  grid: Sequence[int] | None = None, rounds: int = 5, seed: int = 0,
+                  graphed_pass=None) -> SpsTable:
     """Time the grid on ``runner`` (the plain ModelRunner, not a wrapper) and ``draft_model``:
-    one warm-up per point, then ``rounds`` interleaved timings, fitted per R (module docstring)."""
+    one warm-up per point, then ``rounds`` interleaved timings, fitted per R (module docstring).
+    ``graphed_pass``: the proposer's ``GraphedProposals`` (CUDA graphs of the pass), timed instead
+    of ``draft_model.propose`` so the table holds what serving runs (slots 0..R-1 of its ring)."""
     if rounds < 1:
         raise ValueError(f"SPS calibration needs >= 1 round of timings, got {rounds}")
     depths = sorted({d for d in depths if d <= max_depth} | {0, max_depth})
@@ -105,9 +108,12 @@ def calibrate_sps(runner, draft_model: DraftModel, *, max_num_seqs: int, num_blo
 
         for threads in thread_options:
 
-            def draft(y=y, anchors=anchors, ctx=ctx, valid=valid, threads=threads):
+            def draft(y=y, anchors=anchors, ctx=ctx, valid=valid, threads=threads, r=r):
                 with intra_op_threads(threads):
-                    draft_model.propose(y, anchors, ctx, valid).confidence.cpu()
+                    if graphed_pass is not None:
+                        graphed_pass([token] * r, [context] * r, list(range(r))).confidence.cpu()
+                    else:
+                        draft_model.propose(y, anchors, ctx, valid).confidence.cpu()
 
             points.append((r, None, threads, draft))
     timings: dict[int, dict[int, list[float]]] = {r: {} for r in grid}

@@ -69,13 +69,19 @@ def start_engines(model_dir: Path, max_seqs: int, *, max_model_len: int, num_thr
 
 
 def graph_stats(llm: LLM) -> dict[str, int] | None:
-    """The engine's CUDA-graph counters (replays, captures, eager forwards, failed captures), or
-    None without graphs (CPU)."""
+    """The engine's CUDA-graph counters (replays, captures, eager forwards, failed captures; the
+    drafter's pass as ``draft_*``), or None without graphs (CPU)."""
     graphs = getattr(llm.engine.core.runner, "graphs", None)
     if graphs is None:
         return None
     st = graphs.stats
-    return dict(replays=st.replays, captures=st.captures, eager=st.eager, failed=st.failed)
+    out = dict(replays=st.replays, captures=st.captures, eager=st.eager, failed=st.failed)
+    spec = llm.engine.core.spec
+    drafts = spec.proposer.graphs if spec is not None else None
+    if drafts is not None:  # the drafter's pass (engine/spec/graphed_proposals.py)
+        d = drafts.stats
+        out.update(draft_replays=d.replays, draft_captures=d.captures, draft_eager=d.eager, draft_failed=d.failed)
+    return out
 
 
 def _run_once(llm: LLM, waves: list[list[str]], params: SamplingParams) -> ModeResult:

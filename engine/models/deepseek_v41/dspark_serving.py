@@ -98,7 +98,8 @@ class ServingDrafter:
         self.vocab_size = c.vocab_size
         self.device = model.embed_tokens.weight.device
         self.dtype = model.embed_tokens.weight.dtype
-        self.drafter.temperatures = load_calibration(model_dir, self.block_size)
+        temps = load_calibration(model_dir, self.block_size)  # on the device: a CUDA graph of the pass reads them
+        self.drafter.temperatures = None if temps is None else temps.to(self.device)
         for stage in self.drafter.stages:
             stage.finalize()  # the serving modules' fused weights (the model finalizes its layers only)
         self.capture = FeatureCapture(model)
