@@ -175,7 +175,10 @@ class Repairer:
         for key in self.store.take_lost():  # damaged or vanished here: find its leader
             self._hinted[key] = now - self.config.hint_delay_s
         unusable = self.peers.health.unusable()
-        if unusable < self._last_unusable:  # a node came back: what waited for it is due now
+        # a node came back: what waited for it is due now (also while another node is out: a
+        # strict-subset test missed the return whenever a second node flapped at that moment, and
+        # the waiting keys then sat out their full back-off)
+        if self._last_unusable - unusable:
             self._retry = {k: (now, backoff) for k, (_, backoff) in self._retry.items()}
         self._last_unusable = unusable
         urgent = []

@@ -21,8 +21,9 @@ the boundary's agreement and swaps included):
 
     median_step_ms            all decode steps of the re-placing runs
     replacement_max_over_median
-                              the longest step from 3 steps before a re-placement's first swap to
-                              1 after its last, over the run's median step: worst over all
+                              the longest step from 3 steps before a re-placement starts (the
+                              window's snapshot, then the plan, the staging and the swaps) to 1
+                              after its last swap, over the run's median step: worst over all
                               re-placements (the target: within 1.2x); ``..._typical_...``: the
                               median over re-placements
     control_max_over_median   the same statistic over the same steps of the control run, over the
