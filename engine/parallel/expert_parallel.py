@@ -12,10 +12,16 @@ every rank: the previous step's counts go into the load window; a re-placement d
 schedule starts in the background (``replacement.py``); layers staged on every rank swap in; every
 ``rule_period`` steps the replica rule of each layer is decided from the sampled loads
 (eplb/replica_choice.py). Draft-model MoEs (DSpark stages, MTP) stay replicated.
+
+A re-placement that fails (``ReplacementError``, reported to every rank at the same step) turns
+re-placement off for the group, logged with its reason (``replacement_error``); the group serves
+on with the placement in service. A failure of the group itself (a dead peer, a step's collective
+timing out) is not this: it breaks the group (ep_runner.py).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 
@@ -31,7 +37,9 @@ from deepinfer.engine.parallel.group import EpGroup
 from deepinfer.engine.parallel.layer_placement import LayerPlacement
 from deepinfer.engine.parallel.planner_process import PlannerProcess
 from deepinfer.engine.parallel.settings import EpSettings
-from deepinfer.engine.parallel.replacement import Replacement
+from deepinfer.engine.parallel.replacement import Replacement, ReplacementError
+
+log = logging.getLogger(__name__)
 
 
 class ExpertParallel:
@@ -76,6 +84,7 @@ class ExpertParallel:
         self._sampled_loads: list[np.ndarray] = []
         self.replacement: Replacement | None = None
         self.num_replacements = 0
+        self.replacement_error: str | None = None  # why re-placement was turned off (module docstring)
         self.num_steps = 0
 
     @property
@@ -92,12 +101,17 @@ class ExpertParallel:
             if state.sampled:
                 self._sampled_loads.append(state.loads.copy())
         if self.replacement is not None:
-            self.replacement.swap_ready()
-            if self.replacement.is_done:
-                self.replacement.join()
-                self.schedule.planned_imbalance = self.replacement.planned_imbalance
-                self.replacement = None
-        if s.period > 0 and self.replacement is None and self.num_steps > 0 and self._is_due():
+            try:
+                self.replacement.swap_ready()
+            except ReplacementError as exc:  # agreed by every rank: each turns re-placement off here
+                self._replacement_failed(exc)
+            else:
+                if self.replacement.is_done:
+                    self.replacement.join()
+                    self.schedule.planned_imbalance = self.replacement.planned_imbalance
+                    self.replacement = None
+        if (s.period > 0 and self.replacement_error is None and self.replacement is None and self.num_steps > 0
+                and self._is_due()):
             self.start_replacement()
         if s.replica_rule == "measured" and self.num_steps > 0 and self.num_steps % s.rule_period == 0:
             self._decide_rules()
@@ -115,6 +129,19 @@ class ExpertParallel:
         total = self.ep.agree_sum(torch.from_numpy(self.window.total())).numpy()
         drifted = schedule.has_drifted(window_imbalance(total, self.phy2log, self.ep.size))
         return bool(self.ep.agree_max(torch.tensor([int(drifted)])).item())
+
+    def _replacement_failed(self, exc: ReplacementError) -> None:
+        """A re-placement failed on some rank (a planner error, a background transfer that timed
+        out): the layers it swapped in stay (each layer's weights and maps go together), the rest
+        keep their placement, and the group serves on without re-placing (its spare buffers are
+        gone, and a side group whose transfer broke is not trusted again). The step in progress and
+        every request go on: balance is an optimisation, not a reason to fail work."""
+        self.replacement_error = str(exc)
+        # not joined: a staging thread may still wait on a side transfer until its timeout; it
+        # ends by itself (the spare pool is closed, its replacement object dropped)
+        self.replacement = None
+        log.error("EP rank %d: %s; expert re-placement is off for this group until it restarts",
+                  self.ep.rank, exc)
 
     def start_replacement(self) -> None:
         """Plan from the window now and re-place in the background (every rank, same step)."""

@@ -379,6 +379,8 @@ def _run(harness, runner, parallel, work, ep, gc_ms: list[float]) -> dict:
         parallel.begin_step()
         parallel.idle_step()
         time.sleep(0.002)
+    if parallel.replacement_error is not None:  # the group served on without it: no figure of a re-placement
+        raise RuntimeError(f"EP rank {ep.rank}: {parallel.replacement_error}")
     timeline = [(i, *entry) for i, replacement in enumerate(replacements) for entry in replacement.timeline]
     parallel.close()
     return dict(step_start_s=starts, swaps=swaps, begin_s=begin, step_in_flight=in_flight, timeline=timeline,

@@ -153,6 +153,37 @@ def test_ep1_in_process_equals_the_plain_model():
         assert got[i][0] == tokens and torch.equal(got[i][1], rows)
 
 
+def test_a_failed_replacement_turns_replacement_off_and_serving_goes_on(caplog):
+    """A planner that fails: the step loop gets no error, every token and logit equals the plain
+    model's, the placement in service is the static one, and no second re-placement starts."""
+    from deepinfer.engine.parallel.expert_parallel import EpSettings, ExpertParallel
+    from deepinfer.engine.parallel.group import EpGroup
+
+    torch.set_num_threads(1)
+    plain = harness.v4_runner(num_seqs=4)
+    work = harness.workload(plain.config.vocab_size)
+    ref = harness.run_lockstep(plain, work, list(range(4)))
+    runner = harness.v4_runner(num_seqs=4)
+    calls = []
+
+    def broken_planner(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("planner out of memory")
+
+    ep = ExpertParallel(runner.model, EpGroup.single(), EpSettings(redundant_per_rank=3, window=2, period=3),
+                        planner=broken_planner)
+    start = ep.phy2log.copy()
+    with caplog.at_level("ERROR"):
+        got = harness.run_lockstep(runner, work, list(range(4)), ep.begin_step, ep.idle_step)
+    assert calls == [1] and ep.num_replacements == 1 and ep.replacement is None
+    assert "planner out of memory" in ep.replacement_error
+    assert any("re-placement is off" in r.getMessage() for r in caplog.records)
+    np.testing.assert_array_equal(ep.phy2log, start)
+    for i, (tokens, rows) in ref.items():
+        assert got[i][0] == tokens and torch.equal(got[i][1], rows)
+    ep.close()
+
+
 def test_planner_process_plans_as_the_planner_does_and_reports_failures():
     from deepinfer.engine.parallel.eplb import plan, static_placement
     from deepinfer.engine.parallel.planner_process import PlannerError, PlannerProcess
