@@ -227,7 +227,14 @@ class DisaggEngineService:
             num_pending_imports=pending, num_handoffs=m.num_handoffs, handoff_bytes=m.num_bytes,
             handoff_p50_s=m.latency_p50_s, handoff_p99_s=m.latency_p99_s, handoff_GBps=m.GBps,
             failures=dict(m.failures), swa=asdict(swa.stats) if (swa := self.parts.swa_slots) is not None else {},
-            kv=self.kv_counters())
+            kv=self.kv_counters(), spec=self.spec_counters())
+
+    def spec_counters(self) -> dict[str, int]:
+        """DSpark's drafted / verified / accepted counters ({} when the engine does not speculate)."""
+        spec = self.core.spec
+        if spec is None:
+            return {}
+        return {k: v for k, v in spec.stats.as_dict().items() if isinstance(v, int)}
 
     def kv_counters(self) -> dict[str, int]:
         """Prefix cache and KV tier counters (status, ``deepinfer cluster status``)."""

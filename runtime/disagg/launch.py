@@ -39,7 +39,9 @@ log = logging.getLogger(__name__)
 _FLAG_NAMES = {"swa_fetch_deadline_s": "--swa-fetch-deadline"}
 
 _NODE_FLAGS = ("max_num_seqs", "num_blocks", "max_model_len", "block_size", "dtype", "quantization", "num_threads",
-               "swa_replay", "swa_replay_tokens", "swa_store_slots", "swa_fetch_deadline_s")
+               "swa_replay", "swa_replay_tokens", "swa_store_slots", "swa_fetch_deadline_s",
+               "speculative", "num_draft_tokens", "spec_schedule")
+_DECODE_ONLY = ("speculative", "num_draft_tokens", "spec_schedule")  # DSpark: the decode engines draft
 
 
 def load_vision(model_dir: Path):
@@ -123,7 +125,7 @@ class LocalPdCluster:
         argv = [sys.executable, "-m", "deepinfer.bin", "node", "--role", role, "--cluster", str(cluster_path),
                 "--name", name, "--model", str(self.model_dir), "--lease-s", str(self.lease_s)]
         for key in _NODE_FLAGS:
-            if key in self.engine_options:
+            if key in self.engine_options and (role == "decode" or key not in _DECODE_ONLY):
                 flag = _FLAG_NAMES.get(key, f"--{key.replace('_', '-')}")
                 argv += [flag, str(self.engine_options[key])]
         if role == "prefill" and self.swa_directory is not None:

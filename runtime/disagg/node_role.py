@@ -60,8 +60,10 @@ def make_role(*, role: NodeRole, config: ClusterConfig, node_name: str, model: s
         options = replace(options, swa_store_slots=0, swa_directory=None)
     else:
         # a prefill engine stops right after the prompt: without ending the prompt's last chunk
-        # at a block boundary, hardly any prompt would leave a slot for its next turn
-        options = replace(options, swa_snapshot_prompts=True)
+        # at a block boundary, hardly any prompt would leave a slot for its next turn; it decodes
+        # nothing, so it never drafts (the decode engine does: DSpark's context ring fills from
+        # the positions it computes, the prompt's are absent)
+        options = replace(options, swa_snapshot_prompts=True, speculative="off")
     # images are encoded on encoder nodes; the embeddings come in with the dispatch (prefill) or the KV (decode)
     options = replace(options, load_vision=False)
     group = None

@@ -221,6 +221,7 @@ class PdEngineStatus(_Message):
     failures: dict[str, int] = {}
     swa: dict[str, int] = {}  # SWA slot counters (engine/kv/swa_slots.py SwaSlotStats); {} without slots
     kv: dict[str, int] = {}  # prefix cache and KV tier counters (KVOffloadStats, cached blocks, hits)
+    spec: dict[str, int] = {}  # DSpark counters (engine/spec/decoding.py SpecStats, integer ones); {} without
 
 
 class KvCacheEvents(_HotMessage):

@@ -90,6 +90,7 @@ def test_ep_group_serves_fails_a_dead_rank_fast_and_restarts(tiny_dir):
 @pytest.mark.parametrize("argv, message", [
     (["--ep", "0"], "--ep must be >= 1"),
     (["--ep", "2", "--ep-redundant-experts", "-1"], "--ep-redundant-experts >= 0"),
+    (["--ep", "2", "--speculative", "dspark"], "does not run with --ep > 1 yet"),
 ])
 def test_serve_ep_flags_are_checked(argv, message, capsys):
     from deepinfer.bin.cli import main

@@ -140,6 +140,9 @@ def test_decode_node_with_ep2_serves_colocated_tokens_and_restarts_after_a_rank_
     (["--role", "decode", "--ep", "2", "--ep-redundant-experts", "-1"], "--ep-redundant-experts >= 0"),
     (["--role", "gateway", "--ep", "2"], "--ep N goes with --role prefill or --role decode"),
     (["--host", "h1", "--ep", "2"], "--ep N goes with --role prefill or --role decode"),
+    (["--role", "prefill", "--speculative", "dspark"], "--speculative goes with --role decode"),
+    (["--role", "decode", "--ep", "2", "--speculative", "dspark"], "does not run with --ep > 1 yet"),
+    (["--role", "decode", "--num-draft-tokens", "0"], "--num-draft-tokens must be >= 1"),
 ])
 def test_node_ep_flags_are_checked_before_anything_starts(tmp_path, capsys, argv, message):
     from deepinfer.bin.cli import main
