@@ -47,7 +47,7 @@ if [[ ",$STAGES," == *",model,"* ]]; then
   timeout "${MODEL_CAP:-200}" python3 -m pytest -q --maxfail=8 -m gpu -o log_cli=true --log-cli-level=WARNING \
     ${MODEL_K:+-k "$MODEL_K"} tests/kernels/test_gpu_model.py tests/engine/test_v4_device.py \
     tests/engine/test_v4_cuda_parity.py tests/engine/test_cuda_graphs.py tests/engine/v41/test_v41_compact_context.py \
-    tests/engine/test_fp8_serving.py 2>&1 | tee "$OUT/model_tests.log" | tail -25 || status=1
+    tests/engine/v41/test_v41_dspark_graphs.py tests/engine/test_fp8_serving.py 2>&1 | tee "$OUT/model_tests.log" | tail -25 || status=1
 fi
 if [[ ",$STAGES," == *",spec,"* ]]; then
   # shellcheck disable=SC2086  # arguments
