@@ -66,7 +66,8 @@ def add_parser(subparsers, name):
     e.add_argument("--ep-redundant-experts", type=int, default=0, metavar="R",
                    help="with --ep: replica slots per rank beyond the experts it owns, for EPLB (default 0)")
     add_swa_arguments(p, is_node=True)  # swa-wire: SWA slot flags of prefill/decode engines
-    add_spec_arguments(p)  # DSpark on decode engines (a prefill engine hands off after the first token)
+    # DSpark on decode engines (a prefill engine hands off after the first token)
+    add_spec_arguments(p, "speculative decoding (DSpark; decode engines only: with --host, its decode nodes)")
     add_detector_arguments(p)  # override the cluster config's [cluster] failure-detection keys
     return p
 

@@ -95,9 +95,9 @@ def add_parser(subparsers, name):
     return p
 
 
-def add_spec_arguments(p) -> None:
+def add_spec_arguments(p, title: str = "speculative decoding (DSpark)") -> None:
     """DSpark speculative decoding (EngineOptions.speculative, num_draft_tokens, spec_schedule)."""
-    d = p.add_argument_group("speculative decoding (DSpark)")
+    d = p.add_argument_group(title)
     d.add_argument("--speculative", default=None, choices=("off", "dspark"),
                    help="dspark: draft with the checkpoint's DSpark stages and verify exactly (outputs unchanged); "
                         "off (default)")
