@@ -58,6 +58,10 @@ class Envs:
     v41_numerics: str = "float"
     # Set to 0 to run every forward eagerly on a CUDA device (no CUDA graphs of decode steps).
     cuda_graphs: bool = True
+    # Forwards of up to this many tokens are CUDA-graphed (decode steps, small prefill chunks);
+    # larger ones run eagerly. Raise it to graph a repeated prompt length (a graph holds its
+    # activations' memory in the graphs' pool).
+    cuda_graph_max_tokens: int = 512
     # Set to 0 to read each decode step's sampled ids on the host before the next decode forward
     # is launched (accelerators only; by default that forward takes them from the device).
     feed_ids: bool = True
@@ -70,6 +74,7 @@ _ENV_NAMES = {
     "hf_model_dir": "DEEPINFER_HF_MODEL_DIR",
     "v41_numerics": "DEEPINFER_V41_NUMERICS",
     "cuda_graphs": "DEEPINFER_CUDA_GRAPHS",
+    "cuda_graph_max_tokens": "DEEPINFER_CUDA_GRAPH_MAX_TOKENS",
     "feed_ids": "DEEPINFER_FEED_IDS",
     "triton_off": "DEEPINFER_TRITON_OFF",
     "cache_dir": "DEEPINFER_CACHE_DIR",

@@ -156,7 +156,11 @@ class ModelRunner:
             side = None
             if hasattr(self.model, "side_outputs"):  # what a forward leaves beside its result (V4.1: DSpark's features)
                 side = (lambda: self.model.side_outputs, lambda value: setattr(self.model, "side_outputs", value))
-            self.graphs = GraphedForward(lambda ctx: self.model(ctx, self.blocks, self.swa), self.device, side=side)
+            max_tokens = envs.get().cuda_graph_max_tokens
+            if max_tokens < 1:
+                raise ValueError(f"DEEPINFER_CUDA_GRAPH_MAX_TOKENS must be >= 1, got {max_tokens}")
+            self.graphs = GraphedForward(lambda ctx: self.model(ctx, self.blocks, self.swa), self.device, side=side,
+                                         max_tokens=max_tokens)  # fmt: skip
         self._modules = list(self.model.modules())
         self._hook_scan = (-1, True)  # (hook registrations seen at the last scan, its answer)
 

@@ -326,3 +326,23 @@ def test_parity_configs_capture_chunked_prefill_and_decode(name, lengths, chunk)
     assert stats.failed == 0 and stats.captures >= 1 and stats.replays >= 8, stats
     assert runs[0][0] == runs[1][0]
     assert all(torch.equal(runs[0][1][i], runs[1][1][i]) for i in seqs)
+
+
+def test_graph_size_limit_reaches_the_snapshot():
+    from deepinfer import envs
+
+    assert envs.load({}).cuda_graph_max_tokens == 512
+    assert envs.load({"DEEPINFER_CUDA_GRAPH_MAX_TOKENS": "2048"}).cuda_graph_max_tokens == 2048
+    with pytest.raises(ValueError, match="DEEPINFER_CUDA_GRAPH_MAX_TOKENS='lots' is not an integer"):
+        envs.load({"DEEPINFER_CUDA_GRAPH_MAX_TOKENS": "lots"})
+
+
+@needs_cuda
+def test_the_runner_graphs_forwards_up_to_the_configured_size(ref, monkeypatch):
+    from deepinfer import envs
+
+    monkeypatch.setattr(envs, "_snapshot", envs.load({"DEEPINFER_CUDA_GRAPH_MAX_TOKENS": "1024"}))
+    assert _runner(ref, "cuda", torch.float32, True).graphs.max_tokens == 1024
+    monkeypatch.setattr(envs, "_snapshot", envs.load({"DEEPINFER_CUDA_GRAPH_MAX_TOKENS": "0"}))
+    with pytest.raises(ValueError, match="DEEPINFER_CUDA_GRAPH_MAX_TOKENS must be >= 1"):
+        _runner(ref, "cuda", torch.float32, True)
