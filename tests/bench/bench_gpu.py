@@ -192,8 +192,11 @@ def slice_part(report: Report, args, copy_gbps: float, mm_tflops: float, profile
             eager = our_generate(runner, prompts, new, bps)
             runner.graphs = graphs
         # warm-up of the whole length: kernels compiled and, with graphs, every step's graph
-        # captured (a server captures its decode shapes once; a signature repeats every step)
-        our_generate(runner, prompts, new, bps)
+        # captured (a server captures its decode shapes once; a signature repeats every step).
+        # Twice with graphs: a signature is captured at its second sighting, and the prefill's
+        # comes once a generate (graphed only under DEEPINFER_CUDA_GRAPH_MAX_TOKENS >= the prompt)
+        for _ in range(2 if graphs is not None else 1):
+            our_generate(runner, prompts, new, bps)
         before = dataclasses.replace(graphs.stats) if graphs is not None else None
         ours = our_generate(runner, prompts, new, bps)
         row = dict(model="slice", batch=b, prompt=plen, new=new, ours_tok_s=b * new / ours.seconds,
