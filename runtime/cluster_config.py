@@ -31,6 +31,9 @@
     max_model_len = 65536
     dtype = "auto"
     quantization = ""              # "fp8": FP8 weights (serve --quantization)
+    speculative = ""               # "dspark": the decode engines draft (serve --speculative); prefill ones never do
+    num_draft_tokens = 0           # with speculative: drafts a request may verify per step (0: 5)
+    spec_schedule = ""             # with speculative: confidence | fixed | bounded ("": confidence)
     num_threads = 0
     kv_host_tier_bytes = 0
     kv_load_deadline_s = 0.25
@@ -156,6 +159,9 @@ class EngineSection(_Section):
     max_model_len: Annotated[int, msgspec.Meta(ge=0)] = 0
     dtype: str = ""
     quantization: str = ""  # "fp8": the engines serve FP8 weights (serve --quantization); "": none
+    speculative: str = ""  # "dspark": decode engines draft (node_role.py turns it off on prefill engines)
+    num_draft_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    spec_schedule: str = ""
     num_threads: Annotated[int, msgspec.Meta(ge=0)] = 0
     kv_host_tier_bytes: Annotated[int, msgspec.Meta(ge=0)] = 0
     kv_load_deadline_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
@@ -164,7 +170,7 @@ class EngineSection(_Section):
     def options(self) -> dict[str, object]:
         """The EngineOptions fields this section sets."""
         keys = ("max_num_seqs", "num_blocks", "block_size", "max_model_len", "dtype", "quantization", "num_threads",
-                "kv_host_tier_bytes", "kv_load_deadline_s")
+                "kv_host_tier_bytes", "kv_load_deadline_s", "speculative", "num_draft_tokens", "spec_schedule")
         return {k: getattr(self, k) for k in keys if getattr(self, k)}
 
 
@@ -366,4 +372,9 @@ def _check_sections(config: ClusterConfig) -> str | None:
         return f"engine.dtype: expected auto, float32, bfloat16 or float16, got {config.engine.dtype!r}"
     if config.engine.quantization not in ("", "fp8"):
         return f"engine.quantization: expected fp8 or nothing, got {config.engine.quantization!r}"
+    if config.engine.speculative not in ("", "off", "dspark"):
+        return f"engine.speculative: expected dspark, off or nothing, got {config.engine.speculative!r}"
+    if config.engine.spec_schedule not in ("", "confidence", "fixed", "bounded"):
+        return (f"engine.spec_schedule: expected confidence, fixed, bounded or nothing, "
+                f"got {config.engine.spec_schedule!r}")
     return None

@@ -31,7 +31,8 @@ def cluster(*, gateway: str = "", engine: str = "", storage: str = "") -> str:
 
 def test_hosts_buildings_and_sections_load():
     config = parse_cluster_config(cluster(gateway='routing = "affinity-only"\ntraffic_class = "agent"',
-                                          engine='model = "/m"\nblock_size = 16\nkv_store = false\nquantization = "fp8"',
+                                          engine='model = "/m"\nblock_size = 16\nkv_store = false\nquantization = "fp8"\n'
+                                                 'speculative = "dspark"\nspec_schedule = "fixed"',
                                           storage='ttl = "agent=3d,chat=7d"\nmembership_file = "/etc/m.json"\n'
                                                   'admin_from = "10.0.0.0/8"'))
     assert config.hosts() == ["gw", "p0", "d1", "s0"]
@@ -39,7 +40,8 @@ def test_hosts_buildings_and_sections_load():
     assert [s.name for s in config.nodes_on_host("s0")] == ["s0a", "s0b"]
     assert config.building_of("d1") == "B" and config.building_of("gw-rr") == "A"
     assert config.routing_of("gw") == "affinity-only" and config.routing_of("gw-rr") == "round-robin"
-    assert config.engine.options() == {"block_size": 16, "quantization": "fp8"}
+    assert config.engine.options() == {"block_size": 16, "quantization": "fp8", "speculative": "dspark",
+                                       "spec_schedule": "fixed"}
     assert config.engine.model == "/m" and not config.engine.kv_store
     assert config.gateway.traffic_class == "agent"
     assert config.storage.membership_file == "/etc/m.json" and config.storage.admin_from == "10.0.0.0/8"
@@ -64,6 +66,9 @@ def test_a_file_without_the_new_keys_keeps_its_meaning():
     (cluster(engine='dtype = "fp7"'), "engine.dtype: expected auto, float32"),
     (cluster(engine="num_blocks = -1"), "engine.num_blocks: expected `int` >= 0"),
     (cluster(engine='quantization = "int4"'), "engine.quantization: expected fp8 or nothing, got 'int4'"),
+    (cluster(engine='speculative = "eagle"'), "engine.speculative: expected dspark, off or nothing, got 'eagle'"),
+    (cluster(engine='spec_schedule = "greedy"'), "engine.spec_schedule: expected confidence, fixed, bounded"),
+    (cluster(engine="num_draft_tokens = -2"), "engine.num_draft_tokens: expected `int` >= 0"),
     (cluster().replace('host = "s0"\nbuilding = "B"\ndata = "tcp://10.0.0.4:7202"',
                        'host = "s0"\nbuilding = "A"\ndata = "tcp://10.0.0.4:7202"'),
      "nodes[5].building: host 's0' is in building 'B' (nodes[4]), not 'A'"),
