@@ -14,7 +14,7 @@ import logging
 
 from deepinfer import envs
 from deepinfer.bin.cli import CliError, NotBuiltError
-from deepinfer.bin.serve import NODE_SWA_FLAGS, add_spec_arguments, add_swa_arguments
+from deepinfer.bin.serve import NODE_SWA_FLAGS, add_spec_arguments, add_swa_arguments, check_spec_with_ep
 from deepinfer.runtime.disagg.cli_args import add_detector_arguments, detector_overrides
 
 # DetectorSettings field -> NodeSettings field
@@ -72,10 +72,10 @@ def add_parser(subparsers, name):
     return p
 
 
-SPEC_FLAGS = ("speculative", "num_draft_tokens", "spec_schedule")  # decode engines only
+# the spec flags reach prefill engines too with --host; node_role.make_role turns speculation off there
 _ENGINE_FLAGS = ("max_num_seqs", "num_blocks", "max_model_len", "block_size", "dtype", "quantization", "num_threads",
                  "kv_store_nodes", "kv_store_ec", "kv_load_deadline_s", "kv_host_tier_bytes", *NODE_SWA_FLAGS,
-                 *SPEC_FLAGS)
+                 "speculative", "num_draft_tokens", "spec_schedule")
 
 
 def _role_kwargs(args, role) -> dict:
@@ -89,8 +89,6 @@ def _role_kwargs(args, role) -> dict:
         return {"model": args.model, "engine_options": {k: options[k] for k in ("dtype", "num_threads") if k in options}}
     if role.value not in ("prefill", "decode"):
         return {}
-    if role.value == "prefill":  # with --host: the host's decode nodes speculate, its prefill nodes do not
-        options = {k: v for k, v in options.items() if k not in SPEC_FLAGS}
     kwargs = {"model": args.model, "engine_options": options, "lease_s": args.lease_s}
     if args.ep > 1:
         kwargs.update(ep_size=args.ep, ep_settings={"redundant_per_rank": args.ep_redundant_experts})
@@ -132,8 +130,7 @@ def _run(args, parent) -> int:
     if args.role is not None and args.role != "decode" and (args.speculative or "off") != "off":
         raise CliError("--speculative goes with --role decode: the decode engine drafts (a prefill engine hands "
                        "off after the first token)", code=2)
-    if args.ep > 1 and (args.speculative or "off") != "off":
-        raise CliError("--speculative dspark does not run with --ep > 1 yet; leave one of them out", code=2)
+    check_spec_with_ep(args)
     if args.num_draft_tokens is not None and args.num_draft_tokens < 1:
         raise CliError(f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}", code=2)
     if args.role is not None:

@@ -110,6 +110,12 @@ def add_spec_arguments(p, title: str = "speculative decoding (DSpark)") -> None:
                         "keeping at least 95%% of the expected tokens of verifying all (drafter always on)")
 
 
+def check_spec_with_ep(args) -> None:
+    """--speculative dspark with --ep > 1 (serve and node): refused before anything starts."""
+    if args.ep > 1 and (args.speculative or "off") != "off":
+        raise CliError("--speculative dspark does not run with --ep > 1 yet; leave one of them out", code=2)
+
+
 # the SWA flags a `deepinfer node` prefill/decode engine takes too (bin/node.py)
 NODE_SWA_FLAGS = ("swa_replay", "swa_replay_tokens", "swa_store_slots", "swa_snapshot_prompts",
                   "swa_fetch_deadline_s", "swa_directory", "swa_peer_host")
@@ -256,8 +262,7 @@ def _check_args(args) -> None:
     if args.ep < 1 or args.ep_redundant_experts < 0:
         raise CliError(f"--ep must be >= 1 and --ep-redundant-experts >= 0, got {args.ep} and "
                        f"{args.ep_redundant_experts}", code=2)
-    if args.ep > 1 and (args.speculative or "off") != "off":
-        raise CliError("--speculative dspark does not run with --ep > 1 yet; leave one of them out", code=2)
+    check_spec_with_ep(args)
     if not 0 <= args.shutdown_grace <= 3600:
         raise CliError(f"--shutdown-grace must be between 0 and 3600 seconds, got {args.shutdown_grace}", code=2)
     if args.api_key is not None and not args.api_key.strip():

@@ -89,12 +89,11 @@ class GraphedProposals:
         out = self._run(inputs[0], inputs[1], inputs[2])
         self.stats.eager += 1
         if size in self._seen and size not in self._failed:
-            self._capture(size, host)
+            self._capture(size, inputs)  # the graph's own input buffer from now on
         self._seen.add(size)
         return Drafts(*(t[:n] for t in out))
 
-    def _capture(self, size: int, host: torch.Tensor) -> None:
-        inputs = host.to(self.device)
+    def _capture(self, size: int, inputs: torch.Tensor) -> None:
         current = torch.cuda.current_stream(self.device)
         self._stream.wait_stream(current)
         graph = torch.cuda.CUDAGraph()

@@ -32,6 +32,7 @@ import random
 import statistics
 import time
 from collections.abc import Sequence
+from functools import partial
 
 import torch
 
@@ -100,20 +101,21 @@ def calibrate_sps(runner, draft_model: DraftModel, *, max_num_seqs: int, num_blo
                 runner.execute(batch).argmax(dim=-1).cpu()
 
             points.append((r, r * n, None, step))
-        y = torch.full((r,), token, dtype=torch.int64, device=dev)
-        anchors = torch.full((r,), context, dtype=torch.int64, device=dev)
-        ctx = torch.zeros(draft_model.num_stages, r, draft_model.window, draft_model.row_width,
-                          dtype=draft_model.dtype, device=dev)
-        valid = torch.ones(r, draft_model.window, dtype=torch.bool, device=dev)
+        if graphed_pass is not None:
+            propose = partial(graphed_pass, [token] * r, [context] * r, list(range(r)))
+        else:
+            y = torch.full((r,), token, dtype=torch.int64, device=dev)
+            anchors = torch.full((r,), context, dtype=torch.int64, device=dev)
+            ctx = torch.zeros(draft_model.num_stages, r, draft_model.window, draft_model.row_width,
+                              dtype=draft_model.dtype, device=dev)
+            valid = torch.ones(r, draft_model.window, dtype=torch.bool, device=dev)
+            propose = partial(draft_model.propose, y, anchors, ctx, valid)
 
         for threads in thread_options:
 
-            def draft(y=y, anchors=anchors, ctx=ctx, valid=valid, threads=threads, r=r):
+            def draft(propose=propose, threads=threads):
                 with intra_op_threads(threads):
-                    if graphed_pass is not None:
-                        graphed_pass([token] * r, [context] * r, list(range(r))).confidence.cpu()
-                    else:
-                        draft_model.propose(y, anchors, ctx, valid).confidence.cpu()
+                    propose().confidence.cpu()
 
             points.append((r, None, threads, draft))
     timings: dict[int, dict[int, list[float]]] = {r: {} for r in grid}
