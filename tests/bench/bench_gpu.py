@@ -105,13 +105,43 @@ def count_launches(runner, prompts, blocks_per_seq: int, first_step: int, num_st
 
 def _count_launches(runner, prompts, blocks_per_seq, first_step, num_steps, table_path, tokens):
     from deepinfer_bench.gpu_slice import decode_batch
-    from torch.profiler import ProfilerActivity, profile
 
     runner.execute(decode_batch(prompts, blocks_per_seq, first_step, tokens))  # warm
+    batches = [decode_batch(prompts, blocks_per_seq, first_step + 1 + s, tokens) for s in range(num_steps)]
+    kernels, copies, device_ms = _profile(runner, batches, table_path, f"{num_steps} decode steps of batch {len(prompts)}")
+    per_token = num_steps * len(prompts)
+    return kernels / per_token, copies / per_token, device_ms / num_steps
+
+
+def profile_prefill(runner, prompts, blocks_per_seq: int, table_path: Path | None) -> tuple[float, float]:
+    """(wall ms, device ms) of the generate's first forward (every prompt whole), eager, once
+    profiled; ``table_path`` gets its per-kernel table (where a large batch's prefill goes)."""
+    from deepinfer_bench.gpu_slice import prefill_batch
+
+    graphs, runner.graphs = getattr(runner, "graphs", None), None
+    try:
+        runner.execute(prefill_batch(prompts, blocks_per_seq))  # warm
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        runner.execute(prefill_batch(prompts, blocks_per_seq))
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        tokens = sum(len(p) for p in prompts)
+        _, _, device_ms = _profile(runner, [prefill_batch(prompts, blocks_per_seq)], table_path,
+                                   f"prefill of {len(prompts)} prompts, {tokens} tokens")
+        return wall_ms, device_ms
+    finally:
+        runner.graphs = graphs
+
+
+def _profile(runner, batches, table_path: Path | None, title: str) -> tuple[int, int, float]:
+    """(kernels, memcpys/memsets, device ms) of running ``batches`` under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for s in range(num_steps):
-            runner.execute(decode_batch(prompts, blocks_per_seq, first_step + 1 + s, tokens))
+        for batch in batches:
+            runner.execute(batch)
         torch.cuda.synchronize()
     kernels = copies = 0
     device_us = 0.0
@@ -131,9 +161,8 @@ def _count_launches(runner, prompts, blocks_per_seq, first_step, num_steps, tabl
                 break
             except (AttributeError, KeyError, ValueError):
                 table = ""
-        table_path.write_text(f"{num_steps} decode steps of batch {len(prompts)}\n{table}\n")
-    per_token = num_steps * len(prompts)
-    return kernels / per_token, copies / per_token, device_us / 1e3 / num_steps
+        table_path.write_text(f"{title}\n{table}\n")
+    return kernels, copies, device_us / 1e3
 
 
 def tiny_part(report: Report, new_tokens: int) -> None:
@@ -241,6 +270,13 @@ def slice_part(report: Report, args, copy_gbps: float, mm_tflops: float, profile
             report.figure(f"device_ms_per_step_b{b}", device_ms)
             if b == 1:
                 report.figure("device_time_vs_roofline_b1", 1e3 / device_ms / roofline)
+        if b == 64 and args.profile_prefill:
+            path = None if profile_dir is None else profile_dir / f"profile_prefill_b{b}.txt"
+            wall_ms, device_ms = profile_prefill(runner, prompts, bps, path)
+            report.figure(f"prefill_wall_ms_b{b}", wall_ms)
+            report.figure(f"prefill_device_ms_b{b}", device_ms)
+            print(f"  batch {b} prefill ({b * plen} tokens): {wall_ms:.1f} ms wall, {device_ms:.1f} ms of kernels",
+                  flush=True)
     prompt = _prompts(ref.config.vocab_size, 1, args.prefill_len, 7)[0]
     our_prefill(runner, prompt[:1024], prefill_blocks)  # prefill variants compiled
     ours_s = min(our_prefill(runner, prompt, prefill_blocks) for _ in range(2))
@@ -283,6 +319,9 @@ def main(argv=None) -> int:
     p.add_argument("--kernels", action="store_true", help="also the kernel microbenchmarks")
     p.add_argument("--parts", default="tiny,slice", help="comma-separated: tiny, slice")
     p.add_argument("--profile-dir", default=None, help="write per-kernel tables of profiled decode steps here")
+    p.add_argument("--profile-prefill", action="store_true",
+                   help="batch 64: also time and profile the generate's first forward (its whole prompts), "
+                        "figures prefill_{wall,device}_ms_b64, table profile_prefill_b64.txt in --profile-dir")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quantization", default=None, choices=("fp8",),
                    help="ours with FP8 weights (transformers stays bf16); the roofline counts the bytes as served")

@@ -260,6 +260,12 @@ def our_prefill(runner, prompt: list[int], blocks_per_seq: int) -> float:
     return time.perf_counter() - t0
 
 
+def prefill_batch(prompts: list[list[int]], blocks_per_seq: int) -> ForwardBatch:
+    """The generate's first forward: every prompt whole, one logit row each (for profiling it)."""
+    return ForwardBatch([SeqStep(i, i, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), 0, p, num_logits=1)
+                         for i, p in enumerate(prompts)])  # fmt: skip
+
+
 def decode_batch(prompts: list[list[int]], blocks_per_seq: int, step: int, tokens: list[int]) -> ForwardBatch:
     """The decode forward after ``step`` new tokens (for profiling one step)."""
     return ForwardBatch([SeqStep(i, i, list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)), len(p) + step,
