@@ -218,6 +218,7 @@ class AsyncEngine:
             kv_cache_usage=pool.usage,
             swa_slots=dataclasses.asdict(self.swa_slots.stats) if self.swa_slots is not None else None,
             spec=self.core.spec.stats.as_dict() if self.core.spec is not None else None,
+            ep=ep_stats() if (ep_stats := getattr(self.core.runner, "ep_stats", None)) is not None else None,
         )
 
     def metric_collectors(self) -> list:

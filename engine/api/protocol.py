@@ -89,6 +89,7 @@ class EngineStats:
     kv_cache_usage: float | None = None  # fraction of KV blocks in use
     swa_slots: Mapping[str, int] | None = None  # SWA slot counters (restored, replayed, fetched, ...), lifetime
     spec: Mapping[str, float] | None = None  # DSpark counters (drafted, verified, accepted, ...), lifetime
+    ep: Mapping[str, float] | None = None  # expert parallelism: steps, re-placements, ... (ExpertParallel.stats)
 
 
 @runtime_checkable

@@ -59,6 +59,10 @@ class EpRunner:
     def __getattr__(self, name):
         return getattr(self._runner, name)
 
+    def ep_stats(self) -> dict[str, float]:
+        """``ExpertParallel.stats()`` and this rank's EP size and rank (EngineStats.ep)."""
+        return {**self.parallel.stats(), "size": float(self.ep.size), "broken": float(self._broken is not None)}
+
     # ---- the device thread --------------------------------------------------------------------
     def execute(self, batch) -> torch.Tensor:
         return self._step(self._runner.execute, batch)

@@ -84,6 +84,8 @@ class ExpertParallel:
         self._sampled_loads: list[np.ndarray] = []
         self.replacement: Replacement | None = None
         self.num_replacements = 0
+        self.num_replacements_done = 0
+        self.num_layers_swapped = 0
         self.replacement_error: str | None = None  # why re-placement was turned off (module docstring)
         self.num_steps = 0
 
@@ -102,7 +104,7 @@ class ExpertParallel:
                 self._sampled_loads.append(state.loads.copy())
         if self.replacement is not None:
             try:
-                self.replacement.swap_ready()
+                self.num_layers_swapped += self.replacement.swap_ready()
             except ReplacementError as exc:  # agreed by every rank: each turns re-placement off here
                 self._replacement_failed(exc)
             else:
@@ -110,6 +112,7 @@ class ExpertParallel:
                     self.replacement.join()
                     self.schedule.planned_imbalance = self.replacement.planned_imbalance
                     self.replacement = None
+                    self.num_replacements_done += 1
         if (s.period > 0 and self.replacement_error is None and self.replacement is None and self.num_steps > 0
                 and self._is_due()):
             self.start_replacement()
@@ -117,6 +120,22 @@ class ExpertParallel:
             self._decide_rules()
         state.sampled = self.num_steps % s.sample_every == 0
         self.num_steps += 1
+
+    def stats(self) -> dict[str, float]:
+        """Lifetime figures of the group as this rank counts them; every rank steps and re-places
+        at the same boundaries, so they agree. Cheap (no collective, no lock): /metrics reads it.
+
+        num_steps (forwards, idle ones included), num_replacements (started),
+        num_replacements_done (every changed layer in service), num_layers_swapped,
+        replacement_in_flight (0/1), replacement_off (1 once a failed re-placement turned it off),
+        planned_imbalance (the group's window under the placement in service when it was planned:
+        slowest rank / mean; 0 before the first)."""
+        return {"num_steps": float(self.num_steps), "num_replacements": float(self.num_replacements),
+                "num_replacements_done": float(self.num_replacements_done),
+                "num_layers_swapped": float(self.num_layers_swapped),
+                "replacement_in_flight": float(self.replacement is not None),
+                "replacement_off": float(self.replacement_error is not None),
+                "planned_imbalance": float(self.schedule.planned_imbalance)}  # fmt: skip
 
     def _is_due(self) -> bool:
         """The schedule's answer, the same on every rank: the period, or drift measured on the

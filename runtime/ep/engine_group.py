@@ -48,6 +48,7 @@ from deepinfer.transport.protocol import (
     EpOutput,
     EpRankReply,
     EpRankRequest,
+    EpRankStats,
     EpReady,
     EpRequestFailed,
     EpStop,
@@ -70,6 +71,7 @@ class _Rank:
     index: int
     proc: asyncio.subprocess.Process
     outstanding: set[str] = field(default_factory=set)
+    stats: EpRankStats | None = None  # its latest figures (rank_worker.STATS_INTERVAL_S)
 
 
 class EpEngineGroup:
@@ -126,7 +128,19 @@ class EpEngineGroup:
         return self._tokenizer
 
     def stats(self) -> EngineStats:
-        return EngineStats(num_running=sum(len(r.outstanding) for r in self._ranks), num_waiting=0)
+        """The group's figures from each rank's latest report: requests summed, the fullest rank's
+        KV usage, the group's EP figures (every rank counts the same steps and re-placements: the
+        largest of each, ``replacement_off`` 1 if any rank turned re-placement off), ``ranks`` and
+        ``restarts`` of the group."""
+        reports = [r.stats for r in self._ranks if r.stats is not None]
+        ep: dict[str, float] = {"ranks": float(len(self._ranks)), "restarts": float(self.num_restarts)}
+        for report in reports:
+            for name, value in report.ep.items():
+                ep[name] = max(ep.get(name, value), value)
+        usage = [r.kv_cache_usage for r in reports if r.kv_cache_usage is not None]
+        return EngineStats(num_running=sum(len(r.outstanding) for r in self._ranks),
+                           num_waiting=sum(r.num_waiting for r in reports),
+                           kv_cache_usage=max(usage) if usage else None, ep=ep)
 
     async def check_health(self) -> None:
         if self._dead_reason is not None:
@@ -255,6 +269,8 @@ class EpEngineGroup:
                     self._on_group_broken(rank, generation, msg.message)
                 elif isinstance(msg, EpRequestFailed):
                     self._put(msg.request_id, _error(msg))
+                elif isinstance(msg, EpRankStats):
+                    rank.stats = msg
         except (TransportError, asyncio.IncompleteReadError, ConnectionError) as exc:
             why = f"a bad frame from it ({exc})"
         if generation != self._generation or self._closed:

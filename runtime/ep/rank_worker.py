@@ -6,7 +6,8 @@
 It runs an ``AsyncEngine`` whose runner is an ``EpRunner`` (``EngineOptions.expert_parallel``)
 and serves its front (engine_group.py) over stdin/stdout, in frames of a 4-byte length and one
 message (transport/protocol/ep.py): ``EpGenerate`` / ``EpAbort`` / ``EpStop`` in; ``EpReady``
-once, then ``EpOutput`` deltas and ``EpRequestFailed`` out. Logs go to stderr.
+once, then ``EpOutput`` deltas and ``EpRequestFailed`` out, and ``EpRankStats`` every
+``STATS_INTERVAL_S``. Logs go to stderr.
 
 It exits when its front goes (end of stdin), on ``EpStop``, and when the group breaks (a peer
 died or timed out): its requests are failed first, with the group's reason, so nothing waits on
@@ -29,6 +30,7 @@ from deepinfer.transport.protocol import (
     EpOutput,
     EpRankReply,
     EpRankRequest,
+    EpRankStats,
     EpReady,
     EpRequestFailed,
     EpStop,
@@ -36,6 +38,7 @@ from deepinfer.transport.protocol import (
 
 log = logging.getLogger(__name__)
 EXIT_GROUP_BROKEN = 3
+STATS_INTERVAL_S = 1.0  # how often a rank sends its engine's figures to the front
 MAX_FRAME_BYTES = 64 * 1024 * 1024
 
 
@@ -89,6 +92,11 @@ class RankServer:
             self.tasks.pop(msg.request_id, None)
             await self.writer.drain()
 
+    def send_stats(self) -> None:
+        st = self.engine.stats()
+        self.send(EpRankStats(st.num_running, st.num_waiting, st.kv_cache_usage, st.prefix_cache_hit_rate,
+                              dict(st.ep or {})))
+
     def fail_all(self, reason: str) -> None:
         for rid, task in list(self.tasks.items()):
             task.cancel()
@@ -117,6 +125,7 @@ async def serve(config: dict) -> int:
     codec = Codec(EpRankRequest, MAX_FRAME_BYTES)
     frames = loop.create_task(read_frame(reader))
     status = 0
+    stats_due = 0.0
     try:
         while True:
             done, _ = await asyncio.wait({frames}, timeout=0.1)
@@ -124,6 +133,9 @@ async def serve(config: dict) -> int:
                 server.fail_all(_reason(runner))
                 status = EXIT_GROUP_BROKEN
                 break
+            if loop.time() >= stats_due:
+                server.send_stats()
+                stats_due = loop.time() + STATS_INTERVAL_S
             if not done:
                 continue
             raw = frames.result()

@@ -46,6 +46,19 @@ _SPEC_HELP = {
     "num_request_steps": "decode steps of a request (root token + 0..D drafts)",
     "draft_seconds": "device seconds spent in the drafter",
 }
+_EP_HELP = {  # counters (the rest are gauges): ExpertParallel.stats, EpEngineGroup.stats
+    "num_steps": ("counter", "forwards of the EP group (idle ones included)"),
+    "num_replacements": ("counter", "expert re-placements started"),
+    "num_replacements_done": ("counter", "expert re-placements with every changed layer in service"),
+    "num_layers_swapped": ("counter", "MoE layers swapped to a new placement"),
+    "restarts": ("counter", "restarts of the EP group after a lost rank"),
+    "replacement_in_flight": ("gauge", "1 while a re-placement stages in the background"),
+    "replacement_off": ("gauge", "1 once a failed re-placement turned re-placement off (until a restart)"),
+    "planned_imbalance": ("gauge", "slowest rank / mean over the load window, under the placement in service when planned"),
+    "size": ("gauge", "ranks of the EP group"),
+    "ranks": ("gauge", "rank processes of the EP group"),
+    "broken": ("gauge", "1 when the EP group broke (a rank died or timed out)"),
+}
 # drafts per request: 0 .. a few thousand
 SPEC_REQUEST_BUCKETS = (0, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000)
 
@@ -81,6 +94,11 @@ class _EngineStatsCollector(Collector):
             # num_accepted -> deepinfer_spec_accepted_total, draft_seconds -> deepinfer_spec_draft_seconds_total
             yield CounterMetricFamily(f"deepinfer_spec_{name.removeprefix('num_')}",
                                       f"DSpark: {_SPEC_HELP.get(name, name)}", value=value)
+        for name, value in (stats.ep or {}).items():
+            # num_replacements -> deepinfer_ep_replacements_total, planned_imbalance -> deepinfer_ep_planned_imbalance
+            kind, doc = _EP_HELP.get(name, ("gauge", name))
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            yield family(f"deepinfer_ep_{name.removeprefix('num_')}", f"Expert parallelism: {doc}", value=value)
 
 
 class GatewayMetrics:

@@ -54,8 +54,13 @@ class EpRequestFailed(_Message):
 
 
 class EpRankStats(_HotMessage):
+    """The rank's engine figures, sent about once a second (the front's ``stats()``)."""
+
     num_running: int
     num_waiting: int
+    kv_cache_usage: float | None = None
+    prefix_cache_hit_rate: float | None = None
+    ep: dict[str, float] = {}  # ExpertParallel.stats() of the rank (EngineStats.ep)
 
 
 EpRankReply = EpReady | EpOutput | EpRequestFailed | EpRankStats

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import time
 
@@ -41,6 +42,24 @@ def assert_same(got, want):
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, want, strict=True):
         assert tokens == ref_tokens
         assert max(abs(a - b) for a, b in zip(logprobs, ref_logprobs, strict=True)) <= 1e-5
+
+
+async def assert_ep_figures(group):
+    """The ranks' reports reach the front's stats() and its /metrics (the restarted group's)."""
+    from deepinfer.runtime.ep.rank_worker import STATS_INTERVAL_S
+    from deepinfer.runtime.gateway.metrics import GatewayMetrics
+
+    deadline = time.monotonic() + 5 * STATS_INTERVAL_S
+    while not all(r.stats is not None and r.stats.ep.get("num_steps", 0) > 0 for r in group._ranks):
+        assert time.monotonic() < deadline, "no stepping EP figures from every rank"
+        await asyncio.sleep(0.1)
+    st = group.stats()
+    assert st.ep["ranks"] == st.ep["size"] == 2 and st.ep["restarts"] == 1 and st.ep["broken"] == 0
+    assert st.ep["num_steps"] >= 12 and st.ep["replacement_off"] == 0 and 0.0 <= st.kv_cache_usage <= 1.0
+    text = GatewayMetrics(group).render().decode()
+    assert "deepinfer_ep_restarts_total 1.0" in text and "deepinfer_ep_ranks 2.0" in text
+    steps = re.search(r"^deepinfer_ep_steps_total (\S+)$", text, re.M)
+    assert steps is not None and float(steps.group(1)) >= st.ep["num_steps"]  # the group keeps polling
 
 
 @pytest.mark.timeout(240)
@@ -78,6 +97,7 @@ def test_ep_group_serves_fails_a_dead_rank_fast_and_restarts(tiny_dir):
             assert_same(again, want)
             assert group.num_restarts == 1 and victim not in [r.proc.pid for r in group._ranks]
             await group.check_health()
+            await assert_ep_figures(group)
             ranks = list(group._ranks)
         finally:
             await group.shutdown()

@@ -147,8 +147,16 @@ def test_ep1_in_process_equals_the_plain_model():
     runner = harness.v4_runner(num_seqs=8)
     ep = ExpertParallel(runner.model, EpGroup.single(), EpSettings(redundant_per_rank=3, window=2, sample_every=1,
                                                                    rule_period=3))
+    start = ep.phy2log.copy()
     got = harness.run_lockstep(runner, work, list(range(8)), ep.begin_step, ep.idle_step)
     assert ep.num_replacements == 1
+    # the figures /metrics shows: every layer swapped is one whose placement changed
+    st = ep.stats()
+    assert st["num_replacements"] == 1 and st["num_steps"] == ep.num_steps > 0 and st["replacement_off"] == 0
+    assert st["num_layers_swapped"] == int((ep.phy2log != start).any(axis=1).sum())
+    assert st["num_replacements_done"] + st["replacement_in_flight"] == 1
+    if st["num_replacements_done"]:  # one rank: the plan's imbalance is 1 (it may change no layer)
+        assert st["planned_imbalance"] == pytest.approx(1.0)
     for i, (tokens, rows) in ref.items():
         assert got[i][0] == tokens and torch.equal(got[i][1], rows)
 
@@ -177,6 +185,9 @@ def test_a_failed_replacement_turns_replacement_off_and_serving_goes_on(caplog):
         got = harness.run_lockstep(runner, work, list(range(4)), ep.begin_step, ep.idle_step)
     assert calls == [1] and ep.num_replacements == 1 and ep.replacement is None
     assert "planner out of memory" in ep.replacement_error
+    st = ep.stats()
+    assert st["replacement_off"] == 1 and st["replacement_in_flight"] == 0
+    assert st["num_layers_swapped"] == st["num_replacements_done"] == 0 and st["num_replacements"] == 1
     assert any("re-placement is off" in r.getMessage() for r in caplog.records)
     np.testing.assert_array_equal(ep.phy2log, start)
     for i, (tokens, rows) in ref.items():
