@@ -76,8 +76,11 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.lm_head = linear_holder(c.hidden_size, c.vocab_size, device, dtype)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("main_inv_freq", inv_freq(c.rope_main, c.qk_rope_head_dim), persistent=False)
-        self.register_buffer("compress_inv_freq", inv_freq(c.rope_compress, c.qk_rope_head_dim), persistent=False)
+        # on the model's device like every other tensor it holds (the forward's rope tables come
+        # from the host geometry's copy, ``geometry()``)
+        self.register_buffer("main_inv_freq", inv_freq(c.rope_main, c.qk_rope_head_dim).to(device), persistent=False)
+        self.register_buffer("compress_inv_freq", inv_freq(c.rope_compress, c.qk_rope_head_dim).to(device),
+                             persistent=False)
 
     # ---- cache declarations ---------------------------------------------------------------
     def compress_kinds(self) -> tuple[tuple[int, bool], ...]:

@@ -49,8 +49,12 @@ class DeepseekV41ForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.engram_hash = EngramHash(c, device) if c.engram_layer_ids else None
         self.mtp = nn.ModuleList([DSparkStage(c, k, device, dtype) for k in range(c.num_stages)])
-        self.register_buffer("main_inv_freq", inv_freq(c.rope_main, c.qk_rope_head_dim), persistent=False)
-        self.register_buffer("compress_inv_freq", inv_freq(c.rope_compress, c.qk_rope_head_dim), persistent=False)
+        # on the model's device: the DSpark drafter's pass builds its rope tables from them inside a
+        # CUDA graph, where a host tensor cannot be copied (the serving forward's tables come from
+        # the host geometry's copy, ``geometry()``)
+        self.register_buffer("main_inv_freq", inv_freq(c.rope_main, c.qk_rope_head_dim).to(device), persistent=False)
+        self.register_buffer("compress_inv_freq", inv_freq(c.rope_compress, c.qk_rope_head_dim).to(device),
+                             persistent=False)
         self.decoder_from = c.ced_source  # first layer of a bounded decoder replay
         self.decoder_replay_tokens: int | None = None
         # DSpark's target features, taken inside the forward (a CUDA graph's replay keeps them; a

@@ -35,6 +35,26 @@ def test_a_cpu_proposer_never_graphs(tiny_dir):
     assert proposer.graphs is None
 
 
+@pytest.mark.parametrize("family", ["v4", "v41"])
+def test_a_model_built_for_a_device_holds_every_tensor_there(family):
+    """Built on the meta device (no memory), every parameter and buffer must be there too: a
+    tensor left on the host is copied in at each use, which a CUDA graph's capture refuses (the
+    rope frequencies were, and no drafter pass could be captured on a GPU)."""
+    if family == "v4":
+        from deepinfer.engine.models.deepseek_v4.model import DeepseekV4ForCausalLM as Model
+        from deepinfer.engine.models.deepseek_v4.tiny_model import tiny_config
+
+        config = tiny_config()
+    else:
+        from deepinfer.engine.models.deepseek_v41.model import DeepseekV41ForCausalLM as Model
+        from deepinfer.engine.models.deepseek_v41.tiny_model import tiny_v41_config
+
+        config = tiny_v41_config(4096)
+    model = Model(config, device="meta", dtype=torch.bfloat16)
+    tensors = list(model.named_parameters()) + list(model.named_buffers())
+    assert tensors and [name for name, t in tensors if t.device.type != "meta"] == []
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_graphed_proposals_equal_the_eager_pass(tiny_dir):
