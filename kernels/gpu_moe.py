@@ -6,11 +6,12 @@ reads E / k times the weight bytes the token needs. Here:
 
     moe_route       one program per token: scores, top-k of score + bias (or the hash ids),
                     ids ascending, normalised weights                              (1 launch)
-    moe_experts_    align: one program groups the (token, slot) pairs by expert into blocks
+    moe_experts_    align (``moe_align``): the (token, slot) pairs grouped by expert into blocks
                     of BM rows (rows of an expert padded to a multiple of BM, ascending pair
-                    order inside it); up: per (block, column block) x[tokens] @ W_gate/up[e]^T
-                    with the SwiGLU clamp in registers; down: act @ W_down[e]^T; combine: each
-                    token adds its k rows in slot order onto ``out``                 (4 launches)
+                    order inside it), one program up to 8K pairs, chunks in parallel past
+                    that; up: per (block, column block) x[tokens] @ W_gate/up[e]^T with the
+                    SwiGLU clamp in registers; down: act @ W_down[e]^T; combine: each token
+                    adds its k rows in slot order onto ``out``        (4 launches, ~8 past 8K pairs)
 
 Blocks of unused experts are never launched with work: the align kernel marks them -1 and their
 programs return at once, so only routed experts' weights are read. Row order does not change a
@@ -31,6 +32,7 @@ from deepinfer.kernels.gpu_tiles import dispatch_tile, store_rows, swiglu_rounde
 
 SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 _SMALL_PAIRS = 1024  # up to this many (token, expert) pairs: decode tiles
+ALIGN_CHUNK_PAIRS = 8192  # up to this many pairs one program lays out the rows; past it, chunks of it
 
 
 @triton.jit
@@ -83,39 +85,82 @@ def _route_kernel(logits_ptr, s_row, bias_ptr, hash_ptr, ids_ptr, w_ptr, E, fact
 
 
 @triton.jit
-def _align_kernel(ids_ptr, P, E, k, T, tok_ptr, rop_ptr, bexp_ptr, max_blocks, BM: tl.constexpr, EP: tl.constexpr,
-                  BP: tl.constexpr, BB: tl.constexpr):
-    e = tl.arange(0, EP)
-    counts = tl.zeros([EP], dtype=tl.int32)
-    for p0 in range(0, P, BP):
+def _count_pairs(ids_ptr, P, lo, hi, e, BP: tl.constexpr):
+    """``[EP]`` pairs of each expert among pairs ``lo .. hi`` (and < P)."""
+    counts = tl.zeros(e.shape, dtype=tl.int32)
+    for p0 in range(lo, hi, BP):
         p = p0 + tl.arange(0, BP)
-        ex = tl.load(ids_ptr + p, mask=p < P, other=-1).to(tl.int32)
+        ex = tl.load(ids_ptr + p, mask=(p < P) & (p < hi), other=-1).to(tl.int32)
         counts += tl.sum(tl.where(ex[:, None] == e[None, :], 1, 0), 0)
+    return counts
+
+
+@triton.jit
+def _fill_blocks(b, first, counts, tok_ptr, bexp_ptr, T, max_blocks, BM: tl.constexpr):
+    """Blocks ``b [BB]``: each block's expert (-1 unused) and, in used blocks, the sentinel T in
+    the padding rows past its expert's real rows (real rows are written by ``_assign_rows``)."""
+    e = tl.arange(0, first.shape[0])
     padded = (counts + BM - 1) // BM * BM
-    first = tl.cumsum(padded, 0) - padded  # first row of each expert's segment
     first_block, num_blocks = first // BM, padded // BM
     real_end = first + counts
-    for b0 in range(0, max_blocks, BB):
-        b = b0 + tl.arange(0, BB)
-        hit = (b[:, None] >= first_block[None, :]) & (b[:, None] < (first_block + num_blocks)[None, :])
-        used = tl.sum(tl.where(hit, 1, 0), 1) > 0
-        expert = tl.where(used, tl.sum(tl.where(hit, e[None, :], 0), 1), -1)
-        tl.store(bexp_ptr + b, expert, mask=b < max_blocks)
-        # padding rows of used blocks read no token (sentinel T); real rows are written below
-        end = tl.sum(tl.where(hit, real_end[None, :], 0), 1)
-        r = b[:, None] * BM + tl.arange(0, BM)[None, :]
-        tl.store(tok_ptr + r, T + tl.zeros([BB, BM], dtype=tl.int32), mask=used[:, None] & (r >= end[:, None]))
-    seen = tl.zeros([EP], dtype=tl.int32)
-    for p0 in range(0, P, BP):
+    hit = (b[:, None] >= first_block[None, :]) & (b[:, None] < (first_block + num_blocks)[None, :])
+    used = tl.sum(tl.where(hit, 1, 0), 1) > 0
+    expert = tl.where(used, tl.sum(tl.where(hit, e[None, :], 0), 1), -1)
+    tl.store(bexp_ptr + b, expert, mask=b < max_blocks)
+    end = tl.sum(tl.where(hit, real_end[None, :], 0), 1)
+    r = b[:, None] * BM + tl.arange(0, BM)[None, :]
+    tl.store(tok_ptr + r, T + tl.zeros(r.shape, dtype=tl.int32), mask=used[:, None] & (r >= end[:, None]))
+
+
+@triton.jit
+def _assign_rows(ids_ptr, P, k, lo, hi, seen, e, tok_ptr, rop_ptr, BP: tl.constexpr):
+    """Pairs ``lo .. hi`` (and < P) in ascending order: each takes the next row of its expert's
+    segment (``seen [EP]``: the next free row of each expert at ``lo``)."""
+    for p0 in range(lo, hi, BP):
         p = p0 + tl.arange(0, BP)
-        pl = p < P
+        pl = (p < P) & (p < hi)
         ex = tl.load(ids_ptr + p, mask=pl, other=-1).to(tl.int32)
         hot = tl.where(ex[:, None] == e[None, :], 1, 0)
         before = tl.cumsum(hot, 0) - hot  # earlier pairs of the same expert in this chunk
-        row = tl.sum(tl.where(hot > 0, before + (seen + first)[None, :], 0), 1)
+        row = tl.sum(tl.where(hot > 0, before + seen[None, :], 0), 1)
         tl.store(rop_ptr + p, row.to(tl.int64), mask=pl)
         tl.store(tok_ptr + row, (p // k).to(tl.int32), mask=pl)
         seen += tl.sum(hot, 0)
+
+
+@triton.jit
+def _align_kernel(ids_ptr, P, E, k, T, tok_ptr, rop_ptr, bexp_ptr, max_blocks, BM: tl.constexpr, EP: tl.constexpr,
+                  BP: tl.constexpr, BB: tl.constexpr):
+    """The whole layout in one program (few pairs: one launch)."""
+    e = tl.arange(0, EP)
+    counts = _count_pairs(ids_ptr, P, 0, P, e, BP)
+    padded = (counts + BM - 1) // BM * BM
+    first = tl.cumsum(padded, 0) - padded  # first row of each expert's segment
+    for b0 in range(0, max_blocks, BB):
+        _fill_blocks(b0 + tl.arange(0, BB), first, counts, tok_ptr, bexp_ptr, T, max_blocks, BM)
+    _assign_rows(ids_ptr, P, k, 0, P, first, e, tok_ptr, rop_ptr, BP)
+
+
+@triton.jit
+def _align_count_kernel(ids_ptr, P, CH, counts_ptr, EP: tl.constexpr, BP: tl.constexpr):
+    """Many pairs, step 1: program c counts the pairs of chunk c (``CH`` pairs) per expert."""
+    c = tl.program_id(0)
+    e = tl.arange(0, EP)
+    tl.store(counts_ptr + c * EP + e, _count_pairs(ids_ptr, P, c * CH, c * CH + CH, e, BP))
+
+
+@triton.jit
+def _align_fill_kernel(ids_ptr, P, k, T, CH, C, counts_ptr, first_ptr, base_ptr, tok_ptr, rop_ptr, bexp_ptr,
+                       max_blocks, BM: tl.constexpr, EP: tl.constexpr, BP: tl.constexpr, BB: tl.constexpr):
+    """Many pairs, step 2: programs 0 .. C-1 assign the rows of their chunk's pairs (``base
+    [C, EP]``: each expert's next row at the chunk's start), the rest fill BB blocks each."""
+    c = tl.program_id(0)
+    e = tl.arange(0, EP)
+    if c < C:
+        _assign_rows(ids_ptr, P, k, c * CH, c * CH + CH, tl.load(base_ptr + c * EP + e), e, tok_ptr, rop_ptr, BP)
+    else:
+        b = (c - C) * BB + tl.arange(0, BB)
+        _fill_blocks(b, tl.load(first_ptr + e), tl.load(counts_ptr + e), tok_ptr, bexp_ptr, T, max_blocks, BM)
 
 
 @triton.jit
@@ -221,6 +266,42 @@ def _tiles(pairs: int, batch_invariant: bool) -> tuple[int, int, int, int, int, 
     return 128, 64, 64, 3, 8, False
 
 
+def moe_align(expert_ids, num_experts: int, bm: int, chunk_pairs: int | None = None):
+    """The experts' row layout of ``expert_ids [T, k]``: (tok [blocks * bm] int32: the token of each
+    row, T in padding rows; row_of_pair [T * k] int64; block_expert [blocks] int32, -1 unused).
+    Each expert's rows are a segment padded to a multiple of ``bm``, its pairs in ascending order.
+    Up to ``chunk_pairs`` (default ALIGN_CHUNK_PAIRS) pairs one program builds it; past that, chunks of ``chunk_pairs`` pairs
+    are counted in parallel, a prefix over the chunks gives each its rows, and one program per
+    chunk (and per 64 blocks) fills them in: the same layout, not one program walking 200K pairs."""
+    t, k = expert_ids.shape
+    pairs = t * k
+    chunk_pairs = ALIGN_CHUNK_PAIRS if chunk_pairs is None else chunk_pairs
+    max_blocks = triton.cdiv(pairs + min(num_experts, pairs) * (bm - 1), bm)
+    dev = expert_ids.device
+    ids = expert_ids.contiguous()
+    tok = torch.empty(max_blocks * bm, dtype=torch.int32, device=dev)
+    row_of_pair = torch.empty(pairs, dtype=torch.int64, device=dev)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+    ep = triton.next_power_of_2(num_experts)  # one [pairs, experts] tile of BP x EP in registers
+    bp, bb = max(16, 4096 // ep), 64
+    if pairs <= chunk_pairs:
+        _align_kernel[(1,)](ids, pairs, num_experts, k, t, tok, row_of_pair, block_expert, max_blocks,
+                            BM=bm, EP=ep, BP=bp, BB=bb, num_warps=4)  # fmt: skip
+        return tok, row_of_pair, block_expert
+    chunk = triton.cdiv(chunk_pairs, bp) * bp
+    num_chunks = triton.cdiv(pairs, chunk)
+    chunk_counts = torch.empty(num_chunks, ep, dtype=torch.int32, device=dev)
+    _align_count_kernel[(num_chunks,)](ids, pairs, chunk, chunk_counts, EP=ep, BP=bp, num_warps=4)
+    counts = chunk_counts.sum(0, dtype=torch.int32)
+    padded = (counts + bm - 1) // bm * bm
+    first = (torch.cumsum(padded, 0, dtype=torch.int32) - padded).contiguous()
+    base = (first + torch.cumsum(chunk_counts, 0, dtype=torch.int32) - chunk_counts).contiguous()
+    grid = num_chunks + triton.cdiv(max_blocks, bb)
+    _align_fill_kernel[(grid,)](ids, pairs, k, t, chunk, num_chunks, counts.contiguous(), first, base, tok, row_of_pair,
+                                block_expert, max_blocks, BM=bm, EP=ep, BP=bp, BB=bb, num_warps=4)  # fmt: skip
+    return tok, row_of_pair, block_expert
+
+
 def moe_experts_(out, x, expert_ids, weights, gate_up, down, limit: float, batch_invariant: bool = False):
     """``out[t] += sum_j weights[t, j] * expert_{ids[t, j]}(x[t])`` for the first T rows (T = len(ids));
     expert e is ``down[e] @ swiglu_clamped(gate_up[e] @ x)``; returns ``out``. Experts of ``Fp8Weight``
@@ -232,14 +313,9 @@ def moe_experts_(out, x, expert_ids, weights, gate_up, down, limit: float, batch
     inter = two_i // 2
     pairs = t * k
     bm, bn, bk, stages, warps, swap = _tiles(pairs, batch_invariant)
-    max_blocks = triton.cdiv(pairs + min(num_experts, pairs) * (bm - 1), bm)
+    tok, row_of_pair, block_expert = moe_align(expert_ids, num_experts, bm)
+    max_blocks = block_expert.numel()
     dev = x.device
-    tok = torch.empty(max_blocks * bm, dtype=torch.int32, device=dev)
-    row_of_pair = torch.empty(pairs, dtype=torch.int64, device=dev)
-    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
-    ep = triton.next_power_of_2(num_experts)  # one [pairs, experts] tile of BP x EP in registers
-    _align_kernel[(1,)](expert_ids.contiguous(), pairs, num_experts, k, t, tok, row_of_pair, block_expert, max_blocks,
-                        BM=bm, EP=ep, BP=max(16, 4096 // ep), BB=64, num_warps=4)  # fmt: skip
     x = x.contiguous()
     if isinstance(gate_up, Fp8Weight) or isinstance(down, Fp8Weight):
         rows = gpu_moe_fp8.expert_rows(x, gate_up, down, tok, block_expert, t, limit, bm, swap)

@@ -73,7 +73,39 @@ def test_moe_experts(t, e, k, h, i, extra_rows, dtype, seed):
     assert torch.equal(got[t:], out[t:])  # padding rows: untouched
 
 
-def test_moe_experts_prefill_tiles():
+@cases.examples()
+@given(t=st.integers(1, 160), e=st.sampled_from([1, 7, 64, 300]), k=st.sampled_from([1, 2, 6]),
+       bm=st.sampled_from([16, 128]), chunk=st.integers(1, 400), skew=st.booleans(), seed=st.integers(0, 2**31))
+def test_moe_align_in_chunks(t, e, k, bm, chunk, skew, seed):
+    """The layout built in parallel chunks (any chunk size, off the kernels' tiles) equals the one
+    program's, and both are right: each pair's row holds its token in a block of its expert, an
+    expert's pairs take its rows in ascending order from a segment start that is a block start,
+    padding rows of used blocks hold the sentinel t, unused blocks are -1."""
+    k = min(k, e)
+    g = cases.gen(seed)
+    probs = torch.tensor([20.0] * min(3, e) + [1.0] * (e - min(3, e))) if skew else torch.ones(e)
+    ids = torch.stack([torch.multinomial(probs, k, generator=g) for _ in range(t)]).sort(dim=-1).values
+    with cases.poisoned_allocations():
+        one = gpu_moe.moe_align(ids.to(cases.DEVICE), e, bm, chunk_pairs=t * k)
+        many = gpu_moe.moe_align(ids.to(cases.DEVICE), e, bm, chunk_pairs=chunk)
+    tok, rop, bexp = (x.cpu() for x in many)
+    assert torch.equal(bexp, one[2].cpu()) and torch.equal(rop, one[1].cpu())
+    used_rows = (bexp >= 0).repeat_interleave(bm)
+    assert torch.equal(tok[used_rows], one[0].cpu()[used_rows])
+    flat = ids.reshape(-1)
+    pair = torch.arange(t * k)
+    assert torch.equal(tok[rop].long(), pair // k) and torch.equal(bexp[rop // bm].long(), flat)
+    real = torch.zeros_like(tok, dtype=torch.bool)
+    real[rop] = True
+    assert torch.equal(tok[used_rows & ~real], torch.full_like(tok[used_rows & ~real], t))
+    for x in flat.unique().tolist():
+        rows = rop[flat == x]
+        assert int(rows[0]) % bm == 0 and torch.equal(rows, rows[0] + torch.arange(len(rows)))
+    assert bexp.numel() * bm == tok.numel() and int((bexp >= 0).sum()) == sum(
+        -(-int((flat == x).sum()) // bm) for x in flat.unique().tolist())
+
+
+def test_moe_experts_prefill_tiles(monkeypatch):
     """Enough pairs for the prefill tiles (64-row blocks), skewed towards a few experts."""
     g = cases.gen(5)
     t, e, k, h, i = 700, 16, 4, 96, 80
@@ -84,6 +116,8 @@ def test_moe_experts_prefill_tiles():
     ids = torch.stack([torch.multinomial(probs, k, generator=g) for _ in range(t)]).sort(dim=-1).values.to(cases.DEVICE)
     weights = torch.rand(t, k, generator=g).to(cases.DEVICE)
     out = torch.zeros(t, h, dtype=torch.bfloat16, device=cases.DEVICE)
+    # 2,800 pairs: the align in chunks of 1,000 as past 8K pairs in serving
+    monkeypatch.setattr(gpu_moe, "ALIGN_CHUNK_PAIRS", 1000)
     got = gpu_moe.moe_experts_(out, x, ids, weights, gate_up, down, 10.0)
     want = torch_ref.moe_experts_(torch.zeros(t, h, dtype=torch.float64, device=cases.DEVICE), x.double(), ids,
                                   weights.double(), gate_up.double(), down.double(), 10.0)  # fmt: skip
