@@ -53,6 +53,10 @@ CASES = [
      dict(K=6, KP=8, EP=64, MODE=0, HASH=False), 1, 3),
     ("moe align", gpu_moe._align_kernel, dict(ids_ptr=I64, tok_ptr=I32, rop_ptr=I64, bexp_ptr=I32),
      dict(BM=16, EP=64, BP=64, BB=64), 4, 3),
+    ("moe align count", gpu_moe._align_count_kernel, dict(ids_ptr=I64, counts_ptr=I32), dict(EP=64, BP=64), 4, 3),
+    ("moe align fill", gpu_moe._align_fill_kernel, dict(ids_ptr=I64, counts_ptr=I32, first_ptr=I32, base_ptr=I32,
+                                                        tok_ptr=I32, rop_ptr=I64, bexp_ptr=I32),
+     dict(BM=128, EP=64, BP=64, BB=64), 4, 3),
 ]
 # the compressors: CSA (ratio 4, overlap, span 8) and HCA (ratio 128, span 128) at head_dim 512, and
 # the CSA indexer's (head_dim 128)
