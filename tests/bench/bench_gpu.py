@@ -114,24 +114,21 @@ def _count_launches(runner, prompts, blocks_per_seq, first_step, num_steps, tabl
 
 
 def profile_prefill(runner, prompts, blocks_per_seq: int, table_path: Path | None) -> tuple[float, float]:
-    """(wall ms, device ms) of the generate's first forward (every prompt whole), eager, once
-    profiled; ``table_path`` gets its per-kernel table (where a large batch's prefill goes)."""
+    """(wall ms, device ms) of the generate's first forward (every prompt whole) as the timed
+    generate runs it (graphs on: a forward past DEEPINFER_CUDA_GRAPH_MAX_TOKENS runs eagerly on a
+    context packed into one pinned copy), once profiled; ``table_path`` gets its per-kernel table."""
     from deepinfer_bench.gpu_slice import prefill_batch
 
-    graphs, runner.graphs = getattr(runner, "graphs", None), None
-    try:
-        runner.execute(prefill_batch(prompts, blocks_per_seq))  # warm
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        runner.execute(prefill_batch(prompts, blocks_per_seq))
-        torch.cuda.synchronize()
-        wall_ms = (time.perf_counter() - t0) * 1e3
-        tokens = sum(len(p) for p in prompts)
-        _, _, device_ms = _profile(runner, [prefill_batch(prompts, blocks_per_seq)], table_path,
-                                   f"prefill of {len(prompts)} prompts, {tokens} tokens")
-        return wall_ms, device_ms
-    finally:
-        runner.graphs = graphs
+    runner.execute(prefill_batch(prompts, blocks_per_seq))  # warm
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    runner.execute(prefill_batch(prompts, blocks_per_seq))
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    tokens = sum(len(p) for p in prompts)
+    _, _, device_ms = _profile(runner, [prefill_batch(prompts, blocks_per_seq)], table_path,
+                               f"prefill of {len(prompts)} prompts, {tokens} tokens")
+    return wall_ms, device_ms
 
 
 def _profile(runner, batches, table_path: Path | None, title: str) -> tuple[int, int, float]:
