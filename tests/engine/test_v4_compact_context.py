@@ -1,6 +1,7 @@
-"""Compact token-group candidates (``Geometry.compact_candidates``, a model off the CPU): the same
-forward as the full form. A prefill chunk's groups store one candidate row per group and a closed-entry
-count per token; ``TokenGroup.expand_candidates`` builds the [G, B] views, valid and bias."""
+"""Compact token groups (``Geometry.compact_candidates``, a model off the CPU): the same forward as
+the full form. A prefill chunk's groups store one candidate row per group and a closed-entry count
+per token, and a [G, 4] window plan per token; ``TokenGroup.expand_candidates`` builds the [G, B]
+views, valid and bias, ``expand_window`` the window rows and bias."""
 
 from __future__ import annotations
 
@@ -55,15 +56,27 @@ def test_expanded_compact_groups_equal_the_full_form(ref, seed, decode, max_rows
     compact = build_context(batch, dataclasses.replace(geo, compact_candidates=True), device=torch.device("cpu"),
                             batch_invariant=False)  # fmt: skip
     assert full.compress.keys() == compact.compress.keys()
+    pairs = [(full.window.groups, compact.window.groups)]
+    pairs += [(plan.groups, compact.compress[kind].groups) for kind, plan in full.compress.items()]
+    for groups, other in pairs:
+        assert len(groups) == len(other)
+        for g, c in zip(groups, other):
+            # the window: a [G, 4] plan expanded to the full form's rows and bias
+            assert c.win_index is None and c.win_bias is None and c.win_plan.shape == (g.win_bias.shape[0], 4)
+            c.expand_window()
+            assert torch.equal(c.win_index, g.win_index) and torch.equal(c.win_bias, g.win_bias)
     for kind, plan in full.compress.items():
         other = compact.compress[kind].groups
-        assert len(plan.groups) == len(other)
         for g, c in zip(plan.groups, other):
             assert (g.window_len, g.num_candidates) == (c.window_len, c.num_candidates)
             if not g.num_candidates:
                 continue
             assert c.cand_valid is None and c.cand_bias is None and c.cand_count is not None
-            stored = c.cand_rows.shape[0]
+            # one row per group (one step), per step with each token's step, or per token (decode)
+            stored = c.cand_rows.shape[0] if c.cand_rows is not None else None
+            assert (c.cand_rows is None) == (c.cand_table is not None) == (c.cand_step is not None)
+            if c.cand_table is not None:
+                assert c.cand_table.shape[0] <= g.cand_rows.shape[0] and c.cand_step.shape == (g.cand_rows.shape[0],)
             c.expand_candidates()
             assert c.cand_rows.shape == g.cand_rows.shape
             assert c.shared_rows == (stored == 1 < g.cand_rows.shape[0])

@@ -47,8 +47,8 @@ class TokenGroup:
 
     token_index: torch.Tensor | None  # [G] rows of the flat batch; None = rows 0..T-1
     window_len: int  # L
-    win_index: torch.Tensor  # [G * (L + 1)] pool rows: window rows then the sink row
-    win_bias: torch.Tensor  # [G, 1, L + 1] float32 0 / -inf
+    win_index: torch.Tensor | None  # [G * (L + 1)] pool rows: window rows then the sink row
+    win_bias: torch.Tensor | None  # [G, 1, L + 1] float32 0 / -inf
     num_candidates: int = 0  # B; 0 = no compressed keys
     cand_rows: torch.Tensor | None = None  # [G, B] flat block-cache rows of entries 0..B-1
     cand_valid: torch.Tensor | None = None  # [G, B] bool: entry closed before the token
@@ -57,6 +57,36 @@ class TokenGroup:
     # group reads the same step's table) and the per-token count of closed entries replaces
     # cand_valid / cand_bias until ``expand_candidates`` builds them where the context lives
     cand_count: torch.Tensor | None = None  # [G] int64, <= B
+    # compact window (the same flag): row j < L of a token is ``ring + j`` below ``split``, else
+    # ``fresh + j``; row L the sink row; the first ``masked`` rows are masked. ``win_plan`` [G, 4]
+    # int64 holds (fresh, ring, split, masked) per token and ``expand_window`` builds win_index /
+    # win_bias from it where the context lives (12 (L + 1) bytes a token become 32)
+    win_plan: torch.Tensor | None = None
+    win_sink: int = 0
+    # compact candidates of a group whose tokens belong to several steps: ``cand_table`` [S, B]
+    # one row per distinct step and ``cand_step`` [G] each token's row of it (cand_rows None
+    # until ``expand_candidates`` gathers them where the context lives)
+    cand_table: torch.Tensor | None = None
+    cand_step: torch.Tensor | None = None
+
+    def expand_window(self) -> None:
+        """Build win_index / win_bias from win_plan (on its device); a no-op in the full form.
+        Rebuilt on every call, as ``expand_candidates`` (a CUDA graph must contain the launches)."""
+        if self.win_plan is None:
+            return
+        plan, length = self.win_plan, self.window_len
+        j = torch.arange(length + 1, device=plan.device)[None, :]
+        fresh, ring, split, masked = (plan[:, i : i + 1] for i in range(4))
+        rows = torch.where(j < split, ring + j, fresh + j)
+        rows[:, length] = self.win_sink
+        self.win_index = rows.reshape(-1)
+        self.win_bias = torch.zeros(rows.shape, dtype=torch.float32, device=plan.device).masked_fill_(
+            j < masked, NEG_INF)[:, None, :]
+
+    def expand(self) -> None:
+        """Both compact forms to the full one (``expand_window``, ``expand_candidates``)."""
+        self.expand_window()
+        self.expand_candidates()
 
     def expand_candidates(self) -> None:
         """Build cand_valid / cand_bias from cand_count (on its device) and view cand_rows as
@@ -70,7 +100,9 @@ class TokenGroup:
         self.cand_valid = valid
         self.cand_bias = torch.zeros(valid.shape, dtype=torch.float32, device=count.device).masked_fill_(
             ~valid, float("-inf"))[:, None, :]
-        if self.cand_rows.shape[0] != count.shape[0]:
+        if self.cand_step is not None:
+            self.cand_rows = self.cand_table.index_select(0, self.cand_step)
+        elif self.cand_rows.shape[0] != count.shape[0]:
             self.cand_rows = self.cand_rows.expand(count.shape[0], -1)
 
     @property
@@ -138,6 +170,16 @@ class ForwardContext:
     batch_invariant: bool
 
 
+def expand_groups(ctx: ForwardContext) -> None:
+    """Every token group of ``ctx`` (window and compressed plans) in the full form, built where
+    the context lives (``TokenGroup.expand``): the first thing a forward does."""
+    for g in ctx.window.groups:
+        g.expand()
+    for plan in ctx.compress.values():
+        for g in plan.groups:
+            g.expand()
+
+
 @dataclass(frozen=True, slots=True)
 class Geometry:
     """Static shapes the metadata depends on (model + cache configuration)."""
@@ -152,7 +194,8 @@ class Geometry:
     max_group_key_rows: int = 1 << 17  # bound on G * (L + 1 + B) key rows gathered at once
     # TokenGroup's compact candidates (a model off the CPU): a prefill chunk's [G, B] rows, valid
     # and bias (13 bytes a candidate, ~110 MB for 8K tokens at ratio 4) become [1, B] rows and [G]
-    # counts, expanded on the device
+    # counts, expanded on the device; and its window rows and bias ([G, L + 1] int64 and float32:
+    # 138 MB of the 209 MB context of a 64 x 512-token prefill) a [G, 4] plan (``win_plan``)
     compact_candidates: bool = False
 
 

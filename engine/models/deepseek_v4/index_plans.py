@@ -149,6 +149,37 @@ def _window_rows(a: StepArrays, geo: Geometry, index: np.ndarray | None, length:
     return cached
 
 
+def _window_group(a: StepArrays, geo: Geometry, index: np.ndarray | None, length: int, **candidates) -> TokenGroup:
+    """The TokenGroup of ``index``'s tokens (window length ``length``): full window rows and
+    bias, or with ``geo.compact_candidates`` their plan (``TokenGroup.win_plan``)."""
+    if not geo.compact_candidates:
+        rows, bias = _window_rows(a, geo, index, length)
+        return TokenGroup(_torch_index(index), length, rows, bias, **candidates)
+    plan, sink = _window_plan(a, geo, index, length)
+    return TokenGroup(_torch_index(index), length, None, None, **candidates, win_plan=plan, win_sink=sink)
+
+
+def _window_plan(a: StepArrays, geo: Geometry, index: np.ndarray | None, length: int) -> tuple[torch.Tensor, int]:
+    """(``[G, 4]`` (fresh, ring, split, masked) per token, the sink row): ``_build_window_rows``'s
+    rows and bias in the compact form ``TokenGroup.expand_window`` expands."""
+    key = ("plan", length, None if index is None else index.tobytes())
+    cached = a.window_cache.get(key)
+    if cached is None:
+        w, num_steps = geo.sliding_window, len(a.steps)
+        if index is None:
+            index = np.arange(len(a.positions))
+        t = a.positions[index]
+        step = a.tok_step[index]
+        start = a.starts[step]
+        plan = np.empty((len(index), 4), dtype=np.int64)
+        plan[:, 0] = num_steps * (w - 1) + index - (length - 1)
+        plan[:, 1] = step * (w - 1) + t - (length - 1) - (start - (w - 1))
+        plan[:, 2] = np.clip(start - t + (length - 1), 0, length)
+        plan[:, 3] = np.clip(a.window_floor[step] - t + (length - 1), 0, length)
+        cached = a.window_cache[key] = (torch.from_numpy(plan), int(num_steps * (w - 1) + a.num_rows))
+    return cached
+
+
 def _window_class(a: StepArrays, geo: Geometry, length: int):
     """(tokens of window length L in flat order or None for all, rows [N, L + 1], bias [N, 1, L + 1])."""
     key = ("class", length)
@@ -227,8 +258,7 @@ def window_plan(a: StepArrays, geo: Geometry) -> WindowPlan:
     lengths = _window_lengths(a, geo)
     groups = []
     for index, length, _ in _grouped(a, geo, lengths, np.zeros_like(lengths)):
-        rows, bias = _window_rows(a, geo, index, length)
-        groups.append(TokenGroup(_torch_index(index), length, rows, bias))
+        groups.append(_window_group(a, geo, index, length))
     return WindowPlan(ring_rows=_t(ring_rows), ring_write=_ring_write(a, cap), groups=groups)
 
 
@@ -269,9 +299,8 @@ def _compress_groups(ratio: int, a: StepArrays, geo: Geometry) -> list[TokenGrou
     groups = []
     step_rows: dict = {}  # (B, step) -> [B] rows
     for index, length, bucket in _grouped(a, geo, lengths, _buckets(num_entries)):
-        win_rows, win_bias = _window_rows(a, geo, index, length)
         if bucket == 0:
-            groups.append(TokenGroup(_torch_index(index), length, win_rows, win_bias))
+            groups.append(_window_group(a, geo, index, length))
             continue
         steps = a.tok_step if index is None else a.tok_step[index]
         count = num_entries if index is None else num_entries[index]
@@ -289,17 +318,23 @@ def _compress_groups(ratio: int, a: StepArrays, geo: Geometry) -> list[TokenGrou
             rows = _candidate_rows(ratio, bucket, steps, a, geo)
         else:
             distinct, inverse = np.unique(steps, return_inverse=True)
-            rows = np.take(_candidate_rows(ratio, bucket, distinct, a, geo), inverse.reshape(-1), axis=0)
+            table = _candidate_rows(ratio, bucket, distinct, a, geo)
+            if geo.compact_candidates:  # one row per step, gathered per token on the device
+                groups.append(_window_group(a, geo, index, length, num_candidates=bucket, cand_table=_t(table),
+                                            cand_step=_t(inverse.reshape(-1)),
+                                            cand_count=_t(np.minimum(count, bucket))))  # fmt: skip
+                continue
+            rows = np.take(table, inverse.reshape(-1), axis=0)
         count = np.minimum(count, bucket)
         if geo.compact_candidates:
-            groups.append(TokenGroup(_torch_index(index), length, win_rows, win_bias, bucket, _t(rows),
-                                     cand_count=_t(count)))
+            groups.append(_window_group(a, geo, index, length, num_candidates=bucket, cand_rows=_t(rows),
+                                        cand_count=_t(count)))
             continue
         valid_t, bias_t = _prefix_templates(bucket)
         valid = _prefix_rows(valid_t, count)
         bias = _prefix_rows(bias_t, count)[:, None, :]
-        groups.append(TokenGroup(_torch_index(index), length, win_rows, win_bias, bucket, torch.from_numpy(rows),
-                                 torch.from_numpy(valid), torch.from_numpy(bias)))
+        groups.append(_window_group(a, geo, index, length, num_candidates=bucket, cand_rows=torch.from_numpy(rows),
+                                    cand_valid=torch.from_numpy(valid), cand_bias=torch.from_numpy(bias)))
     return groups
 
 

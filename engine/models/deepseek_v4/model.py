@@ -16,7 +16,7 @@ from deepinfer.cache.block_cache import BlockCache, PagedSpec
 from deepinfer.cache.swa_state import RingSpec, SwaArena
 from deepinfer.engine.models.deepseek_v4.attention import Attention
 from deepinfer.engine.models.deepseek_v4.config import ModelConfig
-from deepinfer.engine.models.deepseek_v4.context import ForwardContext, Geometry, group_key_rows
+from deepinfer.engine.models.deepseek_v4.context import ForwardContext, Geometry, expand_groups, group_key_rows
 from deepinfer.engine.models.deepseek_v4.layers import Norm, linear_holder
 from deepinfer.engine.models.deepseek_v4.mhc import HyperConnection, HyperHead
 from deepinfer.engine.models.deepseek_v4.moe import MoE
@@ -149,9 +149,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, ctx: ForwardContext, blocks: BlockCache, swa: SwaArena) -> torch.Tensor:
         """Final hidden states ``[num_logits, hidden]`` of the rows in ``ctx.logit_index``."""
-        for plan in ctx.compress.values():
-            for g in plan.groups:
-                g.expand_candidates()  # compact candidates: valid / bias built on the device
+        expand_groups(ctx)  # compact candidates and windows: rows / valid / bias built on the device
         x = F.embedding(ctx.token_ids, self.embed_tokens.weight)
         streams = x[:, None, :].expand(-1, self.config.hc_mult, -1).contiguous()
         for layer in self.layers:

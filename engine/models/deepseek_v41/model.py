@@ -19,7 +19,7 @@ from torch import nn
 
 from deepinfer.cache.block_cache import BlockCache, PagedSpec
 from deepinfer.cache.swa_state import RingSpec, SwaArena
-from deepinfer.engine.models.deepseek_v4.context import Geometry, group_key_rows
+from deepinfer.engine.models.deepseek_v4.context import Geometry, expand_groups, group_key_rows
 from deepinfer.engine.models.deepseek_v4.layers import Norm, linear_holder
 from deepinfer.engine.models.deepseek_v4.mhc import HyperConnection
 from deepinfer.engine.models.deepseek_v4.rope import inv_freq
@@ -144,9 +144,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         """Final hidden states ``[num_logits, hidden]`` of the rows in ``ctx.logit_index``."""
         c, bi = self.config, ctx.batch_invariant
         for sub in (ctx, None if ctx.decoder is None else ctx.decoder.ctx):
-            for plan in () if sub is None else sub.compress.values():
-                for g in plan.groups:
-                    g.expand_candidates()  # compact candidates: valid / bias built on the device
+            if sub is not None:
+                expand_groups(sub)  # compact candidates and windows: rows / valid / bias built on the device
         embedded = F.embedding(ctx.token_ids, self.embed_tokens.weight)
         if ctx.embeds is not None:  # image spans: the vision tower's rows replace the table's
             embedded = embedded.index_copy(0, ctx.embeds.rows, ctx.embeds.values.to(embedded.dtype))
