@@ -107,7 +107,7 @@ def build_parser():
                    help="steps: share of wall time the staging thread works (EpSettings.background_duty; "
                         "default %(default)s)")
     p.add_argument("--steps-records", metavar="PATH.json", default=None,
-                   help="steps: write rank 0's raw per-step records there (step start times, swaps, background phases)")
+                   help="steps: write the raw per-step records there (rank 0 at the top, rank 1 under \"rank1\": step start times, swaps, background phases)")
     p.add_argument("--steps-default-gc", action="store_true",
                    help="steps: leave the cyclic GC as it is (default: the model frozen out of it, "
                         "tune_interpreter(freeze_gc=True))")

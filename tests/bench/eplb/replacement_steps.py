@@ -77,8 +77,9 @@ def measure(steps: int = 240, window: int = 20, period: int = 80, rounds: int = 
             intermediate: int = 512, seqs: int = 64, pin: bool = True, duty: float = 1.0, freeze_gc: bool = True,
             timeout_s: float = 1800, records_path: str | None = None) -> dict[str, float]:
     """``rounds`` pairs of runs in one pair of rank processes: re-placing, then the control.
-    ``records_path``: also write rank 0's raw records there (JSON: every step's start time, the
-    swaps, the background phases' timeline) for a closer look at single steps."""
+    ``records_path``: also write the raw records there for a closer look at single steps (JSON:
+    rank 0's every step's start time, the swaps, the background phases' timeline; the same of
+    rank 1 under ``"rank1"``: a lockstep step is as slow as its slower rank)."""
     if not (HARNESS_DIR / "ep_harness.py").is_file():
         raise FileNotFoundError(f"the EP test harness {HARNESS_DIR / 'ep_harness.py'} is missing "
                                 "(a checkout without tests/engine?)")
@@ -105,7 +106,8 @@ def measure(steps: int = 240, window: int = 20, period: int = 80, rounds: int = 
                 raise RuntimeError(f"EP rank {r} exited with {p.returncode}: {logs[r][-2000:]}")
         records = json.loads((Path(out) / "rank0.json").read_text())
         if records_path is not None:
-            Path(records_path).write_text(json.dumps(records))
+            other = json.loads((Path(out) / "rank1.json").read_text())
+            Path(records_path).write_text(json.dumps({**records, "rank1": other}))
     runs = [Run.of(records[f"steps{r}"], records[f"control{r}"]) for r in range(rounds)]
     gc_ms = [max(records[f"{kind}{r}"].get("step_gc_ms") or [0.0]) for r in range(rounds) for kind in ("steps", "control")]
     return {**figures(runs), "cores_per_rank": float(len(records.get("cores", ()))), "duty": float(duty),
@@ -337,8 +339,7 @@ def _rank_main(spec: dict, rank: int) -> None:
                 del runner
     finally:
         world.close()
-    if rank == 0:
-        (Path(spec["out"]) / "rank0.json").write_text(json.dumps(records))
+    (Path(spec["out"]) / f"rank{rank}.json").write_text(json.dumps(records))
 
 
 def _run(harness, runner, parallel, work, ep, gc_ms: list[float]) -> dict:
