@@ -8,15 +8,22 @@
 # (default "--repeats 3 --bounded"), SPEC_CAP seconds (default 300), figures in spec.json.
 # Wheels for a device call: `bash tests/bench/device_wheels.sh` here, then carry `.whl`.
 # STAGES=eplb_steps: `deepinfer bench eplb --traces steps` on the machine's CPUs (a 2-rank gloo group,
-# step times around re-placements; the quiet cores of a lent machine, EPLB_CAP seconds, default 300).
+# step times around re-placements; the quiet cores of a lent machine, EPLB_CAP seconds, default 300);
+# the per-step records of both ranks go to $OUT/eplb_records.json (this script's OUT).
+# The bench stage profiles the batch-64 prefill too (--profile-prefill: profile_prefill_b64.txt).
 # Carry .whl (transformers 5.23, README of the device tool) when the image's transformers is older.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
+  # installed once per machine: two invocations in parallel (say eplb_steps on some cores and a GPU
+  # stage on the others) must not both install into one target; run `STAGES=none` first for that
   SITE=${SITE:-/tmp/site}
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl || exit 1
+  if [[ ! -f "$SITE/.wheels-installed" ]]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl \
+      && touch "$SITE/.wheels-installed" || exit 1
+  fi
   export PYTHONPATH=$SITE
 fi
 # the repository root is the package `deepinfer`: import it through a link named so
@@ -35,7 +42,7 @@ if [[ ",$STAGES," == *",kernels,"* ]]; then
 fi
 if [[ ",$STAGES," == *",bench,"* ]]; then
   timeout "${BENCH_CAP:-270}" python3 tests/bench/package_loader.py gpu --kernels --json "$OUT/bench.json" \
-    --profile-dir "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -60 || status=1
+    --profile-dir "$OUT" --profile-prefill ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" | tail -60 || status=1
 fi
 if [[ ",$STAGES," == *",bench_fp8,"* ]]; then
   # shellcheck disable=SC2086  # arguments
@@ -55,7 +62,8 @@ if [[ ",$STAGES," == *",spec,"* ]]; then
     --json "$OUT/spec.json" 2>&1 | tee "$OUT/spec.log" | tail -40 || status=1
 fi
 if [[ ",$STAGES," == *",eplb_steps,"* ]]; then
-  timeout "${EPLB_CAP:-300}" python3 tests/bench/package_loader.py eplb --traces steps ${EPLB_ARGS:-} --json "$OUT/eplb_steps.json" \
+  timeout "${EPLB_CAP:-300}" python3 tests/bench/package_loader.py eplb --traces steps --steps-records "$OUT/eplb_records.json" \
+    ${EPLB_ARGS:-} --json "$OUT/eplb_steps.json" \
     2>&1 | tee "$OUT/eplb_steps.log" | tail -30 || status=1
 fi
 exit $status
