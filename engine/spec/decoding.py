@@ -118,6 +118,11 @@ class SpecDecoding:
         self._gated = config.gate_drafter and config.schedule == "confidence"
         self._prior: np.ndarray | None = None  # running mean confidence [D] over all proposals
         self._probe_interval, self._num_skipped = 1, 0  # the drafter gate's probe backoff
+        # the gate's test memoised: its inputs (the confidences, the requests, their caps) change
+        # only when a commit brings proposals or the decoding set or a cap changes
+        self._epoch = 0  # commits that brought proposals
+        self._gate_memo: tuple | None = None  # (key, drafting pays)
+        self.num_gate_tests = 0  # tests actually computed (the rest were memoised)
         self._fresh: dict[str, _Fresh] = {}
         self._counts: dict[str, list[int]] = {}  # request id -> [drafted, verified, accepted]
 
@@ -168,11 +173,7 @@ class SpecDecoding:
             return True
         if any(c is None for c in confs):
             return True  # a request with no confidences yet and no prior: learn first
-        num = len(decoding)
-        caps = np.asarray([_length_cap(req, self.config.num_draft_tokens) for req, _ in decoding], dtype=np.int64)
-        with_drafts = schedule_lengths(np.stack(confs), self.sps.profile(num), max_lengths=caps)
-        plain = num * self.sps.profile(num, drafter=False)(num)
-        if with_drafts.expected_tokens_per_s > plain:
+        if self._drafting_pays(decoding, confs):
             self._probe_interval, self._num_skipped = 1, 0
             return True
         if self._num_skipped >= self._probe_interval:  # a probe: fresh confidences for the test
@@ -181,6 +182,21 @@ class SpecDecoding:
             return True
         self._num_skipped += 1
         return False
+
+    def _drafting_pays(self, decoding, confs) -> bool:
+        """The gate's test: the best ``E x SPS(B)`` with the drafter's time, over the decoding
+        requests' last confidences, beats a plain step's ``R x SPS(R)``; recomputed only when an
+        input changed (exactly: the same inputs give the same answer)."""
+        num = len(decoding)
+        caps = np.asarray([_length_cap(req, self.config.num_draft_tokens) for req, _ in decoding], dtype=np.int64)
+        key = (self._epoch, tuple(req.request_id for req, _ in decoding), caps.tobytes())
+        if self._gate_memo is not None and self._gate_memo[0] == key:
+            return self._gate_memo[1]
+        self.num_gate_tests += 1
+        with_drafts = schedule_lengths(np.stack(confs), self.sps.profile(num), max_lengths=caps)
+        pays = bool(with_drafts.expected_tokens_per_s > num * self.sps.profile(num, drafter=False)(num))
+        self._gate_memo = (key, pays)
+        return pays
 
     # ---- loop thread: can the next step be scheduled before this one is sampled? -------------
     @staticmethod
@@ -223,6 +239,8 @@ class SpecDecoding:
         st.draft_seconds += drafts.seconds
         if not plan.drafter_runs:
             st.num_drafter_skips += 1
+        if len(drafts):
+            self._epoch += 1  # new proposals: fresh confidences and the prior change, the gate looks again
         d = self.config.num_draft_tokens
         fresh = self._fresh
         if len(drafts):

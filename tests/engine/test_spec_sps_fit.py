@@ -94,3 +94,23 @@ def test_drafter_gate_drafts_when_it_pays_and_probes_when_it_does_not():
     assert gates[9] is True
     fixed, reqs = _spec(per_token_s=1e-3, draft_s=5e-3, schedule="fixed")
     assert fixed.plan_lengths(reqs, list(reqs.values()))  # fixed-5 always drafts
+
+
+def test_drafter_gate_memoises_its_test_until_an_input_changes():
+    """The gate's test is computed once for the same confidences, requests and caps (it decides
+    every step), and again when any of them changes; its answers equal an unmemoised gate's."""
+    spec, reqs = _spec(per_token_s=1e-3, draft_s=5e-3)
+    fresh_spec, _ = _spec(per_token_s=1e-3, draft_s=5e-3)
+    decoding = [(r, spec._fresh[r.request_id]) for r in reqs.values()]
+    confs = [spec._fresh[r.request_id].confidence for r in reqs.values()]
+    answers = [spec._drafting_pays(decoding, confs) for _ in range(5)]
+    assert spec.num_gate_tests == 1 and answers == [answers[0]] * 5
+    spec._epoch += 1  # a commit brought proposals
+    spec._drafting_pays(decoding, confs)
+    assert spec.num_gate_tests == 2
+    spec._drafting_pays(decoding[:5], confs[:5])  # another decoding set
+    assert spec.num_gate_tests == 3
+    near_end = next(iter(reqs.values()))
+    near_end.num_output_tokens = 98  # a cap changes: 1 draft left
+    got = spec._drafting_pays(decoding, confs)
+    assert spec.num_gate_tests == 4 and got == fresh_spec._drafting_pays(decoding, confs)
