@@ -60,7 +60,7 @@ class EpRunner:
         return getattr(self._runner, name)
 
     def ep_stats(self) -> dict[str, float]:
-        """``ExpertParallel.stats()`` and this rank's EP size and rank (EngineStats.ep)."""
+        """``ExpertParallel.stats()``, the group's size and whether it broke (EngineStats.ep)."""
         return {**self.parallel.stats(), "size": float(self.ep.size), "broken": float(self._broken is not None)}
 
     # ---- the device thread --------------------------------------------------------------------

@@ -239,11 +239,10 @@ class SpecDecoding:
         st.draft_seconds += drafts.seconds
         if not plan.drafter_runs:
             st.num_drafter_skips += 1
-        if len(drafts):
-            self._epoch += 1  # new proposals: fresh confidences and the prior change, the gate looks again
         d = self.config.num_draft_tokens
         fresh = self._fresh
         if len(drafts):
+            self._epoch += 1  # new proposals: fresh confidences and the prior change, the gate looks again
             mean = drafts.confidence[:, :d].mean(axis=0)
             w = min(1.0, PRIOR_WEIGHT * len(drafts))
             self._prior = mean if self._prior is None else (1 - w) * self._prior + w * mean

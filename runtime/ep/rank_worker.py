@@ -94,8 +94,7 @@ class RankServer:
 
     def send_stats(self) -> None:
         st = self.engine.stats()
-        self.send(EpRankStats(st.num_running, st.num_waiting, st.kv_cache_usage, st.prefix_cache_hit_rate,
-                              dict(st.ep or {})))
+        self.send(EpRankStats(st.num_running, st.num_waiting, st.kv_cache_usage, dict(st.ep or {})))
 
     def fail_all(self, reason: str) -> None:
         for rid, task in list(self.tasks.items()):

@@ -59,7 +59,6 @@ class EpRankStats(_HotMessage):
     num_running: int
     num_waiting: int
     kv_cache_usage: float | None = None
-    prefix_cache_hit_rate: float | None = None
     ep: dict[str, float] = {}  # ExpertParallel.stats() of the rank (EngineStats.ep)
 
 

@@ -303,7 +303,8 @@ def _compress_groups(ratio: int, a: StepArrays, geo: Geometry) -> list[TokenGrou
             groups.append(_window_group(a, geo, index, length))
             continue
         steps = a.tok_step if index is None else a.tok_step[index]
-        count = num_entries if index is None else num_entries[index]
+        count = np.minimum(num_entries if index is None else num_entries[index], bucket)
+        cand = None  # compact candidates: the group's candidate fields
         if steps[0] == steps[-1]:  # tokens are in step order: one step
             s = int(steps[0])
             row = step_rows.get((bucket, s))
@@ -320,15 +321,12 @@ def _compress_groups(ratio: int, a: StepArrays, geo: Geometry) -> list[TokenGrou
             distinct, inverse = np.unique(steps, return_inverse=True)
             table = _candidate_rows(ratio, bucket, distinct, a, geo)
             if geo.compact_candidates:  # one row per step, gathered per token on the device
-                groups.append(_window_group(a, geo, index, length, num_candidates=bucket, cand_table=_t(table),
-                                            cand_step=_t(inverse.reshape(-1)),
-                                            cand_count=_t(np.minimum(count, bucket))))  # fmt: skip
-                continue
-            rows = np.take(table, inverse.reshape(-1), axis=0)
-        count = np.minimum(count, bucket)
+                cand = dict(cand_table=_t(table), cand_step=_t(inverse.reshape(-1)))
+            else:
+                rows = np.take(table, inverse.reshape(-1), axis=0)
         if geo.compact_candidates:
-            groups.append(_window_group(a, geo, index, length, num_candidates=bucket, cand_rows=_t(rows),
-                                        cand_count=_t(count)))
+            cand = cand or dict(cand_rows=_t(rows))
+            groups.append(_window_group(a, geo, index, length, num_candidates=bucket, cand_count=_t(count), **cand))
             continue
         valid_t, bias_t = _prefix_templates(bucket)
         valid = _prefix_rows(valid_t, count)
