@@ -85,7 +85,13 @@ def packed(weight: torch.Tensor, lib: ctypes.CDLL) -> torch.Tensor:
     if mats.stride(-1) != 1:
         mats = mats.contiguous()
     size = packed_size(n, k)
-    out = torch.empty(mats.shape[0] * size, dtype=torch.float32)
+    if cached is not None and cached[1].numel() == mats.shape[0] * size:
+        # the weight changed in place (an EP spare buffer refilled by a re-placement): re-pack into
+        # its panels, whose pages are already mapped, instead of a fresh allocation faulted in page
+        # by page beside the step loop
+        out = cached[1]
+    else:
+        out = torch.empty(mats.shape[0] * size, dtype=torch.float32)
     for g in range(mats.shape[0]):
         mat = mats[g]
         lib.gemm_pack(mat.data_ptr(), n, k, mat.stride(0), out.data_ptr() + g * size * 4)

@@ -83,7 +83,13 @@ class SparePool:
 
     def __init__(self, like_gate_up: torch.Tensor, like_down: torch.Tensor, count: int):
         assert count >= 1, "a re-placement needs at least one spare buffer"
-        self._free = [(torch.empty_like(like_gate_up), torch.empty_like(like_down)) for _ in range(count)]
+        # zeroed and packed now, at start-up: a re-placement then writes into memory that is
+        # already mapped (and re-packs into panels that exist) instead of faulting in a layer's
+        # slots page by page beside the step loop, which slowed the steps of a process's first
+        # re-placement on the CPU
+        self._free = [(torch.zeros_like(like_gate_up), torch.zeros_like(like_down)) for _ in range(count)]
+        for pair in self._free:
+            prepare(*pair)
         self._cond = threading.Condition()
         self._closed = False
 

@@ -84,6 +84,7 @@ class Replacement:
                 started = time.perf_counter()
                 new = self._plan(total, history, current)
                 self.timeline.append(("plan", -1, started, time.perf_counter()))
+                self._pace(started)  # the first copy no sooner than the duty allows: not in the plan's step
                 changed = [layer for layer in range(current.shape[0]) if not np.array_equal(new[layer], current[layer])]
                 with self._lock:
                     self.phy2log = new

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.kernels import cpu_gemm, torch_ref
+from deepinfer.kernels import cpu_gemm, cpu_native, torch_ref
 
 pytestmark = pytest.mark.skipif(not cpu_gemm.usable(torch.ones(1)), reason="no native AVX2 GEMM here")
 
@@ -44,6 +44,18 @@ def test_packed_weights_follow_in_place_updates():
     first = cpu_gemm.linear(x, w)
     w.mul_(2)
     assert torch.equal(cpu_gemm.linear(x, w), first * 2)
+
+
+def test_repacking_after_an_in_place_update_reuses_the_panels():
+    """An EP spare buffer refilled in place re-packs into the panels it has (no new allocation,
+    whose pages would fault in beside the step loop); the panels are those of a fresh tensor."""
+    w = _randn(3, 20, 32, seed=2)
+    lib = cpu_native.library()
+    before = cpu_gemm.packed(w, lib)
+    w.copy_(_randn(3, 20, 32, seed=3))
+    after = cpu_gemm.packed(w, lib)
+    assert after.data_ptr() == before.data_ptr()
+    assert torch.equal(after, cpu_gemm.packed(w.clone(), lib))
 
 
 def test_grouped_linear_matches_the_reference_per_row():
