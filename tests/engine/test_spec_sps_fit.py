@@ -89,11 +89,25 @@ def test_drafter_gate_drafts_when_it_pays_and_probes_when_it_does_not():
         for r in reqs.values():  # the drafts are stale from the second step on (nothing drafted)
             r.num_computed_tokens, r.num_tokens = 11 + step, 12 + step
         gates.append(spec.plan_lengths(reqs, list(reqs.values())))
+        # with the gate closed nothing is verified, fresh drafts (step 0) included
+        assert all(r.spec_token_ids == [] for r in reqs.values())
     # skip 1, probe, skip 2, probe, skip 4, probe, ...: the probe interval doubles
     assert gates[:9] == [False, True, False, False, True, False, False, False, False]
     assert gates[9] is True
     fixed, reqs = _spec(per_token_s=1e-3, draft_s=5e-3, schedule="fixed")
     assert fixed.plan_lengths(reqs, list(reqs.values()))  # fixed-5 always drafts
+
+
+def test_a_probes_drafts_are_verified_only_when_drafting_pays():
+    """A probe's proposals bring fresh confidences; the next step verifies them only if the gate's
+    test on those confidences passes (then the gate opens), else it verifies nothing."""
+    # cheap verify tokens: the drafts, once drafted, would pay for their verification; whether
+    # drafting pays is the drafter's cost
+    for draft_s, verifies in ((1e-4, True), (5e-2, False)):
+        spec, reqs = _spec(per_token_s=1e-4, draft_s=draft_s)
+        runs = spec.plan_lengths(reqs, list(reqs.values()))
+        assert runs is verifies
+        assert all(bool(r.spec_token_ids) is verifies for r in reqs.values())
 
 
 def test_drafter_gate_memoises_its_test_until_an_input_changes():
