@@ -33,6 +33,9 @@ from deepinfer.kernels.gpu_tiles import dispatch_tile, store_rows, swiglu_rounde
 SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 _SMALL_PAIRS = 1024  # up to this many (token, expert) pairs: decode tiles
 ALIGN_CHUNK_PAIRS = 8192  # up to this many pairs one program lays out the rows; past it, chunks of it
+# bf16 experts past _SMALL_PAIRS through torch's grouped GEMM (CUTLASS on Hopper) instead of the
+# Triton tiles; the kernel tests and `deepinfer bench gpu --kernels` switch it to compare both
+GROUPED_MM = hasattr(torch, "_grouped_mm")
 
 
 @triton.jit
@@ -320,6 +323,9 @@ def moe_experts_(out, x, expert_ids, weights, gate_up, down, limit: float, batch
     if isinstance(gate_up, Fp8Weight) or isinstance(down, Fp8Weight):
         rows = gpu_moe_fp8.expert_rows(x, gate_up, down, tok, block_expert, t, limit, bm, swap)
         return moe_combine_(out, rows, row_of_pair, weights)
+    if _grouped_usable(x, gate_up, down, swap):
+        return moe_combine_(out, _grouped_rows(x, gate_up, down, tok, block_expert, t, limit, bm), row_of_pair,
+                            weights)  # fmt: skip
     act = torch.empty(max_blocks * bm, inter, dtype=x.dtype, device=dev)
     flags = dict(SWAP=swap, IEEE=x.dtype == torch.float32, UPCAST=not x.is_cuda, num_warps=warps, num_stages=stages)
     _up_kernel[(max_blocks, triton.cdiv(inter, bn))](x, gate_up.contiguous(), tok, block_expert, act, t, hidden, inter,
@@ -328,6 +334,35 @@ def moe_experts_(out, x, expert_ids, weights, gate_up, down, limit: float, batch
     _down_kernel[(max_blocks, triton.cdiv(hidden, bn))](act, down.contiguous(), tok, block_expert, rows, t, hidden,
                                                         inter, BM=bm, BN=bn, BK=bk, **flags)  # fmt: skip
     return moe_combine_(out, rows, row_of_pair, weights)
+
+
+def _grouped_usable(x, gate_up, down, decode_tiles: bool) -> bool:
+    """Prefill-sized bf16 experts where torch has a grouped GEMM for them (sm90+ on CUDA; its
+    reference loop on the CPU, where only the interpreted kernel tests get here) and the widths
+    keep its rows 16-byte aligned."""
+    if decode_tiles or not GROUPED_MM or not all(w.dtype == torch.bfloat16 for w in (x, gate_up, down)):
+        return False
+    if gate_up.shape[-1] % 8 or down.shape[-1] % 8:
+        return False
+    return not x.is_cuda or torch.cuda.get_device_capability(x.device) >= (9, 0)
+
+
+def _grouped_rows(x, gate_up, down, tok, block_expert, t: int, limit: float, bm: int):
+    """The experts' output rows of the align's layout through ``torch._grouped_mm``: the rows of
+    ``x`` gathered into the layout (padding rows repeat a real token: their outputs are never
+    combined), gate/up as one grouped GEMM (output rounded to bf16, as the reference's linear
+    is), the clamped SwiGLU, down as another. Expert e's group is its used blocks: the layout
+    puts the experts' segments in ascending order from row 0, so the group ends are the running
+    sum of each expert's blocks, computed on the device (no host sync)."""
+    num_experts = gate_up.shape[0]
+    used = (block_expert >= 0).to(torch.int32)
+    blocks = torch.zeros(num_experts, dtype=torch.int32, device=x.device)
+    blocks.scatter_add_(0, block_expert.clamp(min=0).long(), used)
+    ends = (torch.cumsum(blocks, 0, dtype=torch.int32) * bm).to(torch.int32)
+    rows_in = x.index_select(0, tok.clamp(0, t - 1))  # unused blocks' rows are never written by the align
+    hidden = torch._grouped_mm(rows_in, gate_up.transpose(1, 2), offs=ends)
+    act = swiglu_clamped(hidden, limit)
+    return torch._grouped_mm(act, down.transpose(1, 2), offs=ends)
 
 
 def moe_combine_(out, rows, row_of_pair, weights):

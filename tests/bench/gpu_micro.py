@@ -96,9 +96,39 @@ def _cases(t: int, g: torch.Generator):
            used * (_nbytes(gate_up) + _nbytes(down)) // EXPERTS)
 
 
+MOE_PREFILL_TOKENS = 16384  # the routed experts of a prefill forward (the slice's b64 forward has 32K)
+
+
+def _moe_prefill_case(g: torch.Generator):
+    """The routed experts of a prefill forward, bf16: ``moe_experts_`` through torch's grouped
+    GEMM (the default where it exists) in the "ours" column, through the Triton tiles in the
+    "torch" column; bytes: the routed experts' weights."""
+    t = MOE_PREFILL_TOKENS
+    x = torch.randn(t, HIDDEN, generator=g, device="cuda").to(torch.bfloat16)
+    gate_up = (torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=g, device="cuda") * HIDDEN**-0.5).to(torch.bfloat16)
+    down = (torch.randn(EXPERTS, HIDDEN, INTER, generator=g, device="cuda") * INTER**-0.5).to(torch.bfloat16)
+    logits = torch.randn(t, EXPERTS, generator=g, device="cuda")
+    ids, weights = gpu_moe.moe_route(logits, torch.zeros(EXPERTS, device="cuda"), None, TOP_K, "sqrtsoftplus", 1.5)
+    acc = torch.zeros(t, HIDDEN, dtype=torch.bfloat16, device="cuda")
+
+    def experts(grouped: bool):
+        def call():
+            default, gpu_moe.GROUPED_MM = gpu_moe.GROUPED_MM, grouped
+            try:
+                return gpu_moe.moe_experts_(acc, x, ids, weights, gate_up, down, 10.0)
+            finally:
+                gpu_moe.GROUPED_MM = default
+
+        return call
+
+    yield (t, "moe_experts_ prefill (ours: grouped GEMM, torch: Triton tiles)", experts(gpu_moe.GROUPED_MM),
+           experts(False), _nbytes(gate_up, down))
+
+
 def _prefill_cases(g: torch.Generator):
     """The CSA indexer's scores of a prefill chunk: every token's own candidate keys (the torch
-    form materialises [T, H, B] float32: 1 GiB here)."""
+    form materialises [T, H, B] float32: 1 GiB here); the routed experts of a prefill forward."""
+    yield from _moe_prefill_case(g)
     t = INDEX_TOKENS
     q = torch.randn(t, INDEX_HEADS, INDEX_DIM, generator=g, device="cuda").to(torch.bfloat16)
     keys = torch.randn(t, CANDIDATES, INDEX_DIM, generator=g, device="cuda").to(torch.bfloat16)

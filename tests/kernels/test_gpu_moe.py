@@ -4,6 +4,7 @@ tiles, combine and SwiGLU; poisoned outputs and scratch buffers."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -105,10 +106,24 @@ def test_moe_align_in_chunks(t, e, k, bm, chunk, skew, seed):
         -(-int((flat == x).sum()) // bm) for x in flat.unique().tolist())
 
 
-def test_moe_experts_prefill_tiles(monkeypatch):
-    """Enough pairs for the prefill tiles (64-row blocks), skewed towards a few experts."""
-    g = cases.gen(5)
-    t, e, k, h, i = 700, 16, 4, 96, 80
+@cases.examples()
+@given(t=st.integers(257, 700), e=st.sampled_from([5, 16]), h=st.sampled_from([96, 100, 264]),
+       i=st.sampled_from([36, 80, 72]), grouped=st.booleans(), seed=st.integers(0, 2**31))
+def test_moe_experts_prefill_tiles(t, e, h, i, grouped, seed):
+    """Enough pairs for the prefill layout (128-row blocks), skewed towards a few experts, through
+    the Triton tiles or torch's grouped GEMM (bf16 with widths a multiple of 8; other widths fall
+    back to the tiles)."""
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(gpu_moe, "GROUPED_MM", grouped and hasattr(torch, "_grouped_mm"))
+    try:
+        _prefill_case(t, e, h, i, seed, monkeypatch)
+    finally:
+        monkeypatch.undo()
+
+
+def _prefill_case(t, e, h, i, seed, monkeypatch):
+    g = cases.gen(seed)
+    k = 4
     x = cases.randn(t, h, dtype=torch.bfloat16, gen=g)
     gate_up = cases.randn(e, 2 * i, h, dtype=torch.bfloat16, gen=g, scale=h**-0.5)
     down = cases.randn(e, h, i, dtype=torch.bfloat16, gen=g, scale=i**-0.5)
@@ -116,9 +131,10 @@ def test_moe_experts_prefill_tiles(monkeypatch):
     ids = torch.stack([torch.multinomial(probs, k, generator=g) for _ in range(t)]).sort(dim=-1).values.to(cases.DEVICE)
     weights = torch.rand(t, k, generator=g).to(cases.DEVICE)
     out = torch.zeros(t, h, dtype=torch.bfloat16, device=cases.DEVICE)
-    # 2,800 pairs: the align in chunks of 1,000 as past 8K pairs in serving
+    # over 1,000 pairs: the align in chunks of 1,000 as past 8K pairs in serving
     monkeypatch.setattr(gpu_moe, "ALIGN_CHUNK_PAIRS", 1000)
-    got = gpu_moe.moe_experts_(out, x, ids, weights, gate_up, down, 10.0)
+    with cases.poisoned_allocations():
+        got = gpu_moe.moe_experts_(out, x, ids, weights, gate_up, down, 10.0)
     want = torch_ref.moe_experts_(torch.zeros(t, h, dtype=torch.float64, device=cases.DEVICE), x.double(), ids,
                                   weights.double(), gate_up.double(), down.double(), 10.0)  # fmt: skip
     assert cases.rel_err(got, want) < cases.BF16_TOL
