@@ -51,6 +51,10 @@ the boundary's agreement and swaps included):
     worst_step_over_control_step, worst_step_in_<phase>
                               the longest step of any stretch over the control's same step, and
                               whether it overlapped each background phase (1 or 0)
+    worst_step_cpu_over_control_cpu, worst_step_page_faults
+                              that step's step-loop thread CPU time over the control's same step's
+                              (about 1: it waited, on a peer, the GIL or a shared core; more: it
+                              computed more), and the rank process's minor page faults in it
 """
 
 from __future__ import annotations
@@ -121,8 +125,13 @@ class Run:
     background phase."""
 
     def __init__(self, step_ms, swaps, begin_ms, in_flight, num_replacements, control_ms, swap_work_ms=0.0,
-                 phases=None, stage_ms=()):
+                 phases=None, stage_ms=(), cpu_ms=None, control_cpu_ms=None, faults=None):
         n = min(len(step_ms), len(control_ms))
+        # the step loop thread's CPU ms in each step (this run's, the control's) and the process's
+        # minor page faults in each step; None in records without them
+        self.cpu_ms = None if cpu_ms is None else np.asarray(cpu_ms[:n], float)
+        self.control_cpu_ms = None if control_cpu_ms is None else np.asarray(control_cpu_ms[:n], float)
+        self.faults = None if faults is None else np.asarray(faults[:n], float)
         self.step_ms, self.control_ms = np.asarray(step_ms[:n], float), np.asarray(control_ms[:n], float)
         self.swaps, self.begin_ms = np.asarray(swaps[:n]), np.asarray(begin_ms[:n], float)
         self.in_flight = np.asarray(in_flight[:n], bool)
@@ -143,7 +152,8 @@ class Run:
         ms = lambda xs: np.asarray(xs, float) * 1e3  # noqa: E731
         return cls(ms(np.diff(starts)), result["swaps"], ms(result["begin_s"]), result["step_in_flight"],
                    result["num_replacements"], ms(np.diff(control["step_start_s"])), 1e3 * result["swap_work_s"],
-                   phases, ms(list(staged.values())))
+                   phases, ms(list(staged.values())), result.get("step_cpu_ms"), control.get("step_cpu_ms"),
+                   result.get("step_process_minflt"))
 
     def stretches(self) -> list[tuple[int, int]]:
         """[first, end) of each re-placement's stretch: the whole re-placement (from the step it
@@ -174,7 +184,8 @@ def figures(runs: list[Run]) -> dict[str, float]:
     in_flight, control_all, swap_steps = [], [], []
     by_phase: dict[str, list[np.ndarray]] = {name: [] for name in PHASES}
     same_steps: dict[str, list[np.ndarray]] = {name: [] for name in PHASES}
-    worst_step = (0.0, 0.0, ())  # (over median, over the control's same step, phases it overlapped)
+    worst_step = (0.0, 0.0, (), None, None)  # (over median, over the control's same step, phases it
+    # overlapped, its step-loop CPU over the control's same step's, the process's page faults in it)
     for run in runs:
         n = len(run.step_ms)
         decode = np.arange(n) >= 1
@@ -188,7 +199,9 @@ def figures(runs: list[Run]) -> dict[str, float]:
             i = a + int(np.argmax(run.step_ms[a:b]))
             if run.step_ms[i] / median > worst_step[0]:
                 worst_step = (run.step_ms[i] / median, run.step_ms[i] / run.control_ms[i],
-                              tuple(name for name, mask in run.phases.items() if mask[i]))
+                              tuple(name for name, mask in run.phases.items() if mask[i]),
+                              None if run.cpu_ms is None else run.cpu_ms[i] / max(run.control_cpu_ms[i], 1e-3),
+                              None if run.faults is None else run.faults[i])
         if spans:
             near_median.append(np.median(run.step_ms[near]) / median)
             # the noise floor inside this run: the longest of a quiet stretch of as many steps, typical
@@ -229,6 +242,9 @@ def figures(runs: list[Run]) -> dict[str, float]:
         rounds=float(len(runs)),
     )
     result["worst_step_over_control_step"] = float(worst_step[1])
+    if worst_step[3] is not None:  # did the worst step compute more, or wait (a peer, the GIL, a shared core)?
+        result["worst_step_cpu_over_control_cpu"] = float(worst_step[3])
+        result["worst_step_page_faults"] = float(worst_step[4])
     for name in PHASES:  # 1: the longest step of any stretch overlapped this background phase
         result[f"worst_step_in_{name}"] = float(name in worst_step[2])
     for name, steps in by_phase.items():
@@ -351,9 +367,14 @@ def _run(harness, runner, parallel, work, ep, gc_ms: list[float]) -> dict:
     in_flight: list[bool] = []  # a re-placement was in flight during the step (planned, staging, swapping)
     swap_work = [0.0]
     replacements: list = []  # every re-placement started, for its timeline
+    # at each boundary: the step loop thread's CPU seconds, its minor page faults and involuntary
+    # context switches, and the whole process's minor faults (a slow step that used no more CPU
+    # waited: on a peer, the GIL, a core it shared; one with more faults touched new pages)
+    usage: list[tuple[float, int, int, int]] = []
 
     def before_step():
         now = time.perf_counter()
+        usage.append(_usage())
         if starts:
             step_gc.append(gc_ms[0])
         gc_ms[0] = 0.0
@@ -371,6 +392,7 @@ def _run(harness, runner, parallel, work, ep, gc_ms: list[float]) -> dict:
 
     harness.run_lockstep(runner, work, work.owned(ep.rank, ep.size), before_step, parallel.idle_step)
     starts.append(time.perf_counter())
+    usage.append(_usage())
     step_gc.append(gc_ms[0])
     # a re-placement still in flight finishes untimed (the condition is agreed by the group, so
     # every rank runs the same extra boundaries)
@@ -384,8 +406,23 @@ def _run(harness, runner, parallel, work, ep, gc_ms: list[float]) -> dict:
         raise RuntimeError(f"EP rank {ep.rank}: {parallel.replacement_error}")
     timeline = [(i, *entry) for i, replacement in enumerate(replacements) for entry in replacement.timeline]
     parallel.close()
+    steps_usage = np.diff(np.asarray(usage, dtype=np.float64), axis=0)
     return dict(step_start_s=starts, swaps=swaps, begin_s=begin, step_in_flight=in_flight, timeline=timeline,
-                swap_work_s=swap_work[0], num_replacements=parallel.num_replacements, step_gc_ms=step_gc)
+                swap_work_s=swap_work[0], num_replacements=parallel.num_replacements, step_gc_ms=step_gc,
+                step_cpu_ms=(steps_usage[:, 0] * 1e3).tolist(), step_minflt=steps_usage[:, 1].tolist(),
+                step_nivcsw=steps_usage[:, 2].tolist(), step_process_minflt=steps_usage[:, 3].tolist())
+
+
+def _usage() -> tuple[float, int, int, int]:
+    """(this thread's CPU seconds, its minor faults, its involuntary switches, the process's
+    minor faults); zeros where the platform has no per-thread usage."""
+    import resource
+
+    who = getattr(resource, "RUSAGE_THREAD", None)
+    if who is None:
+        return 0.0, 0, 0, 0
+    mine, process = resource.getrusage(who), resource.getrusage(resource.RUSAGE_SELF)
+    return time.thread_time(), mine.ru_minflt, mine.ru_nivcsw, process.ru_minflt
 
 
 if __name__ == "__main__":
