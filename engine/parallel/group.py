@@ -17,6 +17,8 @@ and every operation is bounded by ``timeout_s``.
 
 from __future__ import annotations
 
+import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -38,9 +40,13 @@ class EpGroup:
 
     @classmethod
     def init(cls, rank: int, size: int, init_method: str, *, backend: str | None = None,
-             device: str | torch.device = "cpu", timeout_s: float = 30.0) -> "EpGroup":
+             device: str | torch.device = "cpu", timeout_s: float = 30.0,
+             side_cpus: tuple[int, ...] = ()) -> "EpGroup":
         """Join a group of ``size`` processes as ``rank`` (``init_method`` e.g.
-        ``tcp://127.0.0.1:PORT``); the whole world is the group."""
+        ``tcp://127.0.0.1:PORT``); the whole world is the group. ``side_cpus``: the CPUs the side
+        group's own threads (gloo's workers and socket loop, started with the group) may run on,
+        the background CPUs of ``EpSettings``: re-placement traffic then never takes the step
+        loop's core; empty: the calling thread's."""
         if not 0 <= rank < size:
             raise EpGroupError(f"rank {rank} is outside an EP group of {size}; give 0 <= rank < size")
         device = torch.device(device)
@@ -51,7 +57,8 @@ class EpGroup:
         except (RuntimeError, ValueError) as exc:
             raise EpGroupError(f"rank {rank} of {size} could not join the EP group at {init_method}: {exc}") from exc
         moe = dist.group.WORLD
-        side = dist.new_group(backend="gloo", timeout=timeout)
+        with threads_born_on(side_cpus):
+            side = dist.new_group(backend="gloo", timeout=timeout)
         return cls(rank, size, moe, side, device)
 
     @classmethod
@@ -136,6 +143,25 @@ class EpGroup:
                 dist.destroy_process_group()
             except RuntimeError:
                 pass
+
+
+@contextmanager
+def threads_born_on(cpus: tuple[int, ...]):
+    """Threads started inside the block (by native code too) may run on ``cpus`` only: a new
+    thread takes its creator's affinity, so the calling thread runs there for the block and is
+    put back after. Empty or where Linux affinity is missing: no change."""
+    if not cpus or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, set(cpus))
+    except OSError as exc:
+        raise EpGroupError(f"EP background_cpus {sorted(cpus)}: the side group's threads cannot run there ({exc})") from exc
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 class _Done:

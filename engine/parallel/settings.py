@@ -38,8 +38,8 @@ class EpSettings:
     # takes 1 / duty times longer, and a step never overlaps more than that share of it (on a
     # CPU the copies compete with the step for memory bandwidth even on a core of their own)
     background_duty: float = 1.0
-    # CPUs the staging thread and the planner child run on (Linux affinity; empty: inherited),
-    # e.g. cores the step loop's thread is not pinned to
+    # CPUs the staging thread, the planner child and the side group's threads run on (Linux
+    # affinity; empty: inherited), e.g. cores the step loop's thread is not pinned to
     background_cpus: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -88,5 +88,6 @@ def build_ep_runner(runner, spec: ExpertParallelSpec):
     from deepinfer.engine.parallel.expert_parallel import ExpertParallel
     from deepinfer.engine.parallel.group import EpGroup
 
-    ep = EpGroup.init(spec.rank, spec.size, spec.init_method, device=runner.device, timeout_s=spec.timeout_s)
+    ep = EpGroup.init(spec.rank, spec.size, spec.init_method, device=runner.device, timeout_s=spec.timeout_s,
+                      side_cpus=spec.settings.background_cpus)
     return EpRunner(runner, ExpertParallel(runner.model, ep, spec.settings), timeout_s=spec.timeout_s, owns_group=True)

@@ -11,6 +11,8 @@
 # step times around re-placements; the quiet cores of a lent machine, EPLB_CAP seconds, default 300);
 # the per-step records of both ranks go to $OUT/eplb_records.json (this script's OUT).
 # The bench stage profiles the batch-64 prefill too (--profile-prefill: profile_prefill_b64.txt).
+# The device tool brings back only a few files of a call: write to an OUT outside the tool's
+# folder and set PACK (e.g. PACK=$OUT/all.tgz with OUT=/tmp/w) to get everything as one archive.
 # Carry .whl (transformers 5.23, README of the device tool) when the image's transformers is older.
 set -o pipefail
 export PYTHONUNBUFFERED=1
@@ -65,5 +67,8 @@ if [[ ",$STAGES," == *",eplb_steps,"* ]]; then
   timeout "${EPLB_CAP:-300}" python3 tests/bench/package_loader.py eplb --traces steps --steps-records "$OUT/eplb_records.json" \
     ${EPLB_ARGS:-} --json "$OUT/eplb_steps.json" \
     2>&1 | tee "$OUT/eplb_steps.log" | tail -30 || status=1
+fi
+if [[ -n "${PACK:-}" ]]; then
+  tar czf "$PACK" -C "$OUT" . || status=1
 fi
 exit $status

@@ -330,10 +330,12 @@ def _rank_main(spec: dict, rank: int) -> None:
     work = harness.workload(cfg.vocab_size, lengths=[20 + i % 64 for i in range(spec["seqs"])],
                             gens=[steps] * spec["seqs"])  # fmt: skip
     num_owned = len(work.owned(rank, spec["world"]))
-    world = EpGroup.init(rank, spec["world"], f"tcp://127.0.0.1:{spec['port']}", timeout_s=120)
-    # the group's gloo threads keep every core of the rank; the step loop's thread keeps the
-    # first, the staging thread and the planner child the others (EpSettings.background_cpus)
+    # the step loop's thread keeps the first core, the staging thread, the planner child and the
+    # side group's threads the others (EpSettings.background_cpus); the step group's gloo threads
+    # keep every core of the rank
     background = tuple(cores[1:])
+    world = EpGroup.init(rank, spec["world"], f"tcp://127.0.0.1:{spec['port']}", timeout_s=120,
+                         side_cpus=background)
     if background:
         os.sched_setaffinity(0, {cores[0]})
     records: dict = {"cores": cores}
