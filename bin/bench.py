@@ -30,6 +30,7 @@ BENCHES = {
     "eplb": "expert-parallel load balancer vs DeepSeek's EPLB: realised imbalance on routing traces",
     "spec": "DSpark verify lengths: off / fixed-5 / confidence schedule (engine on the tiny model, or --simulated)",
     "gpu": "V4 on one NVIDIA GPU vs transformers: tokens/s b1/16/64, roofline, 8K prefill, launches/token",
+    "graphs": "CUDA-graph signatures of a generate's forwards (GPU contexts built on the CPU): replays vs eager",
 }
 
 
