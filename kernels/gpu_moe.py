@@ -337,14 +337,14 @@ def moe_experts_(out, x, expert_ids, weights, gate_up, down, limit: float, batch
 
 
 def _grouped_usable(x, gate_up, down, decode_tiles: bool) -> bool:
-    """Prefill-sized bf16 experts where torch has a grouped GEMM for them (sm90+ on CUDA; its
-    reference loop on the CPU, where only the interpreted kernel tests get here) and the widths
-    keep its rows 16-byte aligned."""
+    """Prefill-sized bf16 experts where torch has a grouped GEMM for them (sm90 and sm100 on
+    CUDA, the two its CUTLASS kernels are built for; its reference loop on the CPU, where only
+    the interpreted kernel tests get here) and the widths keep its rows 16-byte aligned."""
     if decode_tiles or not GROUPED_MM or not all(w.dtype == torch.bfloat16 for w in (x, gate_up, down)):
         return False
     if gate_up.shape[-1] % 8 or down.shape[-1] % 8:
         return False
-    return not x.is_cuda or torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] in (9, 10)
 
 
 def _grouped_rows(x, gate_up, down, tok, block_expert, t: int, limit: float, bm: int):
