@@ -7,7 +7,8 @@ So how many distinct signatures a workload's forwards make, and how often each r
 how much of a GPU run is eager launches and captures.
 
 This bench runs one generate on the CPU and builds, beside each forward's own context, the context
-the model would build on a GPU (``Geometry.compact_candidates`` and the GPU's token-group size),
+the model would build on a GPU (``Geometry.compact_candidates``, the GPU's token-group size, one
+group per layer kind for decode and verify steps: ``merge_step_tokens``),
 then reports: forwards, distinct signatures, forwards that would replay (a signature's third
 sighting on), those seen once, and which context fields changed most often between consecutive
 forwards whose signatures differ. Any concurrency and speculation mode (``--speculative off |
@@ -23,10 +24,11 @@ from pathlib import Path
 
 import torch
 
+from deepinfer.engine.models.deepseek_v4.context import group_key_rows, merge_step_tokens
 from deepinfer_bench.report import Report, base_parser
 
 MODES = ("off", "fixed", "confidence", "bounded")
-GPU_GROUP_KEY_ROWS = 1 << 20  # Geometry.max_group_key_rows off the CPU (context.group_key_rows)
+GPU = torch.device("cuda")  # only named: the geometry functions' answer for a model on a GPU
 
 
 def field_paths(obj, path: str = "ctx", out: list[str] | None = None) -> list[str]:
@@ -54,7 +56,8 @@ def field_paths(obj, path: str = "ctx", out: list[str] | None = None) -> list[st
 def gpu_geometry(geometry):
     """The geometry the same model builds on a GPU (V4's ``Geometry`` or V4.1's wrapper of it)."""
     def on_gpu(base):
-        return dataclasses.replace(base, compact_candidates=True, max_group_key_rows=GPU_GROUP_KEY_ROWS)
+        return dataclasses.replace(base, compact_candidates=True, max_group_key_rows=group_key_rows(GPU),
+                                   merge_step_tokens=merge_step_tokens(GPU))
 
     if hasattr(geometry, "base"):
         return dataclasses.replace(geometry, base=on_gpu(geometry.base))

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from deepinfer.engine.core.batch import ForwardBatch, SeqStep
 from deepinfer.engine.core.model_runner import ModelRunner
-from deepinfer.engine.models.deepseek_v4.context import build_context
+from deepinfer.engine.models.deepseek_v4.context import MERGE_STEP_TOKENS, build_context
 from deepinfer.engine.models.deepseek_v4.testing import CSA, HCA, SLIDING, hf_reference
 
 BLOCK = 16
@@ -26,6 +26,12 @@ PER_SEQ = 40  # blocks of each sequence's table
 @pytest.fixture(scope="module")
 def ref():
     return hf_reference(seed=3, layer_types=[SLIDING, CSA, HCA, CSA], hc_mult=2)
+
+
+@pytest.fixture(scope="module")
+def ref_wide():
+    """A window wider than WINDOW_GRANULE: short sequences' window key sets are shorter."""
+    return hf_reference(seed=4, layer_types=[SLIDING, CSA, HCA, CSA], hc_mult=2, sliding_window=96)
 
 
 def _runner(ref, compact: bool, max_rows: int = 300) -> ModelRunner:
@@ -120,3 +126,84 @@ def test_expand_candidates_reads_the_counts_on_every_call(ref):
     group.expand_candidates()
     assert not group.cand_valid.any() and torch.isneginf(group.cand_bias).all()
     assert group.cand_rows.shape == first.shape
+
+
+def _merged(runner: ModelRunner) -> ModelRunner:
+    runner.geometry = dataclasses.replace(runner.geometry, merge_step_tokens=MERGE_STEP_TOKENS)
+    return runner
+
+
+def _key_sets(group, num_tokens: int) -> dict[int, set]:
+    """token -> the pool rows it attends to, window and candidates (unmasked only)."""
+    group.expand_window()
+    if group.num_candidates:
+        group.expand_candidates()
+    tokens = range(num_tokens) if group.token_index is None else group.token_index.tolist()
+    win = group.win_index.view(len(tokens), -1)
+    out = {}
+    for i, t in enumerate(tokens):
+        keys = {("w", int(r)) for r, b in zip(win[i].tolist(), group.win_bias[i, 0].tolist()) if b == 0.0}
+        if group.num_candidates:
+            keys |= {("c", int(r)) for r, ok in zip(group.cand_rows[i].tolist(), group.cand_valid[i].tolist()) if ok}
+        out[t] = keys
+    return out
+
+
+@pytest.mark.timeout(300)
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), wide=st.booleans())
+def test_merged_decode_groups_keep_every_tokens_keys(ref, ref_wide, seed, wide):
+    """A decode or verify forward (every step <= MERGE_STEP_TOKENS tokens) keeps one token group
+    per layer kind, and each token attends to exactly the keys it has in the per-shape groups."""
+    rng = random.Random(seed)
+    geo = _runner(ref_wide if wide else ref, True, 1 << 20).geometry
+    steps = []
+    for i in range(rng.randrange(2, SLOTS + 1)):
+        start = rng.choice([rng.randrange(0, 20), rng.randrange(0, 120), rng.randrange(0, 600)])
+        n = rng.choice([1, rng.randrange(1, 7)])
+        table = [rng.randrange(SLOTS * PER_SEQ) for _ in range(-(-(start + n) // BLOCK))]
+        steps.append(SeqStep(i, i, table, start, [rng.randrange(100) for _ in range(n)], num_logits=n))
+    batch = ForwardBatch(steps)
+    num_tokens = sum(s.num_tokens for s in steps)
+    split = build_context(batch, geo, device=torch.device("cpu"), batch_invariant=False)
+    merged = build_context(batch, dataclasses.replace(geo, merge_step_tokens=MERGE_STEP_TOKENS),
+                           device=torch.device("cpu"), batch_invariant=False)  # fmt: skip
+    pairs = [(split.window.groups, merged.window.groups)]
+    pairs += [(plan.groups, merged.compress[kind].groups) for kind, plan in split.compress.items()]
+    for groups, other in pairs:
+        assert len(other) == 1  # one structure whatever the tokens' shapes
+        want: dict[int, set] = {}
+        for g in groups:
+            want.update(_key_sets(g, num_tokens))
+        got = _key_sets(other[0], num_tokens)
+        assert got == want
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("wide", [False, True])
+def test_forward_with_merged_decode_groups_equals_split_groups(ref, ref_wide, wide):
+    """Prefill chunks (not merged), then decode and verify-sized steps of sequences at different
+    lengths, one shorter than the window (merged): the logits of every step within float32
+    rounding of the per-shape groups', and the same greedy tokens."""
+    outs = {}
+    for merge in (False, True):
+        runner = _runner(ref_wide if wide else ref, True, 1 << 20)
+        if merge:
+            _merged(runner)
+        rng = random.Random(1)
+        pos = [0] * 3
+        logits = []
+        for it in range(10):
+            steps = []
+            for i in range(3):
+                if it < 3:  # sequence 0 stays shorter than the wide window until its decodes
+                    n = rng.randrange(1, 10) if i == 0 else rng.randrange(1, 150)
+                else:
+                    n = rng.choice([1, 1, rng.randrange(2, 7)])
+                steps.append(SeqStep(i, i, list(range(i * PER_SEQ, (i + 1) * PER_SEQ)), pos[i],
+                                     [rng.randrange(100) for _ in range(n)], num_logits=1 if it < 3 else n))  # fmt: skip
+                pos[i] += n
+            logits.append(runner.execute(ForwardBatch(steps)))
+        outs[merge] = torch.cat(logits)
+    torch.testing.assert_close(outs[True], outs[False], rtol=1e-5, atol=1e-5)
+    assert torch.equal(outs[True].argmax(-1), outs[False].argmax(-1))

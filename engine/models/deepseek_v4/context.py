@@ -197,6 +197,21 @@ class Geometry:
     # counts, expanded on the device; and its window rows and bias ([G, L + 1] int64 and float32:
     # 138 MB of the 209 MB context of a 64 x 512-token prefill) a [G, 4] plan (``win_plan``)
     compact_candidates: bool = False
+    # decode and verify forwards (every step at most this many tokens; 0: off): one token group
+    # per layer kind, its window length and candidate bucket the batch's largest, each token's
+    # own masked by its window plan's masked rows and its candidate count (``index_plans._grouped``).
+    # Grouping by key-set shape made the groups, and so the CUDA-graph signature, change with
+    # which tokens crossed a bucket at each step (most decode steps of 60 requests ran eagerly)
+    merge_step_tokens: int = 0
+
+
+MERGE_STEP_TOKENS = 16  # off the CPU: a step of up to 15 drafts + its root merges (Geometry.merge_step_tokens)
+
+
+def merge_step_tokens(device: torch.device) -> int:
+    """``Geometry.merge_step_tokens`` for a model on ``device``: off the CPU, where forwards replay
+    CUDA graphs; the CPU keeps the tightest groups (no graphs, less masked work)."""
+    return 0 if device.type == "cpu" else MERGE_STEP_TOKENS
 
 
 def group_key_rows(device: torch.device) -> int:

@@ -222,8 +222,16 @@ def _build_window_rows(a: StepArrays, geo: Geometry, index: np.ndarray | None, l
 
 
 def _grouped(a: StepArrays, geo: Geometry, lengths: np.ndarray, buckets: np.ndarray):
-    """Yield (token index or None, L, B) for tokens of equal (L, B), in memory-bounded chunks."""
+    """Yield (token index or None, L, B) for tokens of equal (L, B), in memory-bounded chunks; a
+    decode or verify forward (``geo.merge_step_tokens``) as one group of the largest L and B."""
     num_tokens = len(a.positions)
+    # (the compact form only: the full form's window rows are built per length class)
+    if (geo.merge_step_tokens and geo.compact_candidates and num_tokens > 1
+            and int(a.lengths.max()) <= geo.merge_step_tokens):
+        length, bucket = int(lengths.max()), int(buckets.max())
+        if num_tokens * (length + 1 + bucket) <= geo.max_group_key_rows:
+            yield None, length, bucket
+            return
     keys = lengths.astype(np.int64) * (1 << 32) + buckets
     if num_tokens == 1 or bool((keys == keys[0]).all()):
         distinct, order, bounds = keys[:1], None, None

@@ -16,7 +16,13 @@ from deepinfer.cache.block_cache import BlockCache, PagedSpec
 from deepinfer.cache.swa_state import RingSpec, SwaArena
 from deepinfer.engine.models.deepseek_v4.attention import Attention
 from deepinfer.engine.models.deepseek_v4.config import ModelConfig
-from deepinfer.engine.models.deepseek_v4.context import ForwardContext, Geometry, expand_groups, group_key_rows
+from deepinfer.engine.models.deepseek_v4.context import (
+    ForwardContext,
+    Geometry,
+    expand_groups,
+    group_key_rows,
+    merge_step_tokens,
+)
 from deepinfer.engine.models.deepseek_v4.layers import Norm, linear_holder
 from deepinfer.engine.models.deepseek_v4.mhc import HyperConnection, HyperHead
 from deepinfer.engine.models.deepseek_v4.moe import MoE
@@ -123,6 +129,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             compress_kinds=self.compress_kinds(),
             inv_freq={"main": self.main_inv_freq.cpu(), "compress": self.compress_inv_freq.cpu()},
             max_group_key_rows=group_key_rows(self.embed_tokens.weight.device),
+            merge_step_tokens=merge_step_tokens(self.embed_tokens.weight.device),
             compact_candidates=self.embed_tokens.weight.device.type != "cpu",
         )
 

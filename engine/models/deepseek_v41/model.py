@@ -19,7 +19,7 @@ from torch import nn
 
 from deepinfer.cache.block_cache import BlockCache, PagedSpec
 from deepinfer.cache.swa_state import RingSpec, SwaArena
-from deepinfer.engine.models.deepseek_v4.context import Geometry, expand_groups, group_key_rows
+from deepinfer.engine.models.deepseek_v4.context import Geometry, expand_groups, group_key_rows, merge_step_tokens
 from deepinfer.engine.models.deepseek_v4.layers import Norm, linear_holder
 from deepinfer.engine.models.deepseek_v4.mhc import HyperConnection
 from deepinfer.engine.models.deepseek_v4.rope import inv_freq
@@ -103,6 +103,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             compress_kinds=self.compress_kinds(),
             inv_freq={"main": self.main_inv_freq.cpu(), "compress": self.compress_inv_freq.cpu()},
             max_group_key_rows=group_key_rows(self.embed_tokens.weight.device),
+            merge_step_tokens=merge_step_tokens(self.embed_tokens.weight.device),
             compact_candidates=self.embed_tokens.weight.device.type != "cpu",
         )
         return V41Geometry(

@@ -71,6 +71,42 @@ def test_v41_forward_with_compact_candidates_equals_the_full_form(model_dir, max
     torch.testing.assert_close(outs[True], outs[False], rtol=0, atol=0)
 
 
+@pytest.mark.timeout(300)
+def test_v41_merged_decode_groups_equal_split_groups(model_dir):
+    """One token group per layer kind for decode steps (``Geometry.merge_step_tokens``, what a
+    model off the CPU builds): the decodes' logits within float32 rounding of per-shape groups',
+    the same greedy tokens; the merged decodes hold one group per kind."""
+    from deepinfer.engine.models.deepseek_v4.context import MERGE_STEP_TOKENS
+
+    outs, groups = {}, {False: [], True: []}
+    for merge in (False, True):
+        runner = _runner(model_dir, True, 1 << 20)
+        if merge:
+            base = dataclasses.replace(runner.geometry.base, merge_step_tokens=MERGE_STEP_TOKENS)
+            runner.geometry = dataclasses.replace(runner.geometry, base=base)
+
+        def count_groups(batch, runner=runner, seen=groups[merge]):
+            if all(s.num_tokens == 1 for s in batch.steps):
+                ctx = runner._build_context(batch, runner.geometry, device=torch.device("cpu"), batch_invariant=False)
+                seen.append(max(len(plan.groups) for plan in ctx.compress.values()))
+
+        logits, pos, rng = [], [0, 0, 0], random.Random(2)
+        for it in range(5):  # sequence 0 closes no entry yet, 1 and 2 many: different key-set shapes
+            steps = []
+            for i in range(3):
+                n = ((1, 150, 290)[i] if it == 0 else 1)
+                steps.append(SeqStep(i, i, list(range(i * PER_SEQ, (i + 1) * PER_SEQ)), pos[i],
+                                     [rng.randrange(50, 400) for _ in range(n)], num_logits=1))  # fmt: skip
+                pos[i] += n
+            batch = ForwardBatch(steps)
+            count_groups(batch)
+            logits.append(runner.execute(batch).float().cpu())
+        outs[merge] = torch.cat(logits)
+    assert max(groups[False]) > 1 and max(groups[True]) == 1  # the sequences' shapes differ; merged: one
+    torch.testing.assert_close(outs[True], outs[False], rtol=1e-5, atol=1e-5)
+    assert torch.equal(outs[True].argmax(-1), outs[False].argmax(-1))
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
