@@ -109,6 +109,7 @@ async def _one(session: aiohttp.ClientSession, config: LoadConfig, prompt: str |
     res = RequestResult()
     start = last = time.perf_counter()
     num_chunks = 0
+    finished_at = None  # when a choice's finish_reason arrived
     try:
         async with session.post(path, json=_body(config, prompt)) as resp:
             if resp.status != 200:
@@ -135,6 +136,8 @@ async def _one(session: aiohttp.ClientSession, config: LoadConfig, prompt: str |
                     res.num_prompt_tokens = usage.get("prompt_tokens", 0)
                     res.num_output_tokens = usage.get("completion_tokens", 0)
                     res.num_cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+                if finished_at is None and any((c or {}).get("finish_reason") for c in chunk.get("choices") or []):
+                    finished_at = time.perf_counter()
                 if _content(chunk, config.use_chat):
                     now = time.perf_counter()
                     if res.ttft_s is None:
@@ -145,6 +148,10 @@ async def _one(session: aiohttp.ClientSession, config: LoadConfig, prompt: str |
                     num_chunks += 1
         res.e2e_s = time.perf_counter() - start
         res.num_output_tokens = res.num_output_tokens or num_chunks
+        if res.ttft_s is None and finished_at is not None and res.num_output_tokens:
+            # a finished completion whose tokens all decode to no text (special tokens, a held-back
+            # partial character): a success, its first output seen with the finish
+            res.ttft_s = finished_at - start
         res.is_ok = res.ttft_s is not None
         if not res.is_ok:
             res.error = "the stream carried no content"

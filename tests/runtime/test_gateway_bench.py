@@ -110,3 +110,41 @@ async def test_200_concurrent_streaming_clients_no_errors_no_leaks(engine_kind):
             assert (stats.num_running, stats.num_waiting) == (0, 0)
             state = gateway.app[STATE_KEY]
             assert state.num_in_flight == 0
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("finished", [True, False])
+async def test_a_finished_stream_without_text_is_a_completion(finished):
+    """Tokens that decode to no text (special tokens, a held-back partial character) still make a
+    finished completion: counted with its usage, not as an error; a stream that ends with neither
+    text nor a finish is an error."""
+    import aiohttp
+    from aiohttp import web
+
+    async def chat(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        chunks = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}]
+        if finished:
+            chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
+        chunks.append({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}})
+        for c in chunks:
+            await resp.write(f"data: {json.dumps(c)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        config = loadgen.LoadConfig(url=f"http://127.0.0.1:{port}", model="m", use_chat=True, output_len=2)
+        async with aiohttp.ClientSession(base_url=config.url) as session:
+            res = await loadgen._one(session, config, "hello")
+    finally:
+        await runner.cleanup()
+    assert res.is_ok is finished and res.num_output_tokens == 2
+    assert (res.error is None) is finished
