@@ -2,8 +2,8 @@
 
 A plan for V4-Flash's 43 layers takes seconds of numpy on small arrays; run on a thread of the
 engine process it would slow every step it overlaps. ``PlannerProcess`` has ``plan``'s signature;
-it starts ``python -m deepinfer.engine.parallel.planner_process`` on first use (numpy and the
-planner only: no torch) and talks to it over its stdin/stdout in frames of an 8-byte length and
+it starts a child Python on first use (numpy and the planner only: no torch; its priority and
+CPUs set before numpy loads, so every thread of the child has them) and talks to it over its stdin/stdout in frames of an 8-byte length and
 one .npy array (no pickle):
 
     request:  header int64 [num_physical, num_gpus, num_nodes, has_history, has_current],
@@ -59,9 +59,11 @@ class PlannerProcess:
 
     def _start(self) -> subprocess.Popen:
         if self._proc is None or self._proc.poll() is not None:
-            self._proc = subprocess.Popen([sys.executable, "-m", "deepinfer.engine.parallel.planner_process",
-                                           str(self.nice), ",".join(map(str, self.cpus))],
-                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            # one BLAS / OpenMP thread: a plan is small arrays, and a pool of workers (created when
+            # numpy loads) would spin on the step loop's cores
+            env = dict(os.environ, **{name: "1" for name in _THREAD_VARS})
+            self._proc = subprocess.Popen([sys.executable, "-c", _BOOT, str(self.nice), ",".join(map(str, self.cpus))],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         return self._proc
 
     def close(self) -> None:
@@ -116,11 +118,19 @@ def serve(inp, out) -> None:
         out.flush()
 
 
-if __name__ == "__main__":
-    try:
-        os.nice(int(sys.argv[1]) if len(sys.argv) > 1 else 19)  # background work: the step loop comes first
-    except (OSError, ValueError):
-        pass
-    if len(sys.argv) > 2 and sys.argv[2] and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {int(c) for c in sys.argv[2].split(",")})  # checked by the parent's settings
-    serve(sys.stdin.buffer, sys.stdout.buffer)
+_THREAD_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+# The child's first lines, before numpy (or anything that starts threads) is imported: on Linux
+# a thread's priority and CPU set are its own and a new thread copies its creator's, so set on
+# the main thread first they hold for every thread the child will have. argv: nice, CPUs.
+_BOOT = """
+import os, sys
+try:
+    os.nice(int(sys.argv[1]))  # background work: the step loop comes first
+except (OSError, ValueError):
+    pass
+if sys.argv[2] and hasattr(os, "sched_setaffinity"):
+    os.sched_setaffinity(0, {int(c) for c in sys.argv[2].split(",")})  # checked by the parent's settings
+from deepinfer.engine.parallel.planner_process import serve
+serve(sys.stdin.buffer, sys.stdout.buffer)
+"""

@@ -298,6 +298,18 @@ def test_planner_child_runs_on_the_cpus_it_was_given():
     try:
         load = np.arange(3 * 16, dtype=float).reshape(3, 16)
         assert np.array_equal(child(load, 24, 4), plan(load, 24, 4))
-        assert os.sched_getaffinity(child._proc.pid) == {cpu}
+        # every thread of the child (numpy's BLAS pool included) runs on those CPUs at that priority
+        tasks = os.listdir(f"/proc/{child._proc.pid}/task")
+        for task in tasks:
+            assert os.sched_getaffinity(int(task)) == {cpu}
+    finally:
+        child.close()
+    child = PlannerProcess(nice=7, cpus=(cpu,))
+    try:
+        assert np.array_equal(child(load, 24, 4), plan(load, 24, 4))
+        for task in os.listdir(f"/proc/{child._proc.pid}/task"):
+            with open(f"/proc/{child._proc.pid}/task/{task}/stat") as f:
+                nice = int(f.read().rsplit(")", 1)[1].split()[16])  # field 19 of stat: the nice value
+            assert nice == os.nice(0) + 7 or nice == 19
     finally:
         child.close()
