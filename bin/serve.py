@@ -103,11 +103,12 @@ def add_spec_arguments(p, title: str = "speculative decoding (DSpark)") -> None:
                         "off (default)")
     d.add_argument("--num-draft-tokens", type=int, default=None, metavar="N",
                    help="drafts a request may verify per step (default 5; at most the drafter's block)")
-    d.add_argument("--spec-schedule", default=None, choices=("confidence", "fixed", "bounded"),
+    d.add_argument("--spec-schedule", default=None, choices=("confidence", "throughput", "fixed"),
                    help="which drafts are verified: confidence (default) picks each request's length across the "
-                        "batch from the drafter's confidences and the step times fitted at start-up, and skips "
-                        "drafting while it does not pay; fixed verifies all of them; bounded is confidence "
-                        "keeping at least 95%% of the expected tokens of verifying all (drafter always on)")
+                        "batch from the drafter's confidences and the step times fitted at start-up, keeping at "
+                        "least 95%% of the expected tokens of verifying all; throughput drops that floor and skips "
+                        "drafting while it does not pay (best tokens/s where verify tokens are dear, e.g. a CPU "
+                        "with many sequences); fixed verifies all of them")
 
 
 def check_spec_with_ep(args) -> None:

@@ -33,7 +33,7 @@
     quantization = ""              # "fp8": FP8 weights (serve --quantization)
     speculative = ""               # "dspark": the decode engines draft (serve --speculative); prefill ones never do
     num_draft_tokens = 0           # with speculative: drafts a request may verify per step (0: 5)
-    spec_schedule = ""             # with speculative: confidence | fixed | bounded ("": confidence)
+    spec_schedule = ""             # with speculative: confidence | throughput | fixed ("": confidence)
     num_threads = 0
     kv_host_tier_bytes = 0
     kv_load_deadline_s = 0.25
@@ -374,7 +374,7 @@ def _check_sections(config: ClusterConfig) -> str | None:
         return f"engine.quantization: expected fp8 or nothing, got {config.engine.quantization!r}"
     if config.engine.speculative not in ("", "off", "dspark"):
         return f"engine.speculative: expected dspark, off or nothing, got {config.engine.speculative!r}"
-    if config.engine.spec_schedule not in ("", "confidence", "fixed", "bounded"):
-        return (f"engine.spec_schedule: expected confidence, fixed, bounded or nothing, "
+    if config.engine.spec_schedule not in ("", "confidence", "throughput", "fixed"):
+        return (f"engine.spec_schedule: expected confidence, throughput, fixed or nothing, "
                 f"got {config.engine.spec_schedule!r}")
     return None

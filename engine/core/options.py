@@ -14,7 +14,8 @@ cache past the device pool.
 Speculative decoding: ``speculative="dspark"`` drafts with the checkpoint's DSpark stages and
 verifies up to ``num_draft_tokens`` drafts per request and step, as many as ``spec_schedule``
 picks ("confidence": the hardware-aware length schedule over the step's SPS table, measured at
-start-up; "fixed": all of them). A step rolls back at most ``lookahead`` positions, so
+start-up, keeping the accepted length near verifying all; "throughput": the same without that
+floor, the drafter skipped while drafting does not pay; "fixed": all of them). A step rolls back at most ``lookahead`` positions, so
 ``num_draft_tokens`` must stay below it.
 """
 
@@ -103,7 +104,7 @@ class EngineOptions:
     # layers keep only its experts' slots and every forward is a step of the whole group
     expert_parallel: ExpertParallelSpec | None = None
     # DSpark speculative decoding (engine/spec/): "off" | "dspark"; drafts per request and step;
-    # which of them are verified ("confidence" | "fixed")
+    # which of them are verified ("confidence" | "throughput" | "fixed")
     speculative: str = "off"
     num_draft_tokens: int = 5
     spec_schedule: str = "confidence"

@@ -4,7 +4,8 @@ table, the length policy.
     drafter   the family's ``DraftModel`` over the loaded target (``ModelFamily.build_drafter``)
     SPS       calibrate_sps over the engine's own runner and drafter (sps_calibration.py), at the
               request counts 1, 4, 16, .. max_num_seqs, before any request is taken
-    policy    --spec-schedule: "confidence" (the length schedule over SPS) or "fixed"
+    policy    --spec-schedule: "confidence" (the length schedule over SPS with a floor on the accepted
+              length), "throughput" (without the floor, drafter gated) or "fixed"
 
 The calibration's context length is capped by the model length (a tiny engine has no room for
 256 positions), and never below one block.

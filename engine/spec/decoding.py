@@ -26,7 +26,7 @@ back by the scheduler (num_computed_tokens, blocks past the need); every cache r
 rings, Engram's history ring and the drafter's context ring are position-addressed, and the
 grammar advances only over committed tokens.
 
-The drafter gate (schedule "confidence"): drafting costs a drafter pass every step and, below,
+The drafter gate (schedule "throughput"): drafting costs a drafter pass every step and, below,
 the step overlap. When the step being planned is not worth drafting after, its drafter pass is
 skipped (the context ring is still written: a later proposal reads those positions). The test
 is the schedule's own objective in steady state, over every decoding request of the step, with
@@ -39,7 +39,7 @@ one step drafts anyway (a probe); the interval doubles while probes find draftin
 (1, 2, 4 .. MAX_PROBE_INTERVAL) and is reset to 1 when the test passes. A probe's drafts are
 verified only if the test, run again on the confidences they bring, passes: with the gate closed
 no step verifies (on the CPU the probes' drafts, verified at 43 % acceptance at 60 sequences,
-cost more target time than they saved). "fixed" and "bounded" always draft and verify.
+cost more target time than they saved). "confidence" and "fixed" always draft and verify.
 
 Async scheduling: a step whose requests will draft cannot have its successor scheduled before
 its own sampling (the successor's tokens are the drafts, its positions depend on how many were
@@ -64,9 +64,9 @@ from deepinfer.engine.spec.sps_table import SpsTable
 @dataclass(frozen=True, slots=True)
 class SpecConfig:
     num_draft_tokens: int = 5  # D: drafts a request may verify per step (<= the drafter's block)
-    schedule: str = "confidence"  # "confidence" | "fixed" (every request verifies D)
-    budget_delay: int = 0  # confidence schedule: size the budget from confidences this many steps old
-    gate_drafter: bool = True  # confidence schedule: skip the drafter when drafting does not pay
+    schedule: str = "confidence"  # "confidence" | "throughput" | "fixed" (every request verifies D)
+    budget_delay: int = 0  # confidence / throughput: size the budget from confidences this many steps old
+    gate_drafter: bool = True  # throughput schedule: skip the drafter when drafting does not pay
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -117,7 +117,7 @@ class SpecDecoding:
         self.policy = make_length_policy(config.schedule, sps.profile(1), num_drafts=config.num_draft_tokens,
                                          delay=config.budget_delay, max_verify_tokens=max_verify_tokens)
         self.stats = SpecStats()
-        self._gated = config.gate_drafter and config.schedule == "confidence"
+        self._gated = config.gate_drafter and config.schedule == "throughput"
         self._prior: np.ndarray | None = None  # running mean confidence [D] over all proposals
         self._probe_interval, self._num_skipped = 1, 0  # the drafter gate's probe backoff
         # the gate's test memoised: its inputs (the confidences, the requests, their caps) change

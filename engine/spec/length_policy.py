@@ -1,12 +1,17 @@
-"""The verify-length policies an engine holds: ``fixed``, ``confidence`` (with the production
-variant that sizes the budget two steps ahead) and ``bounded``.
+"""The verify-length policies an engine holds (``--spec-schedule``): ``confidence`` (the default,
+with the production variant that sizes the budget two steps ahead), ``throughput`` and ``fixed``.
 
-``bounded`` is the confidence schedule restricted to draft counts whose expected committed tokens
-are at least ``BOUNDED_SHARE`` of verifying every draft: a floor on the accepted length. Where
-a verify token costs about as much as a decode token (a compute-bound CPU with many sequences)
-the unrestricted optimum gives up far more accepted length than DeepSeek's memory-bound GPU
-steps; ``bounded`` trades that throughput for staying near fixed-5's accepted length. It also
-drafts every step (no drafter gate, decoding.py).
+``confidence`` is the length schedule (length_schedule.py: maximise expected committed tokens x
+SPS(B)) restricted to draft counts whose expected committed tokens are at least
+``ACCEPTED_FLOOR`` of verifying every draft: a floor on the accepted length. This is the trade
+DeepSeek reports for production (about 30 % fewer tokens verified, accepted length almost
+unchanged), and it drafts every step.
+
+``throughput`` is the same schedule without the floor, plus the drafter gate (decoding.py): it
+maximises tokens per second on the fitted SPS lines alone. Where a verify token costs about as
+much as a decode token (a compute-bound CPU with 16 or more sequences) that optimum is to stop
+speculating, and it does, giving up the accepted length; on memory-bound GPU steps the two
+schedules choose almost alike.
 
 Why the delay: with asynchronous scheduling the host prepares step ``s`` while the device runs
 step ``s - 1``, so when step ``s``'s verify batch must be laid out (buffer sizes, captured graph,
@@ -38,8 +43,8 @@ from deepinfer.engine.spec.length_schedule import (
     schedule_lengths,
 )
 
-SCHEDULES = ("confidence", "fixed", "bounded")  # the engine option --spec-schedule
-BOUNDED_SHARE = 0.95  # "bounded": E at least this share of E with every draft verified
+SCHEDULES = ("confidence", "throughput", "fixed")  # the engine option --spec-schedule, default first
+ACCEPTED_FLOOR = 0.95  # "confidence": E at least this share of E with every draft verified
 
 
 class LengthPolicy(Protocol):
@@ -95,11 +100,11 @@ def make_length_policy(
     delay: int = 0,
     max_verify_tokens: int | None = None,
 ) -> LengthPolicy:
-    """``--spec-schedule confidence|fixed`` -> a policy; a bad name is a one-line error."""
+    """``--spec-schedule confidence|throughput|fixed`` -> a policy; a bad name is a one-line error."""
     if name == "fixed":
         return FixedPolicy(sps, num_drafts)
     if name == "confidence":
+        return ConfidencePolicy(sps, delay=delay, max_verify_tokens=max_verify_tokens, min_share=ACCEPTED_FLOOR)
+    if name == "throughput":
         return ConfidencePolicy(sps, delay=delay, max_verify_tokens=max_verify_tokens)
-    if name == "bounded":
-        return ConfidencePolicy(sps, delay=delay, max_verify_tokens=max_verify_tokens, min_share=BOUNDED_SHARE)
     raise ValueError(f"unknown spec schedule {name!r}; choose one of {', '.join(SCHEDULES)}")

@@ -157,7 +157,7 @@ def schedule_lengths(
     ``confidences [R, D]``; ``max_lengths [R]`` optional per-request caps on L;
     ``max_verify_tokens`` optional cap on B (it must leave room for the R root tokens);
     ``min_share``: only draft counts whose E is at least this share of E with every allowed
-    candidate (the "bounded" schedule: a floor on the expected accepted length).
+    candidate (the default "confidence" policy: a floor on the expected accepted length).
     ``early_stop`` applies the lossless stop rules of the module docstring; they assume SPS is
     non-increasing in B (true of SpsProfile). With another callable that may rise, pass False.
     """

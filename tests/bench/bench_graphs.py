@@ -12,7 +12,7 @@ group per layer kind for decode and verify steps: ``merge_step_tokens``),
 then reports: forwards, distinct signatures, forwards that would replay (a signature's third
 sighting on), those seen once, and which context fields changed most often between consecutive
 forwards whose signatures differ. Any concurrency and speculation mode (``--speculative off |
-fixed | confidence | bounded``), on the built-in trained tiny V4.1 or any model directory.
+fixed | confidence | throughput``), on the built-in trained tiny V4.1 or any model directory.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch
 from deepinfer.engine.models.deepseek_v4.context import group_key_rows, merge_step_tokens
 from deepinfer_bench.report import Report, base_parser
 
-MODES = ("off", "fixed", "confidence", "bounded")
+MODES = ("off", "fixed", "confidence", "throughput")
 GPU = torch.device("cuda")  # only named: the geometry functions' answer for a model on a GPU
 
 

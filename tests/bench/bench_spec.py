@@ -9,8 +9,8 @@ Figures: ``mode`` = "engine", at concurrency 60 the issue's keys (``verified_per
 ``_sched``, ``accepted_len_fixed`` / ``_sched``, ``tok_s_off`` / ``_fixed`` / ``_sched``),
 ``greedy_identical`` (1 when every request at every concurrency matched), per concurrency
 ``cC_<figure>_<mode>`` (medians over the interleaved rounds; ``cC_tok_s_spread_<mode>`` the
-spread, ``cC_ratio_<a>_<b>`` the median per-round tok/s ratio), ``wall_s``. ``--bounded`` adds
-the "bounded" schedule (length_policy.py) as a fourth mode. ``--waves W``: at concurrency C the
+spread, ``cC_ratio_<a>_<b>`` the median per-round tok/s ratio), ``wall_s``. ``--throughput`` adds
+the "throughput" schedule (length_policy.py: no accepted-length floor, drafter gated) as a fourth mode. ``--waves W``: at concurrency C the
 engine runs W waves of C requests one after another (prompts 0..C-1, then C..2C-1, ...), so a
 figure at concurrency 1 is not one prompt's (its accepted length ranges 1.05-2.86 over the first
 16 held-out headers).
@@ -91,7 +91,8 @@ def build_parser():
     p.add_argument("--waves", type=int, default=1,
                    help="engine run: at concurrency C, W waves of C requests one after another, each wave the next C "
                         "prompts (default %(default)s: the first C prompts only)")
-    p.add_argument("--bounded", action="store_true", help="engine run: also the 'bounded' schedule (accepted-length floor)")
+    p.add_argument("--throughput", action="store_true",
+                   help="engine run: also the 'throughput' schedule (no accepted-length floor, drafter gated)")
     p.add_argument("--num-draft-tokens", type=int, default=5, help="engine run: drafts per step (default %(default)s)")
     p.add_argument("--threads", type=int, default=None, help="engine run: torch threads (default torch's)")
     p.add_argument("--dtype", default="auto", help="engine run: model dtype (default: float32 on CPU, the "
@@ -176,7 +177,7 @@ def run_engine(args) -> int:
     start = time.perf_counter()
     concurrencies = _ints(args.concurrency)
     prompts = spec_engine.prompts_of(model_dir, max(concurrencies) * args.waves)
-    modes = dict(spec_engine.MODES, **(spec_engine.EXTRA_MODES if args.bounded else {}))
+    modes = dict(spec_engine.MODES, **(spec_engine.EXTRA_MODES if args.throughput else {}))
     engines = spec_engine.start_engines(model_dir, max(concurrencies), max_model_len=512, num_threads=args.threads,
                                         num_draft_tokens=args.num_draft_tokens, modes=modes, dtype=args.dtype,
                                         batch_invariant=True if args.batch_invariant else None)
@@ -199,10 +200,10 @@ def run_engine(args) -> int:
                        sched_vs_fixed=f"{ratio['sched', 'fixed'] - 1:+.2%}", sched_vs_off=f"{ratio['sched', 'off']:.2f}x",
                        cpu_off=round(off.tok_cpu_s, 1), cpu_fixed=round(fixed.tok_cpu_s, 1), cpu_sched=round(sched.tok_cpu_s, 1),
                        draft_s=round(sched.draft_seconds, 2), identical=int(identical))  # fmt: skip
-            if "bounded" in res:
-                b = res["bounded"]
-                row.update(ver_bounded=b.verified_per_step, acc_bounded=b.accepted_len, tok_s_bounded=round(b.tok_s, 1),
-                           bounded_vs_fixed=f"{ratio['bounded', 'fixed'] - 1:+.2%}")
+            if "throughput" in res:
+                b = res["throughput"]
+                row.update(ver_tput=b.verified_per_step, acc_tput=b.accepted_len, tok_s_tput=round(b.tok_s, 1),
+                           tput_vs_fixed=f"{ratio['throughput', 'fixed'] - 1:+.2%}", tput_vs_off=f"{ratio['throughput', 'off']:.2f}x")
             report.row(**row)
             for (a, b), value in ratio.items():
                 report.figure(f"c{c}_ratio_{a}_{b}", value)

@@ -36,7 +36,7 @@ from deepinfer import LLM, SamplingParams
 
 MODES = {"off": {}, "fixed": dict(speculative="dspark", spec_schedule="fixed"),
          "sched": dict(speculative="dspark", spec_schedule="confidence")}
-EXTRA_MODES = {"bounded": dict(speculative="dspark", spec_schedule="bounded")}
+EXTRA_MODES = {"throughput": dict(speculative="dspark", spec_schedule="throughput")}
 
 
 @dataclass(slots=True)

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from deepinfer.engine.spec import ConfidencePolicy, FixedPolicy, SpsProfile
+from deepinfer.engine.spec import FixedPolicy, SpsProfile, make_length_policy
 
 POLICIES = ("off", "fixed", "confidence", "delayed")
 # DeepSeek's DSpark figures at 60 sequences per rank, EP64/DP64 (ARCHITECTURE.md, "DSpark")
@@ -173,8 +173,9 @@ def simulate(
     profile = timing.profile(concurrency * (1 + num_drafts)).shifted(draft_s)
     policies = {
         "fixed": FixedPolicy(profile),
-        "confidence": ConfidencePolicy(profile, max_verify_tokens=max_verify_tokens),
-        "delayed": ConfidencePolicy(profile, delay=2, max_verify_tokens=max_verify_tokens),
+        # the engine's default policy (its accepted-length floor included), exact and delayed
+        "confidence": make_length_policy("confidence", profile, max_verify_tokens=max_verify_tokens),
+        "delayed": make_length_policy("confidence", profile, delay=2, max_verify_tokens=max_verify_tokens),
     }
     results = {name: PolicyResult() for name in POLICIES}
     off = results["off"]

@@ -97,7 +97,7 @@ def test_dspark_on_equals_off_token_for_token():
 
 @pytest.mark.parametrize("bad, message", [
     (dict(speculative="eagle"), "speculative must be one of off, dspark"),
-    (dict(speculative="dspark", spec_schedule="greedy"), "spec_schedule must be one of confidence, fixed, bounded"),
+    (dict(speculative="dspark", spec_schedule="greedy"), "spec_schedule must be one of confidence, throughput, fixed"),
     (dict(speculative="dspark", num_draft_tokens=0), "num_draft_tokens must be an integer >= 1"),
     (dict(speculative="dspark", num_draft_tokens=6), "needs lookahead >= 7"),
 ])

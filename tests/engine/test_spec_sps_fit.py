@@ -1,4 +1,4 @@
-"""The SPS calibration's fit (engine/spec/sps_fit.py), the drafter gate and the bounded schedule."""
+"""The SPS calibration's fit (engine/spec/sps_fit.py), the drafter gate (schedule "throughput") and the accepted-length floor (schedule "confidence")."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from deepinfer.engine.spec.decoding import SpecConfig
+from deepinfer.engine.spec.length_policy import SCHEDULES, make_length_policy
 from deepinfer.engine.spec.length_schedule import schedule_lengths
 from deepinfer.engine.spec.sps_fit import fit_line, fit_step_table
 from deepinfer.engine.spec.sps_profile import SpsProfile
@@ -45,7 +47,7 @@ def test_fit_is_monotone_and_non_negative():
         fit_line({4: []})
 
 
-def test_bounded_schedule_keeps_the_expected_length_floor():
+def test_default_schedule_keeps_the_expected_length_floor():
     rng = np.random.default_rng(0)
     conf = rng.uniform(0.2, 0.95, size=(16, 5))
     steep = SpsProfile.from_table({16: 1e-3, 96: 1e-2})  # verify tokens cost a lot: the optimum cuts deep
@@ -55,6 +57,11 @@ def test_bounded_schedule_keeps_the_expected_length_floor():
     assert free.expected_tokens < 0.95 * everything.expected_tokens
     assert bounded.expected_tokens >= 0.95 * everything.expected_tokens - 1e-9
     assert bounded.num_verify_tokens < everything.num_verify_tokens  # the low-survival tail is still cut
+    # the engine's policies: "confidence" (the default) holds the floor, "throughput" does not
+    policy = make_length_policy("confidence", steep)(conf)
+    assert policy.lengths.tolist() == bounded.lengths.tolist()
+    assert make_length_policy("throughput", steep)(conf).lengths.tolist() == free.lengths.tolist()
+    assert SpecConfig().schedule == SCHEDULES[0] == "confidence"
 
 
 def _request(rid, anchor):
@@ -65,7 +72,7 @@ def _request(rid, anchor):
                            sampling_params=SimpleNamespace(max_tokens=100), max_model_len=1000, spec_token_ids=[])
 
 
-def _spec(per_token_s, draft_s, schedule="confidence"):
+def _spec(per_token_s, draft_s, schedule="throughput"):
     from deepinfer.engine.spec.decoding import SpecConfig, SpecDecoding, _Fresh
     from deepinfer.engine.spec.sps_table import SpsTable
 
@@ -96,6 +103,11 @@ def test_drafter_gate_drafts_when_it_pays_and_probes_when_it_does_not():
     assert gates[9] is True
     fixed, reqs = _spec(per_token_s=1e-3, draft_s=5e-3, schedule="fixed")
     assert fixed.plan_lengths(reqs, list(reqs.values()))  # fixed-5 always drafts
+    # the default schedule drafts every step too, and verifies at least the floor's share of E
+    sched, reqs = _spec(per_token_s=1e-3, draft_s=5e-3, schedule="confidence")
+    for step in range(3):
+        assert sched.plan_lengths(reqs, list(reqs.values()))
+        assert all(len(r.spec_token_ids) >= 1 for r in reqs.values())
 
 
 def test_a_probes_drafts_are_verified_only_when_drafting_pays():

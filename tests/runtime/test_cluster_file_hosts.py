@@ -67,7 +67,7 @@ def test_a_file_without_the_new_keys_keeps_its_meaning():
     (cluster(engine="num_blocks = -1"), "engine.num_blocks: expected `int` >= 0"),
     (cluster(engine='quantization = "int4"'), "engine.quantization: expected fp8 or nothing, got 'int4'"),
     (cluster(engine='speculative = "eagle"'), "engine.speculative: expected dspark, off or nothing, got 'eagle'"),
-    (cluster(engine='spec_schedule = "greedy"'), "engine.spec_schedule: expected confidence, fixed, bounded"),
+    (cluster(engine='spec_schedule = "greedy"'), "engine.spec_schedule: expected confidence, throughput, fixed"),
     (cluster(engine="num_draft_tokens = -2"), "engine.num_draft_tokens: expected `int` >= 0"),
     (cluster().replace('host = "s0"\nbuilding = "B"\ndata = "tcp://10.0.0.4:7202"',
                        'host = "s0"\nbuilding = "A"\ndata = "tcp://10.0.0.4:7202"'),
