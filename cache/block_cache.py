@@ -9,6 +9,11 @@ and the storage cluster). A tensor of a ratio-r layer keeps ``block_size // r`` 
     flat row id = table[w*r // block_size] * (block_size // r) + w % (block_size // r)
 
 The model declares which tensors exist (``PagedSpec``); this module only owns the memory.
+
+Behind the ``num_blocks`` blocks every tensor has one more, the *dump block* (id ``num_blocks``,
+``dump_row``): no sequence ever holds it, and a forward replayed from a CUDA graph points the
+writes of its padding (compressed entries added so that a step's shapes stay those of its graph)
+at it. Only ``flat`` reaches it; every block-id API keeps to ``[0, num_blocks)``.
 """
 
 from __future__ import annotations
@@ -54,20 +59,32 @@ class BlockCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.specs = tuple(specs)
-        # zero-filled: rows never written are read only under a mask and must stay finite
-        self._tensors: dict[tuple[int, str], torch.Tensor] = {
-            (s.layer, s.name): torch.zeros(num_blocks, block_size // s.ratio, s.width, dtype=dtype, device=device)
+        # zero-filled: rows never written are read only under a mask and must stay finite; one
+        # more block at the end: the dump block (module docstring)
+        self._storage = {
+            (s.layer, s.name): torch.zeros(num_blocks + 1, block_size // s.ratio, s.width, dtype=dtype, device=device)
             for s in self.specs
         }
+        self._tensors: dict[tuple[int, str], torch.Tensor] = {key: t[:num_blocks] for key, t in self._storage.items()}
         # flat row views, made once (a forward asks for them ~40 times per step)
-        self._flat = {key: t.view(-1, t.shape[-1]) for key, t in self._tensors.items()}
+        self._flat = {key: t.view(-1, t.shape[-1]) for key, t in self._storage.items()}
+
+    @property
+    def dump_block(self) -> int:
+        """The block id padding writes go to (never allocated, never read)."""
+        return self.num_blocks
+
+    def dump_row(self, ratio: int) -> int:
+        """The flat row of the dump block's first row in a tensor of ``ratio`` source tokens per row."""
+        return self.num_blocks * (self.block_size // ratio)
 
     def tensor(self, layer: int, name: str) -> torch.Tensor:
-        """``[num_blocks, rows_per_block, width]``."""
+        """``[num_blocks, rows_per_block, width]`` (the dump block left out)."""
         return self._tensors[(layer, name)]
 
     def flat(self, layer: int, name: str) -> torch.Tensor:
-        """``[num_blocks * rows_per_block, width]`` view addressed by flat row ids."""
+        """``[(num_blocks + 1) * rows_per_block, width]`` view addressed by flat row ids (the last
+        block's rows: the dump block's)."""
         return self._flat[(layer, name)]
 
     @property

@@ -30,6 +30,7 @@ equals the sender's.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -161,6 +162,7 @@ class ModelRunner:
                 raise ValueError(f"DEEPINFER_CUDA_GRAPH_MAX_TOKENS must be >= 1, got {max_tokens}")
             self.graphs = GraphedForward(lambda ctx: self.model(ctx, self.blocks, self.swa), self.device, side=side,
                                          max_tokens=max_tokens)  # fmt: skip
+        self.geometry = self._graph_geometry(self.geometry)
         self._modules = list(self.model.modules())
         self._hook_scan = (-1, True)  # (hook registrations seen at the last scan, its answer)
 
@@ -181,8 +183,15 @@ class ModelRunner:
         if hook is None:
             return replay_tokens
         tokens = hook(replay_tokens)
-        self.geometry = self.model.geometry(self.blocks.block_size, self.geometry.lookahead)
+        self.geometry = self._graph_geometry(self.model.geometry(self.blocks.block_size, self.geometry.lookahead))
         return tokens
+
+    def _graph_geometry(self, geometry):
+        """``geometry`` with the block cache's dump block where forwards replay CUDA graphs (decode
+        and verify forwards then pad their closing entries, ``Geometry.dump_block``)."""
+        if self.graphs is None:
+            return geometry
+        return with_dump_block(geometry, self.blocks.dump_block)
 
     # ---- KV state export / import -----------------------------------------------------------
     def kv_layout(self) -> KvLayout:
@@ -268,3 +277,16 @@ class ModelRunner:
     def execute(self, batch: ForwardBatch) -> torch.Tensor:
         hidden, _ = self._forward(batch)  # a graph's buffer is read here, before the next forward
         return self.model.compute_logits(hidden, self.batch_invariant)
+
+
+def with_dump_block(geometry, block: int):
+    """A family's geometry (a dataclass, or one wrapping its base as ``base``) with its
+    ``dump_block`` field set; a geometry without that field is returned as it is."""
+    if not dataclasses.is_dataclass(geometry):
+        return geometry
+    names = {f.name for f in dataclasses.fields(geometry)}
+    if "dump_block" in names:
+        return dataclasses.replace(geometry, dump_block=block)
+    if "base" in names:
+        return dataclasses.replace(geometry, base=with_dump_block(geometry.base, block))
+    return geometry

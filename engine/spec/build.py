@@ -32,9 +32,11 @@ def build_spec_decoding(runner, drafter: DraftModel, *, num_draft_tokens: int, s
                         sps: SpsTable | None = None) -> SpecDecoding:
     """``runner``: the plain ModelRunner (calibration runs scratch forwards through it);
     ``sps``: a table measured before (tests, benches), else calibrated here."""
-    config = SpecConfig(num_draft_tokens=num_draft_tokens, schedule=schedule)
+    graphed = getattr(runner, "graphs", None) is not None
+    # verify steps padded to token buckets where the target's forwards replay CUDA graphs
+    config = SpecConfig(num_draft_tokens=num_draft_tokens, schedule=schedule, pad_to_buckets=graphed)
     # the drafter's pass is CUDA-graphed when the target's forwards are
-    proposer = DraftProposer(drafter, num_slots=max_num_seqs, cuda_graphs=getattr(runner, "graphs", None) is not None)
+    proposer = DraftProposer(drafter, num_slots=max_num_seqs, cuda_graphs=graphed)
     if sps is None:
         t0 = time.perf_counter()
         context = max(min(CALIBRATION_CONTEXT, max_model_len - num_draft_tokens - 2), 1)

@@ -41,6 +41,14 @@ verified only if the test, run again on the confidences they bring, passes: with
 no step verifies (on the CPU the probes' drafts, verified at 43 % acceptance at 60 sequences,
 cost more target time than they saved). "confidence" and "fixed" always draft and verify.
 
+Verify buckets (a runner that replays CUDA graphs): a graph replays only a forward of the token
+count it was captured with, and the schedule's total (requests + chosen drafts) changes nearly
+every step. So there the total is rounded up to the next bucket (``verify_bucket``: four per
+octave, at most 25 % more tokens) and the rounding filled with the next candidates in the
+schedule's own order (highest survival first, ``fill_budget``): a padded step costs the same as a
+step of its bucket's tokens, and those drafts may be accepted. When every draft is already in,
+the step stays as it is. ``fixed`` verifies every draft and is never padded.
+
 Async scheduling: a step whose requests will draft cannot have its successor scheduled before
 its own sampling (the successor's tokens are the drafts, its positions depend on how many were
 accepted), so the pipelined loop runs such steps one at a time (``must_commit_first``); steps
@@ -56,7 +64,7 @@ import numpy as np
 
 from deepinfer.engine.core.request import RequestStatus
 from deepinfer.engine.spec.length_policy import SCHEDULES, make_length_policy
-from deepinfer.engine.spec.length_schedule import schedule_lengths
+from deepinfer.engine.spec.length_schedule import fill_budget, schedule_lengths
 from deepinfer.engine.spec.proposer import DraftProposer, StepDrafts
 from deepinfer.engine.spec.sps_table import SpsTable
 
@@ -67,6 +75,9 @@ class SpecConfig:
     schedule: str = "confidence"  # "confidence" | "throughput" | "fixed" (every request verifies D)
     budget_delay: int = 0  # confidence / throughput: size the budget from confidences this many steps old
     gate_drafter: bool = True  # throughput schedule: skip the drafter when drafting does not pay
+    # confidence / throughput: round each step's verify tokens up to ``verify_bucket`` with the next
+    # candidates (the module docstring; the engine sets it when its runner replays CUDA graphs)
+    pad_to_buckets: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -116,6 +127,8 @@ class SpecDecoding:
         self.config = config
         self.policy = make_length_policy(config.schedule, sps.profile(1), num_drafts=config.num_draft_tokens,
                                          delay=config.budget_delay, max_verify_tokens=max_verify_tokens)
+        self.max_verify_tokens = max_verify_tokens
+        self.pad_to_buckets = config.pad_to_buckets and config.schedule != "fixed"
         self.stats = SpecStats()
         self._gated = config.gate_drafter and config.schedule == "throughput"
         self._prior: np.ndarray | None = None  # running mean confidence [D] over all proposals
@@ -163,11 +176,28 @@ class SpecDecoding:
             return drafter_runs
         conf = np.stack([c if c is not None else np.zeros(d) for c in confs])
         self.policy.sps = self.sps.profile(len(decoding), drafter=drafter_runs)
-        schedule = self.policy(conf, max_lengths=np.asarray(caps, dtype=np.int64))
-        for (req, f), length in zip(decoding, schedule.lengths.tolist()):
+        caps = np.asarray(caps, dtype=np.int64)
+        schedule = self.policy(conf, max_lengths=caps)
+        lengths = schedule.lengths
+        if self.pad_to_buckets:
+            lengths = self._padded(conf, caps, lengths, self.policy.sps)
+        for (req, f), length in zip(decoding, lengths.tolist()):
             if f is not None:
                 req.spec_token_ids = f.tokens[:length]
         return drafter_runs
+
+    def _padded(self, conf: np.ndarray, caps: np.ndarray, lengths: np.ndarray, sps) -> np.ndarray:
+        """``lengths [R]`` grown so that R + sum(lengths) reaches ``verify_bucket`` of it, with the
+        candidates of highest survival after those chosen (never past a cap or the verify budget)."""
+        num_requests = len(lengths)
+        tokens = num_requests + int(lengths.sum())
+        target = verify_bucket(tokens)
+        if self.max_verify_tokens is not None:
+            target = min(target, self.max_verify_tokens)
+        if target <= tokens:
+            return lengths
+        filled = fill_budget(conf, sps, target - num_requests, max_lengths=caps).lengths
+        return np.maximum(filled, lengths)  # the chosen prefix is the fill's own (one order)
 
     def _gate(self, decoding, confs) -> tuple[bool, bool]:
         """The drafter gate: (draft after this step, verify this step's fresh drafts). Drafting
@@ -264,6 +294,16 @@ class SpecDecoding:
     def request_counts(self, request_id: str) -> tuple[int, int, int]:
         """(drafted, verified, accepted) drafts of one request so far."""
         return tuple(self._counts.get(request_id, (0, 0, 0)))
+
+
+def verify_bucket(tokens: int) -> int:
+    """The token count a verify step of ``tokens`` tokens is padded to: 4, 8, 12, 16, then four
+    buckets per octave (20, 24, 28, 32, 40, 48, 56, 64, 80, ...): at most 25 % more tokens, about 4
+    CUDA graphs per doubling of the batch."""
+    if tokens <= 0:
+        return 0
+    step = max(4, 1 << max(tokens.bit_length() - 3, 0))
+    return -(-tokens // step) * step
 
 
 def _length_cap(req, num_drafts: int) -> int:

@@ -53,11 +53,12 @@ def field_paths(obj, path: str = "ctx", out: list[str] | None = None) -> list[st
     return out
 
 
-def gpu_geometry(geometry):
-    """The geometry the same model builds on a GPU (V4's ``Geometry`` or V4.1's wrapper of it)."""
+def gpu_geometry(geometry, dump_block: int):
+    """The geometry the same model builds on a GPU that replays CUDA graphs (V4's ``Geometry`` or
+    V4.1's wrapper of it); ``dump_block``: the block cache's."""
     def on_gpu(base):
         return dataclasses.replace(base, compact_candidates=True, max_group_key_rows=group_key_rows(GPU),
-                                   merge_step_tokens=merge_step_tokens(GPU))
+                                   merge_step_tokens=merge_step_tokens(GPU), dump_block=dump_block)
 
     if hasattr(geometry, "base"):
         return dataclasses.replace(geometry, base=on_gpu(geometry.base))
@@ -76,7 +77,7 @@ class SignatureLog:
 
         def built(batch, geometry, **kw):
             ctx = build(batch, geometry, **kw)
-            gpu_ctx = build(batch, gpu_geometry(geometry), **kw)
+            gpu_ctx = build(batch, gpu_geometry(geometry, runner.blocks.dump_block), **kw)
             lay = cuda_graphs.layout(gpu_ctx)
             self.signatures.append(None if lay is None else lay.signature)
             self.names.append(field_paths(gpu_ctx))
@@ -115,6 +116,8 @@ def build_parser():
     p.add_argument("--speculative", choices=MODES, default="off",
                    help="off, or DSpark with this verify schedule (default %(default)s)")
     p.add_argument("--top", type=int, default=8, help="context fields listed (default %(default)s)")
+    p.add_argument("--no-buckets", action="store_true",
+                   help="verify steps not padded to token buckets (a GPU pads them: engine/spec/decoding.py)")
     return p
 
 
@@ -134,6 +137,9 @@ def main(argv=None) -> int:
     llm = LLM(str(model), max_num_seqs=max(args.concurrency, 1), max_model_len=512, seed=0, **spec)
     try:
         log = SignatureLog(llm.engine.core.runner)
+        spec_part = llm.engine.core.spec
+        if spec_part is not None and spec_part.config.schedule != "fixed":
+            spec_part.pad_to_buckets = not args.no_buckets  # as on a GPU (engine/spec/decoding.py)
         prompts = prompts_of(model, args.concurrency)
         log.clear()
         llm.generate(prompts, SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True))

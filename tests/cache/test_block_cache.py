@@ -25,6 +25,23 @@ def test_shapes_follow_ratio_and_rows_are_flat_addressable():
     assert torch.all(cache.tensor(1, "compressed")[2, :3] == 0)  # zero-filled at start
 
 
+def test_the_dump_block_is_flat_addressable_and_outside_every_block_api():
+    """Padding writes of a graphed forward go to the dump block (id num_blocks): flat rows reach it,
+    the block views and block moves do not."""
+    cache = make()
+    assert cache.dump_block == 5 and cache.dump_row(4) == 5 * 4 and cache.dump_row(16) == 5
+    for spec in SPECS:
+        flat = cache.flat(spec.layer, spec.name)
+        assert flat.shape[0] == 6 * (16 // spec.ratio)
+        flat[cache.dump_row(spec.ratio):] = 9.0
+        assert not cache.tensor(spec.layer, spec.name).any()  # the dump block is not one of the blocks
+    assert all(not t.any() for t in cache.read_blocks(range(5)).values())
+    with pytest.raises(BlockCacheError, match="out of range"):
+        cache.read_blocks([cache.dump_block])
+    with pytest.raises(BlockCacheError, match="out of range"):
+        cache.copy_blocks([0], [cache.dump_block])
+
+
 def test_block_size_must_be_a_multiple_of_every_ratio():
     with pytest.raises(BlockCacheError, match="multiple of every compress ratio"):
         BlockCache([PagedSpec(0, "compressed", 12, 4)], num_blocks=2, block_size=16, dtype=torch.float32, device="cpu")

@@ -60,9 +60,12 @@ def _requests():
     return prompts, params
 
 
-def _run(prompts, params, **spec):
+def _run(prompts, params, pad=False, **spec):
+    """``pad``: verify steps padded to token buckets, as an engine replaying CUDA graphs pads them."""
     llm = LLM(str(BUILTIN_DIR), **ENGINE, **spec)
     try:
+        if pad:
+            llm.engine.core.spec.pad_to_buckets = True
         outs = llm.generate(prompts, params)
         engine = llm.engine
         stats = engine.core.spec.stats if engine.core.spec is not None else None
@@ -78,9 +81,12 @@ def test_dspark_on_equals_off_token_for_token():
     off, texts, _, off_engine = _run(prompts, params)
     sched, _, st_sched, _ = _run(prompts, params, speculative="dspark", spec_schedule="confidence")
     fixed, _, st_fixed, _ = _run(prompts, params, speculative="dspark", spec_schedule="fixed")
-    for i, (a, b, c) in enumerate(zip(off, sched, fixed)):
+    padded, _, st_padded, _ = _run(prompts, params, pad=True, speculative="dspark", spec_schedule="confidence")
+    for i, (a, b, c, d) in enumerate(zip(off, sched, fixed, padded)):
         assert a == b, f"request {i} ({params[i]}): confidence schedule differs from no speculation"
         assert a == c, f"request {i} ({params[i]}): fixed-5 differs from no speculation"
+        assert a == d, f"request {i} ({params[i]}): verify steps padded to buckets differ from no speculation"
+    assert st_padded.num_verified > st_sched.num_verified  # the buckets were filled with more drafts
     # the mix really held what it claims
     assert off_engine.prefix_cache_hit_rate and off_engine.prefix_cache_hit_rate > 0.2
     for text, p in zip(texts, params):

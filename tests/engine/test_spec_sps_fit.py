@@ -140,3 +140,37 @@ def test_drafter_gate_memoises_its_test_until_an_input_changes():
     near_end.num_output_tokens = 98  # a cap changes: 1 draft left
     got = spec._drafting_pays(decoding, confs)
     assert spec.num_gate_tests == 4 and got == fresh_spec._drafting_pays(decoding, confs)
+
+
+def test_verify_buckets_pad_with_the_next_candidates():
+    """A graphed runner's verify steps: the token total rounded up to ``verify_bucket`` (four per
+    octave, at most 25 % more from 16 up) with the highest-survival candidates not yet chosen,
+    never past a request's cap; fixed is never padded."""
+    from deepinfer.engine.spec.decoding import verify_bucket
+
+    last = 0
+    for tokens in range(1, 700):
+        b = verify_bucket(tokens)
+        assert b >= tokens and b >= last and verify_bucket(b) == b
+        assert tokens < 16 or b <= 1.25 * tokens
+        last = b
+    assert len({verify_bucket(t) for t in range(16, 513)}) == 21  # 16, then four per octave up to 512
+    spec, _ = _spec(per_token_s=1e-3, draft_s=5e-3, schedule="confidence")
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        num = int(rng.integers(1, 9))
+        conf = rng.uniform(0.05, 0.99, size=(num, 5))
+        caps = rng.integers(0, 6, size=num)
+        chosen = np.minimum(rng.integers(0, 6, size=num), caps)
+        surv = np.cumprod(conf, axis=1)
+        # the chosen prefix is the policy's: the top candidates of one global order
+        order = sorted(((surv[r, j], r, j) for r in range(num) for j in range(int(caps[r]))), reverse=True)
+        k = int(chosen.sum())
+        chosen = np.bincount([r for _, r, _ in order[:k]], minlength=num).astype(np.int64)
+        got = spec._padded(conf, caps, chosen, spec.policy.sps)
+        assert (got >= chosen).all() and (got <= caps).all()
+        total = num + int(got.sum())
+        assert total == min(verify_bucket(num + k), num + int(caps.sum()))
+        assert got.tolist() == np.bincount([r for _, r, _ in order[:total - num]], minlength=num).tolist()
+    fixed, _ = _spec(per_token_s=1e-3, draft_s=5e-3, schedule="fixed")
+    assert not fixed.pad_to_buckets

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deepinfer.engine.core.batch import ForwardBatch, SeqStep
-from deepinfer.engine.core.model_runner import ModelRunner
+from deepinfer.engine.core.model_runner import ModelRunner, with_dump_block
 from deepinfer.engine.models.deepseek_v4.context import MERGE_STEP_TOKENS, build_context
 from deepinfer.engine.models.deepseek_v4.testing import CSA, HCA, SLIDING, hf_reference
 
@@ -207,3 +207,49 @@ def test_forward_with_merged_decode_groups_equals_split_groups(ref, ref_wide, wi
         outs[merge] = torch.cat(logits)
     torch.testing.assert_close(outs[True], outs[False], rtol=1e-5, atol=1e-5)
     assert torch.equal(outs[True].argmax(-1), outs[False].argmax(-1))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("wide", [False, True])
+def test_padded_entries_write_only_the_dump_block(ref, ref_wide, wide):
+    """Decode and verify forwards of a runner that replays CUDA graphs pad their closing entries
+    (``Geometry.dump_block``): every step's logits and every real block-cache row equal the
+    unpadded forward's (float32 rounding), the padding lands in the dump block only, and a padded plan's
+    shapes depend on the tokens and steps alone (not on how many windows close)."""
+    outs, caches = {}, {}
+    for pad in (False, True):
+        runner = _merged(_runner(ref_wide if wide else ref, True, 1 << 20))
+        if pad:
+            runner.geometry = with_dump_block(runner.geometry, runner.blocks.dump_block)
+        rng = random.Random(2)
+        pos = [0] * 3
+        logits = []
+        for it in range(12):
+            steps = []
+            for i in range(3):
+                n = rng.randrange(1, 150) if it < 2 else rng.choice([1, 1, rng.randrange(2, 7)])
+                steps.append(SeqStep(i, i, list(range(i * PER_SEQ, (i + 1) * PER_SEQ)), pos[i],
+                                     [rng.randrange(100) for _ in range(n)], num_logits=1 if it < 2 else n))  # fmt: skip
+                pos[i] += n
+            logits.append(runner.execute(ForwardBatch(steps)))
+        outs[pad] = torch.cat(logits)
+        caches[pad] = {spec: runner.blocks.flat(spec.layer, spec.name).clone() for spec in runner.blocks.specs}
+    torch.testing.assert_close(outs[True], outs[False], rtol=1e-5, atol=1e-5)
+    assert torch.equal(outs[True].argmax(-1), outs[False].argmax(-1))
+    dumped = 0
+    for spec, padded in caches[True].items():
+        real = SLOTS * PER_SEQ * (BLOCK // spec.ratio)  # rows of the real blocks, the dump block after them
+        # the indexer keys are projected over the entries at once: float32 rounding of another row count
+        torch.testing.assert_close(padded[:real], caches[False][spec][:real], rtol=1e-5, atol=1e-6)
+        assert not caches[False][spec][real:].any()  # unpadded forwards never write the dump block
+        dumped += int(padded[real:].abs().sum() > 0)
+    assert dumped  # the padding was written (to the dump block)
+    geo = with_dump_block(_merged(_runner(ref, True, 1 << 20)).geometry, SLOTS * PER_SEQ)
+    shapes = set()
+    for start in range(40, 56):  # 0 .. 4 windows of ratio 4 close, none of ratio 128: one shape
+        batch = ForwardBatch([SeqStep(i, i, list(range(i * PER_SEQ, (i + 1) * PER_SEQ)), start + 3 * i,
+                                      [1, 2, 3], num_logits=3) for i in range(2)])  # fmt: skip
+        ctx = build_context(batch, geo, device=torch.device("cpu"), batch_invariant=False)
+        shapes.add(tuple((kind, tuple(p.entries.dst_rows.shape), tuple(p.entries.ring_rows.shape))
+                         for kind, p in sorted(ctx.compress.items())))
+    assert len(shapes) == 1

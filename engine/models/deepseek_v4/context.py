@@ -203,6 +203,10 @@ class Geometry:
     # Grouping by key-set shape made the groups, and so the CUDA-graph signature, change with
     # which tokens crossed a bucket at each step (most decode steps of 60 requests ran eagerly)
     merge_step_tokens: int = 0
+    # >= 0 (a runner replaying CUDA graphs): the block cache's dump block, and decode / verify
+    # forwards pad their closing entries to ``index_plans.padded_count`` with writes to it
+    # (``index_plans._padded_entries``), so their shapes do not change with how many windows close
+    dump_block: int = -1
 
 
 MERGE_STEP_TOKENS = 16  # off the CPU: a step of up to 15 drafts + its root merges (Geometry.merge_step_tokens)

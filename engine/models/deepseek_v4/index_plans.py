@@ -279,7 +279,7 @@ def compress_plan(kind: tuple[int, bool], a: StepArrays, geo: Geometry) -> Compr
         overlap=overlap,
         span=span,
         capacity=cap,
-        entries=_entry_plan(ratio, span, cap, a, geo),
+        entries=_padded_entries(_entry_plan(ratio, span, cap, a, geo), ratio, span, a, geo),
         ring_write=_ring_write(a, cap),
         groups=_compress_groups(ratio, a, geo),
     )
@@ -342,6 +342,60 @@ def _compress_groups(ratio: int, a: StepArrays, geo: Geometry) -> list[TokenGrou
         groups.append(_window_group(a, geo, index, length, num_candidates=bucket, cand_rows=torch.from_numpy(rows),
                                     cand_valid=torch.from_numpy(valid), cand_bias=torch.from_numpy(bias)))
     return groups
+
+
+def padded_count(n: int) -> int:
+    """A count of padded shape: 4, 8, 12, 16, then four sizes per octave (20, 24, 28, 32, 40, ..)."""
+    step = max(4, 1 << max(n.bit_length() - 3, 0))
+    return max(4, -(-n // step) * step)
+
+
+def _entry_shape(ratio: int, a: StepArrays, geo: Geometry, num_entries: int, num_closing: int) -> tuple[int, int]:
+    """(entries, closing steps) a padded forward's plan has. A ratio up to ``merge_step_tokens``
+    (CSA's 4) closes entries at nearly every step: its shape comes from bounds the forward's
+    other shapes already fix (T tokens over S steps close at most (T + S (r - 1)) // r entries, in
+    at most S steps), so it adds no signature of its own. A larger ratio (HCA's 128) closes an
+    entry in few steps (at most one each): a power of two >= 4 over the actual count, so a handful
+    of entries are pooled for nothing instead of up to S."""
+    num_steps, num_tokens = len(a.lengths), int(a.offsets[-1])
+    if ratio <= geo.merge_step_tokens:
+        return padded_count((num_tokens + num_steps * (ratio - 1)) // ratio), padded_count(num_steps)
+    return max(4, 1 << (num_entries - 1).bit_length()), max(4, 1 << (num_closing - 1).bit_length())
+
+
+def _padded_entries(plan: EntryPlan | None, ratio: int, span: int, a: StepArrays, geo: Geometry) -> EntryPlan | None:
+    """A decode or verify forward of a model whose forwards replay CUDA graphs (``geo.dump_block``
+    >= 0, every step <= ``merge_step_tokens``): the entries closing in it padded (``_entry_shape``),
+    never None, so a step's shapes do not change with how many windows close in it. A padding
+    entry reads pool row 0 and writes the block cache's dump block (block_cache.py); a padding
+    ring row reads ring row 0. The fresh rows' indices shift by the ring rows added in front."""
+    if geo.dump_block < 0 or not geo.merge_step_tokens or int(a.lengths.max()) > geo.merge_step_tokens:
+        return plan
+    ring_per = span - 1
+    num_entries = 0 if plan is None else int(plan.dst_rows.shape[0])
+    num_ring = 0 if plan is None else int(plan.ring_rows.shape[0])
+    entries_to, closing_to = _entry_shape(ratio, a, geo, num_entries, num_ring // ring_per if ring_per else 0)
+    ring_to = closing_to * ring_per
+    extra = entries_to - num_entries
+    dump = geo.dump_block * (geo.block_size // ratio)
+    cos, sin = rope_tables(np.zeros(extra, dtype=np.int64), geo.inv_freq["compress"])
+    pad_index = torch.zeros(extra, span, dtype=torch.long)
+    pad_valid = torch.ones(extra, span, dtype=torch.bool)
+    pad_rows = torch.zeros(ring_to - num_ring, dtype=torch.long)
+    if plan is None:
+        return EntryPlan(ring_rows=pad_rows, src_index=pad_index, src_valid=pad_valid, cos=cos, sin=sin,
+                         dst_rows=torch.full((extra,), dump, dtype=torch.long))
+    src_index = plan.src_index
+    if ring_to > num_ring:  # the fresh rows move behind the added ring rows
+        src_index = torch.where(src_index >= num_ring, src_index + (ring_to - num_ring), src_index)
+    return EntryPlan(
+        ring_rows=torch.cat([plan.ring_rows, pad_rows]),
+        src_index=torch.cat([src_index, pad_index]),
+        src_valid=torch.cat([plan.src_valid, pad_valid]),
+        cos=torch.cat([plan.cos, cos]),
+        sin=torch.cat([plan.sin, sin]),
+        dst_rows=torch.cat([plan.dst_rows, torch.full((extra,), dump, dtype=torch.long)]),
+    )
 
 
 def _entry_plan(ratio: int, span: int, cap: int, a: StepArrays, geo: Geometry) -> EntryPlan | None:

@@ -72,10 +72,13 @@ def test_v41_forward_with_compact_candidates_equals_the_full_form(model_dir, max
 
 
 @pytest.mark.timeout(300)
-def test_v41_merged_decode_groups_equal_split_groups(model_dir):
+@pytest.mark.parametrize("pad", [False, True])
+def test_v41_merged_decode_groups_equal_split_groups(model_dir, pad):
     """One token group per layer kind for decode steps (``Geometry.merge_step_tokens``, what a
     model off the CPU builds): the decodes' logits within float32 rounding of per-shape groups',
-    the same greedy tokens; the merged decodes hold one group per kind."""
+    the same greedy tokens; the merged decodes hold one group per kind. ``pad``: the merged
+    runner also pads its closing entries into the dump block (a runner replaying CUDA graphs)."""
+    from deepinfer.engine.core.model_runner import with_dump_block
     from deepinfer.engine.models.deepseek_v4.context import MERGE_STEP_TOKENS
 
     outs, groups = {}, {False: [], True: []}
@@ -84,6 +87,9 @@ def test_v41_merged_decode_groups_equal_split_groups(model_dir):
         if merge:
             base = dataclasses.replace(runner.geometry.base, merge_step_tokens=MERGE_STEP_TOKENS)
             runner.geometry = dataclasses.replace(runner.geometry, base=base)
+            if pad:
+                runner.geometry = with_dump_block(runner.geometry, runner.blocks.dump_block)
+                assert runner.geometry.base.dump_block == runner.blocks.dump_block
 
         def count_groups(batch, runner=runner, seen=groups[merge]):
             if all(s.num_tokens == 1 for s in batch.steps):
