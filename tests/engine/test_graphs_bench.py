@@ -25,7 +25,7 @@ def test_field_names_line_up_with_the_signature():
     runner = ModelRunner(cfg, init_weights(cfg, seed=0), num_blocks=8, num_slots=2, block_size=128,
                          batch_invariant=False)
     batch = ForwardBatch([SeqStep(0, 0, [0, 1], 150, [5], 1), SeqStep(1, 1, [2, 3], 40, [6, 7], 2)])
-    ctx = runner._build_context(batch, bench.gpu_geometry(runner.geometry), device=runner.device,
+    ctx = runner._build_context(batch, bench.gpu_geometry(runner.geometry, runner.blocks.dump_block), device=runner.device,
                                 batch_invariant=False)
     names = bench.field_paths(ctx)
     signature = cuda_graphs.layout(ctx).signature
