@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from deepinfer.engine.core import cuda_graphs
 from deepinfer.engine.core.batch import ForwardBatch, SeqStep
 from deepinfer.engine.core.model_runner import ModelRunner, with_dump_block
 from deepinfer.engine.models.deepseek_v4.context import MERGE_STEP_TOKENS, build_context
@@ -214,8 +215,9 @@ def test_forward_with_merged_decode_groups_equals_split_groups(ref, ref_wide, wi
 def test_padded_entries_write_only_the_dump_block(ref, ref_wide, wide):
     """Decode and verify forwards of a runner that replays CUDA graphs pad their closing entries
     (``Geometry.dump_block``): every step's logits and every real block-cache row equal the
-    unpadded forward's (float32 rounding), the padding lands in the dump block only, and a padded plan's
-    shapes depend on the tokens and steps alone (not on how many windows close)."""
+    unpadded forward's (float32 rounding), the padding lands in the dump block only, and a padded
+    forward's CUDA-graph signature depends on its token count alone (not on how many windows close
+    or how many steps hold the tokens: per-step pools are laid out for ``padded_steps``)."""
     outs, caches = {}, {}
     for pad in (False, True):
         runner = _merged(_runner(ref_wide if wide else ref, True, 1 << 20))
@@ -246,10 +248,13 @@ def test_padded_entries_write_only_the_dump_block(ref, ref_wide, wide):
     assert dumped  # the padding was written (to the dump block)
     geo = with_dump_block(_merged(_runner(ref, True, 1 << 20)).geometry, SLOTS * PER_SEQ)
     shapes = set()
-    for start in range(40, 56):  # 0 .. 4 windows of ratio 4 close, none of ratio 128: one shape
+    for start in range(40, 56):  # 0 .. 4 windows of ratio 4 close, none of ratio 128; 3 or 4 steps of
+        num_steps = 3 + start % 2  # 12 tokens (a verify batch a request joined): one shape
+        lengths = [4, 4, 4] if num_steps == 3 else [3, 3, 3, 3]
         batch = ForwardBatch([SeqStep(i, i, list(range(i * PER_SEQ, (i + 1) * PER_SEQ)), start + 3 * i,
-                                      [1, 2, 3], num_logits=3) for i in range(2)])  # fmt: skip
+                                      [1] * lengths[i], num_logits=lengths[i]) for i in range(num_steps)])  # fmt: skip
         ctx = build_context(batch, geo, device=torch.device("cpu"), batch_invariant=False)
-        shapes.add(tuple((kind, tuple(p.entries.dst_rows.shape), tuple(p.entries.ring_rows.shape))
-                         for kind, p in sorted(ctx.compress.items())))
+        layout = cuda_graphs.layout(ctx)
+        assert layout is not None
+        shapes.add(layout.signature)
     assert len(shapes) == 1

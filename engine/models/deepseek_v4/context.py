@@ -243,6 +243,7 @@ class StepArrays:
     num_rows: int
     write_from: np.ndarray  # [S]
     decode: bool  # every step has one token
+    ring_steps: int = 0  # steps the per-step pools are laid out for (index_plans.padded_steps; >= S)
     window_cache: dict = field(default_factory=dict)  # per-forward memo of the plan builders
 
 
@@ -278,7 +279,7 @@ def validate(batch: ForwardBatch, geo: Geometry, num_slots: int) -> None:
 
 
 def build_context(batch: ForwardBatch, geo: Geometry, *, device: torch.device, batch_invariant: bool) -> ForwardContext:
-    from deepinfer.engine.models.deepseek_v4.index_plans import compress_plan, rope_tables, window_plan
+    from deepinfer.engine.models.deepseek_v4.index_plans import compress_plan, padded_steps, rope_tables, window_plan
 
     steps = batch.steps
     num_steps = len(steps)
@@ -315,6 +316,7 @@ def build_context(batch: ForwardBatch, geo: Geometry, *, device: torch.device, b
         num_rows=num_rows,
         write_from=np.fromiter((s.write_from for s in steps), dtype=np.int64, count=num_steps),
         decode=decode,
+        ring_steps=padded_steps(lengths, geo),
     )
     pad = num_rows - num_tokens
     ids = [t for s in steps for t in s.token_ids]

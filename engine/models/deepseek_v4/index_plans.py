@@ -165,7 +165,7 @@ def _window_plan(a: StepArrays, geo: Geometry, index: np.ndarray | None, length:
     key = ("plan", length, None if index is None else index.tobytes())
     cached = a.window_cache.get(key)
     if cached is None:
-        w, num_steps = geo.sliding_window, len(a.steps)
+        w, num_steps = geo.sliding_window, a.ring_steps
         if index is None:
             index = np.arange(len(a.positions))
         t = a.positions[index]
@@ -197,7 +197,7 @@ def _build_window_rows(a: StepArrays, geo: Geometry, index: np.ndarray | None, l
     row ``S * (W - 1) + i - (t - p)``; both are a per-token offset plus j. Valid: p >= window floor."""
     if index is None:
         index = np.arange(len(a.positions))
-    w, num_steps = geo.sliding_window, len(a.steps)
+    w, num_steps = geo.sliding_window, a.ring_steps
     t = a.positions[index]
     step = a.tok_step[index]
     start = a.starts[step]
@@ -263,6 +263,8 @@ def window_plan(a: StepArrays, geo: Geometry) -> WindowPlan:
     w, cap = geo.sliding_window, geo.window_capacity
     back = np.arange(-(w - 1), 0)  # the W-1 positions before a step's first one
     ring_rows = (a.slots[:, None] * cap + (a.starts[:, None] + back[None, :]) % cap).reshape(-1)
+    if a.ring_steps > len(a.starts):  # padded steps (``padded_steps``): ring row 0, never attended
+        ring_rows = np.concatenate([ring_rows, np.zeros((a.ring_steps - len(a.starts)) * (w - 1), dtype=np.int64)])
     lengths = _window_lengths(a, geo)
     groups = []
     for index, length, _ in _grouped(a, geo, lengths, np.zeros_like(lengths)):
@@ -329,6 +331,8 @@ def _compress_groups(ratio: int, a: StepArrays, geo: Geometry) -> list[TokenGrou
             distinct, inverse = np.unique(steps, return_inverse=True)
             table = _candidate_rows(ratio, bucket, distinct, a, geo)
             if geo.compact_candidates:  # one row per step, gathered per token on the device
+                if a.ring_steps > len(a.starts):  # padded steps: rows no token reads
+                    table = np.concatenate([table, np.zeros((a.ring_steps - len(table), bucket), dtype=np.int64)])
                 cand = dict(cand_table=_t(table), cand_step=_t(inverse.reshape(-1)))
             else:
                 rows = np.take(table, inverse.reshape(-1), axis=0)
@@ -342,6 +346,17 @@ def _compress_groups(ratio: int, a: StepArrays, geo: Geometry) -> list[TokenGrou
         groups.append(_window_group(a, geo, index, length, num_candidates=bucket, cand_rows=torch.from_numpy(rows),
                                     cand_valid=torch.from_numpy(valid), cand_bias=torch.from_numpy(bias)))
     return groups
+
+
+def padded_steps(lengths: np.ndarray, geo) -> int:
+    """Steps a forward's per-step pools are laid out for: a decode or verify forward of a model
+    replaying CUDA graphs (``geo.dump_block`` >= 0, every step <= ``merge_step_tokens``) pads its
+    step count S to ``padded_count(S)`` (window and Engram ring rows, candidate tables: rows no
+    token reads), so a request joining or leaving a verify batch keeps its shapes; else S."""
+    num_steps = len(lengths)
+    if geo.dump_block < 0 or not geo.merge_step_tokens or int(lengths.max()) > geo.merge_step_tokens:
+        return num_steps
+    return padded_count(num_steps)
 
 
 def padded_count(n: int) -> int:

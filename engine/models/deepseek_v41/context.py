@@ -29,6 +29,7 @@ import torch
 from deepinfer.engine.core.batch import ForwardBatch, SeqStep
 from deepinfer.engine.models.deepseek_v4 import context as v4
 from deepinfer.engine.models.deepseek_v4.context import BatchError, ForwardContext, Geometry
+from deepinfer.engine.models.deepseek_v4.index_plans import padded_steps
 
 __all__ = ["BatchError", "DecoderBatch", "EmbedRows", "EngramPlan", "V41ForwardContext", "V41Geometry", "build_context",
            "validate"]
@@ -118,7 +119,8 @@ def _engram_plan(batch: ForwardBatch, geo: V41Geometry) -> EngramPlan:
     back = n - 1
     ring_rows, history, offset = [], [], 0
     num_tokens = batch.num_tokens
-    num_ring = len(steps) * back
+    ring_steps = padded_steps(np.fromiter((s.num_tokens for s in steps), dtype=np.int64, count=len(steps)), geo)
+    num_ring = ring_steps * back  # padded steps (index_plans.padded_steps): ring row 0, never read as history
     blocked = num_ring + num_tokens
     for k, s in enumerate(steps):
         ring_rows.append(s.slot * cap + np.arange(s.start_pos - back, s.start_pos) % cap)
@@ -128,6 +130,7 @@ def _engram_plan(batch: ForwardBatch, geo: V41Geometry) -> EngramPlan:
         idx = np.where(pos >= s.start_pos, fresh, ring)
         history.append(np.where(pos >= max(0, s.window_start), idx, blocked))
         offset += s.num_tokens
+    ring_rows.append(np.zeros((ring_steps - len(steps)) * back, dtype=np.int64))
     return EngramPlan(
         ring_rows=torch.from_numpy(np.concatenate(ring_rows).astype(np.int64)),
         history=torch.from_numpy(np.concatenate(history).astype(np.int64)),
