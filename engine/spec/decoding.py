@@ -43,11 +43,11 @@ cost more target time than they saved). "confidence" and "fixed" always draft an
 
 Verify buckets (a runner that replays CUDA graphs): a graph replays only a forward of the token
 count it was captured with, and the schedule's total (requests + chosen drafts) changes nearly
-every step. So there the total is rounded up to the next bucket (``verify_bucket``: four per
-octave, at most 25 % more tokens) and the rounding filled with the next candidates in the
-schedule's own order (highest survival first, ``fill_budget``): a padded step costs the same as a
-step of its bucket's tokens, and those drafts may be accepted. When every draft is already in,
-the step stays as it is. ``fixed`` verifies every draft and is never padded.
+every step. So there the total moves to a bucket (``verify_bucket``: four per octave): the one
+above, filled with the next candidates in the schedule's own order (highest survival first,
+``fill_budget``), or the one below, the lowest-survival chosen drafts dropped, whichever has the
+better E x SPS(B) while keeping the policy's accepted-length floor. When every draft is already
+in and the bucket below breaks the floor, the step stays as it is. ``fixed`` is never padded.
 
 Async scheduling: a step whose requests will draft cannot have its successor scheduled before
 its own sampling (the successor's tokens are the drafts, its positions depend on how many were
@@ -187,17 +187,34 @@ class SpecDecoding:
         return drafter_runs
 
     def _padded(self, conf: np.ndarray, caps: np.ndarray, lengths: np.ndarray, sps) -> np.ndarray:
-        """``lengths [R]`` grown so that R + sum(lengths) reaches ``verify_bucket`` of it, with the
-        candidates of highest survival after those chosen (never past a cap or the verify budget)."""
+        """``lengths [R]`` moved to a verify bucket: the bucket at or above R + sum(lengths) (the
+        next candidates of highest survival added) or the one below (the lowest-survival chosen
+        ones dropped), whichever the schedule's own objective E x SPS(B) prefers among those
+        keeping the policy's accepted-length floor (never past a cap or the verify budget)."""
         num_requests = len(lengths)
         tokens = num_requests + int(lengths.sum())
-        target = verify_bucket(tokens)
-        if self.max_verify_tokens is not None:
-            target = min(target, self.max_verify_tokens)
-        if target <= tokens:
+        up = verify_bucket(tokens)
+        if up == tokens:
             return lengths
-        filled = fill_budget(conf, sps, target - num_requests, max_lengths=caps).lengths
-        return np.maximum(filled, lengths)  # the chosen prefix is the fill's own (one order)
+        if self.max_verify_tokens is not None:
+            up = min(up, self.max_verify_tokens)
+        step = max(4, 1 << max(tokens.bit_length() - 3, 0))
+        down = tokens // step * step  # the bucket below
+        floor = getattr(self.policy, "min_share", 0.0)
+        best, best_f = lengths, -1.0
+        everything = None
+        for target in (up, down):
+            if target < num_requests or (target == up and target <= tokens):
+                continue
+            got = fill_budget(conf, sps, target - num_requests, max_lengths=caps)
+            if floor > 0.0:
+                if everything is None:
+                    everything = fill_budget(conf, sps, int(caps.sum()), max_lengths=caps).expected_tokens
+                if got.expected_tokens < floor * everything - 1e-9:
+                    continue
+            if got.expected_tokens_per_s > best_f:
+                best, best_f = got.lengths, got.expected_tokens_per_s
+        return best
 
     def _gate(self, decoding, confs) -> tuple[bool, bool]:
         """The drafter gate: (draft after this step, verify this step's fresh drafts). Drafting

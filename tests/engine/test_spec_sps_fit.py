@@ -142,11 +142,14 @@ def test_drafter_gate_memoises_its_test_until_an_input_changes():
     assert spec.num_gate_tests == 4 and got == fresh_spec._drafting_pays(decoding, confs)
 
 
-def test_verify_buckets_pad_with_the_next_candidates():
-    """A graphed runner's verify steps: the token total rounded up to ``verify_bucket`` (four per
-    octave, at most 25 % more from 16 up) with the highest-survival candidates not yet chosen,
-    never past a request's cap; fixed is never padded."""
+def test_verify_buckets_move_to_the_better_neighbouring_bucket():
+    """A graphed runner's verify steps: the token total moves to a ``verify_bucket`` (four per
+    octave, at most 25 % above from 16 up): the one above, filled with the highest-survival
+    candidates not yet chosen, or the one below, the lowest-survival chosen ones dropped, whichever
+    has the better E x SPS(B) among those keeping the policy's accepted-length floor; never past a
+    request's cap; fixed is never padded."""
     from deepinfer.engine.spec.decoding import verify_bucket
+    from deepinfer.engine.spec.length_schedule import fill_budget
 
     last = 0
     for tokens in range(1, 700):
@@ -155,22 +158,39 @@ def test_verify_buckets_pad_with_the_next_candidates():
         assert tokens < 16 or b <= 1.25 * tokens
         last = b
     assert len({verify_bucket(t) for t in range(16, 513)}) == 21  # 16, then four per octave up to 512
-    spec, _ = _spec(per_token_s=1e-3, draft_s=5e-3, schedule="confidence")
+    buckets = sorted({verify_bucket(t) for t in range(1, 200)})
     rng = np.random.default_rng(3)
-    for _ in range(50):
-        num = int(rng.integers(1, 9))
-        conf = rng.uniform(0.05, 0.99, size=(num, 5))
-        caps = rng.integers(0, 6, size=num)
-        chosen = np.minimum(rng.integers(0, 6, size=num), caps)
-        surv = np.cumprod(conf, axis=1)
-        # the chosen prefix is the policy's: the top candidates of one global order
-        order = sorted(((surv[r, j], r, j) for r in range(num) for j in range(int(caps[r]))), reverse=True)
-        k = int(chosen.sum())
-        chosen = np.bincount([r for _, r, _ in order[:k]], minlength=num).astype(np.int64)
-        got = spec._padded(conf, caps, chosen, spec.policy.sps)
-        assert (got >= chosen).all() and (got <= caps).all()
-        total = num + int(got.sum())
-        assert total == min(verify_bucket(num + k), num + int(caps.sum()))
-        assert got.tolist() == np.bincount([r for _, r, _ in order[:total - num]], minlength=num).tolist()
+    moved = {"up": 0, "down": 0}
+    for per_token_s in (1e-6, 3e-5, 1e-4, 1e-3):  # verify tokens nearly free (a GPU) .. dear (this CPU)
+        spec, _ = _spec(per_token_s=per_token_s, draft_s=5e-3, schedule="confidence")
+        sps = spec.sps.profile(8)
+        for _ in range(60):
+            num = int(rng.integers(1, 9))
+            conf = rng.uniform(0.05, 0.99, size=(num, 5))
+            caps = rng.integers(0, 6, size=num)
+            chosen = spec.policy.__class__(sps, min_share=spec.policy.min_share)(conf, max_lengths=caps).lengths
+            k = int(chosen.sum())
+            got = spec._padded(conf, caps, chosen, sps)
+            total = num + int(got.sum())
+            assert (got <= caps).all()
+            # a prefix of the one global order: the fill of its own size
+            assert got.tolist() == fill_budget(conf, sps, total - num, max_lengths=caps).lengths.tolist()
+            everything = fill_budget(conf, sps, int(caps.sum()), max_lengths=caps).expected_tokens
+            e = fill_budget(conf, sps, total - num, max_lengths=caps).expected_tokens
+            assert e >= 0.95 * everything - 1e-9  # the default's floor holds
+            up = min(verify_bucket(num + k), num + int(caps.sum()))
+            below = max([b for b in buckets if b <= num + k] or [0])
+            assert total in (num + k, up, below)
+            if total != num + k:
+                moved["up" if total > num + k else "down"] += 1
+                # no feasible neighbour is better by the schedule's objective
+                for other in (up, below):
+                    if other < num or other == total:
+                        continue
+                    alt = fill_budget(conf, sps, other - num, max_lengths=caps)
+                    if alt.expected_tokens >= 0.95 * everything - 1e-9:
+                        f = fill_budget(conf, sps, total - num, max_lengths=caps).expected_tokens_per_s
+                        assert f >= alt.expected_tokens_per_s - 1e-9
+    assert moved["up"] and moved["down"]  # both directions were taken
     fixed, _ = _spec(per_token_s=1e-3, draft_s=5e-3, schedule="fixed")
     assert not fixed.pad_to_buckets
