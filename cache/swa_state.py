@@ -14,6 +14,11 @@ overlapping CSA series). Every ring stores position p at row ``p % capacity``:
 so lowering a sequence's length by up to ``lookahead`` positions and recomputing is exact:
 positions that the recomputation reads were never overwritten. The model declares its rings
 (``RingSpec``); this module owns the memory and moves whole slots.
+
+Behind the ``num_slots`` slots every ring has one more, the *dump slot* (id ``num_slots``): no
+sequence holds it; the padding steps a forward replayed from a CUDA graph adds (so that its
+token count is its graph's) read and write it. Only ``flat`` reaches it; every slot API keeps to
+``[0, num_slots)``.
 """
 
 from __future__ import annotations
@@ -53,19 +58,26 @@ class SwaArena:
         self.num_slots = num_slots
         self.specs = tuple(specs)
         # zero-filled: rows never written are read only under a mask and must stay finite
-        self._rings: dict[tuple[int, str], torch.Tensor] = {
-            (s.layer, s.name): torch.zeros(num_slots, s.capacity, s.width, dtype=dtype, device=device)
+        storage = {  # one more slot at the end: the dump slot (module docstring)
+            (s.layer, s.name): torch.zeros(num_slots + 1, s.capacity, s.width, dtype=dtype, device=device)
             for s in self.specs
         }
+        self._rings: dict[tuple[int, str], torch.Tensor] = {key: t[:num_slots] for key, t in storage.items()}
         # flat row views, made once (a forward asks for them ~40 times per step)
-        self._flat = {key: t.view(-1, t.shape[-1]) for key, t in self._rings.items()}
+        self._flat = {key: t.view(-1, t.shape[-1]) for key, t in storage.items()}
+
+    @property
+    def dump_slot(self) -> int:
+        """The slot padding steps use (never given to a sequence)."""
+        return self.num_slots
 
     def ring(self, layer: int, name: str) -> torch.Tensor:
-        """``[num_slots, capacity, width]``."""
+        """``[num_slots, capacity, width]`` (the dump slot left out)."""
         return self._rings[(layer, name)]
 
     def flat(self, layer: int, name: str) -> torch.Tensor:
-        """``[num_slots * capacity, width]`` view: row id = slot * capacity + position % capacity."""
+        """``[(num_slots + 1) * capacity, width]`` view: row id = slot * capacity + position % capacity
+        (the last slot's rows: the dump slot's)."""
         return self._flat[(layer, name)]
 
     @property

@@ -39,7 +39,7 @@ from torch.utils.hooks import RemovableHandle
 from deepinfer.cache.block_cache import BlockCache
 from deepinfer.cache.swa_state import SwaArena
 from deepinfer import envs
-from deepinfer.engine.core.batch import ForwardBatch
+from deepinfer.engine.core.batch import ForwardBatch, SeqStep
 from deepinfer.engine.core.cuda_graphs import GraphedForward
 from deepinfer.engine.kv.layout import KvLayout, KvTensor
 from deepinfer.engine.models.registry import FamilyConfig, family
@@ -239,8 +239,16 @@ class ModelRunner:
             if tokens is not None:
                 tokens.write(ctx.token_ids)
             return self.model(ctx, self.blocks, self.swa), False
-        ctx = self._build_context(batch, self.geometry, device=_HOST, batch_invariant=self.batch_invariant)
-        return self.graphs.run(ctx, batch.num_tokens, graphable=not self._has_hooks(), tokens=tokens)
+        padded = self._graph_batch(batch)
+        ctx = self._build_context(padded, self.geometry, device=_HOST, batch_invariant=self.batch_invariant)
+        hidden, replayed = self.graphs.run(ctx, padded.num_tokens, graphable=not self._has_hooks(), tokens=tokens)
+        if padded is not batch:
+            hidden = hidden[: batch.num_logits]  # the padding steps' rows come last
+        return hidden, replayed
+
+    def _graph_batch(self, batch: ForwardBatch) -> ForwardBatch:
+        """``graph_batch`` with this runner's geometry, dump slot and block, and graph size limit."""
+        return graph_batch(batch, self.geometry, self.swa.dump_slot, self.blocks.dump_block, self.graphs.max_tokens)
 
     def _has_hooks(self) -> bool:
         """Whether a module of the model has forward hooks (a graph replay would skip them). Every
@@ -290,3 +298,34 @@ def with_dump_block(geometry, block: int):
     if "base" in names:
         return dataclasses.replace(geometry, base=with_dump_block(geometry.base, block))
     return geometry
+
+
+PAD_FROM = 4  # graphed decode / verify batches of more tokens are padded (graph_batch)
+
+
+def graph_batch(batch: ForwardBatch, geometry, dump_slot: int, dump_block: int, max_tokens: int) -> ForwardBatch:
+    """A decode or verify batch of a graphed runner whose geometry pads (``dump_block`` >= 0,
+    every step <= ``merge_step_tokens``) with padding steps appended up to ``padded_tokens``
+    tokens: each one token at position 0 of the ring arena's dump slot, its block table the block
+    cache's dump block, one logit row (cut off after the forward). So the token count, and with
+    the geometry's padded entries and step pools the CUDA-graph signature, stays put while
+    requests join and leave. Batches of up to ``PAD_FROM`` tokens stay as they are (few shapes;
+    a padding token would route to experts a batch-1 decode does not read); so does one over
+    ``max_tokens`` padded (not graphed)."""
+    limit = getattr(geometry, "merge_step_tokens", 0)
+    tokens = batch.num_tokens
+    if (getattr(geometry, "dump_block", -1) < 0 or not limit or tokens <= PAD_FROM
+            or max(s.num_tokens for s in batch.steps) > limit):
+        return batch
+    target = padded_tokens(tokens)
+    if target == tokens or target > max_tokens:
+        return batch
+    pad = [SeqStep(-1 - i, dump_slot, [dump_block], 0, [0], num_logits=1) for i in range(target - tokens)]
+    return ForwardBatch(list(batch.steps) + pad, token_source=batch.token_source)
+
+
+def padded_tokens(n: int) -> int:
+    """The token count a padded batch of ``n`` tokens runs with: 4, 8, 12, 16, then four counts per
+    octave (20, 24, 28, 32, 40, 48, ..): at most 25 % more tokens from 16 up."""
+    step = max(4, 1 << max(n.bit_length() - 3, 0))
+    return -(-n // step) * step

@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from deepinfer import envs
+from deepinfer.engine.core.model_runner import graph_batch
 from deepinfer.engine.models.deepseek_v4.context import group_key_rows, merge_step_tokens
 from deepinfer_bench.report import Report, base_parser
 
@@ -77,7 +79,11 @@ class SignatureLog:
 
         def built(batch, geometry, **kw):
             ctx = build(batch, geometry, **kw)
-            gpu_ctx = build(batch, gpu_geometry(geometry, runner.blocks.dump_block), **kw)
+            gpu_geo = gpu_geometry(geometry, runner.blocks.dump_block)
+            # the batch a graphed runner runs (padding steps, model_runner.graph_batch)
+            padded = graph_batch(batch, gpu_geo, runner.swa.dump_slot, runner.blocks.dump_block,
+                                 envs.get().cuda_graph_max_tokens)
+            gpu_ctx = build(padded, gpu_geo, **kw)
             lay = cuda_graphs.layout(gpu_ctx)
             self.signatures.append(None if lay is None else lay.signature)
             self.names.append(field_paths(gpu_ctx))

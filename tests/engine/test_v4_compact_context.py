@@ -258,3 +258,69 @@ def test_padded_entries_write_only_the_dump_block(ref, ref_wide, wide):
         assert layout is not None
         shapes.add(layout.signature)
     assert len(shapes) == 1
+
+
+@pytest.mark.timeout(300)
+def test_padding_steps_change_no_real_row(ref):
+    """A graphed runner pads a decode or verify batch of more than PAD_FROM tokens with padding
+    steps (one token each, the dump slot and dump block) up to ``padded_tokens``: the real rows'
+    logits equal the unpadded forward's, every real cache row and ring slot too, and a batch's
+    signature on its padded token and step counts alone."""
+    from types import SimpleNamespace
+
+    from deepinfer.engine.core.model_runner import PAD_FROM, padded_tokens
+
+    runners = []
+    for _ in range(2):
+        runner = _merged(_runner(ref, True, 1 << 20))
+        runner.geometry = with_dump_block(runner.geometry, runner.blocks.dump_block)
+        runners.append(runner)
+    plain, padded = runners
+    padded.graphs = SimpleNamespace(max_tokens=512)  # what _graph_batch reads of a graph runner
+    rng = random.Random(5)
+    pos = [0] * SLOTS
+    padded_any = False
+    for it in range(14):
+        live = range(SLOTS) if it < 2 else sorted(rng.sample(range(SLOTS), rng.randrange(2, SLOTS + 1)))
+        steps = []
+        for i in live:
+            n = rng.randrange(20, 120) if it < 2 else rng.choice([1, 1, rng.randrange(2, 7)])
+            steps.append(SeqStep(i, i, list(range(i * PER_SEQ, (i + 1) * PER_SEQ)), pos[i],
+                                 [rng.randrange(100) for _ in range(n)], num_logits=1 if it < 2 else n))  # fmt: skip
+            pos[i] += n
+        batch = ForwardBatch(steps)
+        want = plain.execute(batch)
+        big = padded._graph_batch(batch)
+        if it >= 2 and batch.num_tokens > PAD_FROM:
+            assert big.num_tokens == padded_tokens(batch.num_tokens)
+            padded_any |= big is not batch
+        ctx = padded._build_context(big, padded.geometry, device=torch.device("cpu"), batch_invariant=False)
+        hidden = padded.model(ctx, padded.blocks, padded.swa)[: batch.num_logits]
+        got = padded.model.compute_logits(hidden, False)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert padded_any
+    for spec in plain.blocks.specs:
+        torch.testing.assert_close(padded.blocks.tensor(spec.layer, spec.name), plain.blocks.tensor(spec.layer, spec.name),
+                                   rtol=1e-5, atol=1e-6)  # fmt: skip
+    for spec in plain.swa.specs:
+        torch.testing.assert_close(padded.swa.ring(spec.layer, spec.name), plain.swa.ring(spec.layer, spec.name),
+                                   rtol=1e-5, atol=1e-6)  # fmt: skip
+    # the padding touched the dump slot only (the plain runner never did)
+    assert any(padded.swa.flat(s.layer, s.name)[SLOTS * s.capacity:].abs().sum() > 0 for s in padded.swa.specs)
+    assert all(not plain.swa.flat(s.layer, s.name)[SLOTS * s.capacity:].any() for s in plain.swa.specs)
+    # the signature of batches of 9..12 tokens over 2..SLOTS steps depends on the padded token
+    # count and the padded step count (steps + padding steps) alone
+    from deepinfer.engine.models.deepseek_v4.index_plans import padded_count
+
+    sigs: dict = {}
+    for n_steps in range(2, SLOTS + 1):
+        for extra in range(9 - n_steps, 13 - n_steps):
+            lengths = [1] * n_steps
+            lengths[0] += extra
+            batch = ForwardBatch([SeqStep(i, i, list(range(i * PER_SEQ, (i + 1) * PER_SEQ)), 200 + 5 * i,
+                                          [1] * lengths[i], num_logits=lengths[i]) for i in range(n_steps)])  # fmt: skip
+            big = padded._graph_batch(batch)
+            ctx = padded._build_context(big, padded.geometry, device=torch.device("cpu"), batch_invariant=False)
+            sigs.setdefault((big.num_tokens, padded_count(len(big.steps))), set()).add(cuda_graphs.layout(ctx).signature)
+    assert len(sigs) < 4 * 3 and all(len(v) == 1 for v in sigs.values())

@@ -369,12 +369,12 @@ def _entry_shape(ratio: int, a: StepArrays, geo: Geometry, num_entries: int, num
     """(entries, closing steps) a padded forward's plan has. A ratio up to ``merge_step_tokens``
     (CSA's 4) closes entries at nearly every step: its shape comes from bounds the forward's
     other shapes already fix (T tokens over S steps close at most (T + S (r - 1)) // r entries, in
-    at most S steps), so it adds no signature of its own. A larger ratio (HCA's 128) closes an
+    at most S steps; S the padded step count, ``padded_steps``), so it adds no signature of its own. A larger ratio (HCA's 128) closes an
     entry in few steps (at most one each): a power of two >= 4 over the actual count, so a handful
     of entries are pooled for nothing instead of up to S."""
-    num_steps, num_tokens = len(a.lengths), int(a.offsets[-1])
+    num_steps, num_tokens = a.ring_steps, int(a.offsets[-1])  # the padded step count (>= S)
     if ratio <= geo.merge_step_tokens:
-        return padded_count((num_tokens + num_steps * (ratio - 1)) // ratio), padded_count(num_steps)
+        return padded_count((num_tokens + num_steps * (ratio - 1)) // ratio), num_steps
     return max(4, 1 << (num_entries - 1).bit_length()), max(4, 1 << (num_closing - 1).bit_length())
 
 

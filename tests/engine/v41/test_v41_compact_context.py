@@ -113,6 +113,46 @@ def test_v41_merged_decode_groups_equal_split_groups(model_dir, pad):
     assert torch.equal(outs[True].argmax(-1), outs[False].argmax(-1))
 
 
+@pytest.mark.timeout(300)
+def test_v41_padding_steps_change_no_real_row(model_dir):
+    """V4.1 (Engram rings, the DSpark features) through a graphed runner's padded batches
+    (``graph_batch``: padding steps on the dump slot and block, padded entries and step pools):
+    the real rows' logits equal the unpadded forward's, and every real ring slot."""
+    from deepinfer.engine.core.model_runner import graph_batch, with_dump_block
+    from deepinfer.engine.models.deepseek_v4.context import MERGE_STEP_TOKENS
+
+    runners = []
+    for _ in range(2):
+        runner = _runner(model_dir, True, 1 << 20)
+        base = dataclasses.replace(runner.geometry.base, merge_step_tokens=MERGE_STEP_TOKENS)
+        runner.geometry = with_dump_block(dataclasses.replace(runner.geometry, base=base), runner.blocks.dump_block)
+        runners.append(runner)
+    plain, padded = runners
+    rng, pos, grew = random.Random(4), [0, 0, 0], 0
+    for it in range(8):
+        live = range(3) if it == 0 else sorted(rng.sample(range(3), rng.randrange(2, 4)))
+        steps = []
+        for i in live:
+            n = (1, 150, 290)[i] if it == 0 else rng.choice([1, rng.randrange(2, 7)])
+            steps.append(SeqStep(i, i, list(range(i * PER_SEQ, (i + 1) * PER_SEQ)), pos[i],
+                                 [rng.randrange(50, 400) for _ in range(n)], num_logits=1 if it == 0 else n))  # fmt: skip
+            pos[i] += n
+        batch = ForwardBatch(steps)
+        want = plain.execute(batch).float()
+        big = graph_batch(batch, padded.geometry, padded.swa.dump_slot, padded.blocks.dump_block, 512)
+        grew += big is not batch
+        ctx = padded._build_context(big, padded.geometry, device=torch.device("cpu"), batch_invariant=False)
+        hidden = padded.model(ctx, padded.blocks, padded.swa)[: batch.num_logits]
+        got = padded.model.compute_logits(hidden, False).float()
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
+    assert grew
+    for spec in plain.swa.specs:
+        # float32 rounding: the projections ran over another row count
+        torch.testing.assert_close(padded.swa.ring(spec.layer, spec.name), plain.swa.ring(spec.layer, spec.name),
+                                   rtol=1e-4, atol=1e-5)  # fmt: skip
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
