@@ -7,9 +7,10 @@ So how many distinct signatures a workload's forwards make, and how often each r
 how much of a GPU run is eager launches and captures.
 
 This bench runs one generate on the CPU and builds, beside each forward's own context, the context
-the model would build on a GPU (``Geometry.compact_candidates``, the GPU's token-group size, one
-group per layer kind for decode and verify steps: ``merge_step_tokens``),
-then reports: forwards, distinct signatures, forwards that would replay (a signature's third
+the model would build on a GPU that replays graphs (``Geometry.compact_candidates``, the GPU's
+token-group size, one group per layer kind for decode and verify steps: ``merge_step_tokens``;
+padded entries and step pools: ``dump_block``; the runner's padding steps: ``graph_batch``; and
+DSpark's verify buckets, unless ``--no-buckets``), then reports: forwards, distinct signatures, forwards that would replay (a signature's third
 sighting on), those seen once, and which context fields changed most often between consecutive
 forwards whose signatures differ. Any concurrency and speculation mode (``--speculative off |
 fixed | confidence | throughput``), on the built-in trained tiny V4.1 or any model directory.
