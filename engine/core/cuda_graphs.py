@@ -307,6 +307,28 @@ def _copies(obj):
     return obj
 
 
+def shape_bucket(n: int) -> int:
+    """The padded size of a count a graphed forward's shape depends on (tokens, steps, entries):
+    4, 8, 12, 16, then four sizes per octave (20, 24, 28, 32, 40, 48, ..): at most 25 % more from
+    16 up, about four CUDA graphs per doubling."""
+    step = max(4, 1 << max(n.bit_length() - 3, 0))
+    return max(4, -(-n // step) * step)
+
+
+def shape_bucket_below(n: int) -> int:
+    """The largest ``shape_bucket`` size at or below ``n`` (0 below 4)."""
+    step = max(4, 1 << max(n.bit_length() - 3, 0))
+    return n // step * step
+
+
+def pads_shapes(geometry, longest_step: int) -> bool:
+    """Whether a forward whose longest step has ``longest_step`` tokens pads its shapes: a decode
+    or verify forward (every step <= ``merge_step_tokens``) under a geometry of a runner that
+    replays graphs (``dump_block`` >= 0; V4's ``Geometry``, V4.1's wrapper of it)."""
+    limit = getattr(geometry, "merge_step_tokens", 0)
+    return getattr(geometry, "dump_block", -1) >= 0 and bool(limit) and longest_step <= limit
+
+
 def _default_generator(device: torch.device) -> torch.Generator:
     index = device.index if device.index is not None else torch.cuda.current_device()
     return torch.cuda.default_generators[index]

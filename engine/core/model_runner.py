@@ -40,7 +40,7 @@ from deepinfer.cache.block_cache import BlockCache
 from deepinfer.cache.swa_state import SwaArena
 from deepinfer import envs
 from deepinfer.engine.core.batch import ForwardBatch, SeqStep
-from deepinfer.engine.core.cuda_graphs import GraphedForward
+from deepinfer.engine.core.cuda_graphs import GraphedForward, pads_shapes, shape_bucket
 from deepinfer.engine.kv.layout import KvLayout, KvTensor
 from deepinfer.engine.models.registry import FamilyConfig, family
 from deepinfer.kernels import ops
@@ -304,28 +304,19 @@ PAD_FROM = 4  # graphed decode / verify batches of more tokens are padded (graph
 
 
 def graph_batch(batch: ForwardBatch, geometry, dump_slot: int, dump_block: int, max_tokens: int) -> ForwardBatch:
-    """A decode or verify batch of a graphed runner whose geometry pads (``dump_block`` >= 0,
-    every step <= ``merge_step_tokens``) with padding steps appended up to ``padded_tokens``
-    tokens: each one token at position 0 of the ring arena's dump slot, its block table the block
-    cache's dump block, one logit row (cut off after the forward). So the token count, and with
-    the geometry's padded entries and step pools the CUDA-graph signature, stays put while
-    requests join and leave. Batches of up to ``PAD_FROM`` tokens stay as they are (few shapes;
+    """A decode or verify batch of a graphed runner whose geometry pads (``pads_shapes``:
+    ``dump_block`` >= 0, every step <= ``merge_step_tokens``) with padding steps appended up to
+    ``shape_bucket`` tokens: each one token at position 0 of the ring arena's dump slot, its block
+    table the block cache's dump block, one logit row (cut off after the forward). So the token
+    count, and with the geometry's padded entries and step pools the CUDA-graph signature, stays
+    put while requests join and leave. Batches of up to ``PAD_FROM`` tokens stay as they are (few shapes;
     a padding token would route to experts a batch-1 decode does not read); so does one over
     ``max_tokens`` padded (not graphed)."""
-    limit = getattr(geometry, "merge_step_tokens", 0)
     tokens = batch.num_tokens
-    if (getattr(geometry, "dump_block", -1) < 0 or not limit or tokens <= PAD_FROM
-            or max(s.num_tokens for s in batch.steps) > limit):
+    if tokens <= PAD_FROM or not pads_shapes(geometry, max(s.num_tokens for s in batch.steps)):
         return batch
-    target = padded_tokens(tokens)
+    target = shape_bucket(tokens)
     if target == tokens or target > max_tokens:
         return batch
     pad = [SeqStep(-1 - i, dump_slot, [dump_block], 0, [0], num_logits=1) for i in range(target - tokens)]
     return ForwardBatch(list(batch.steps) + pad, token_source=batch.token_source)
-
-
-def padded_tokens(n: int) -> int:
-    """The token count a padded batch of ``n`` tokens runs with: 4, 8, 12, 16, then four counts per
-    octave (20, 24, 28, 32, 40, 48, ..): at most 25 % more tokens from 16 up."""
-    step = max(4, 1 << max(n.bit_length() - 3, 0))
-    return -(-n // step) * step

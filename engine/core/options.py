@@ -15,8 +15,8 @@ Speculative decoding: ``speculative="dspark"`` drafts with the checkpoint's DSpa
 verifies up to ``num_draft_tokens`` drafts per request and step, as many as ``spec_schedule``
 picks ("confidence": the hardware-aware length schedule over the step's SPS table, measured at
 start-up, keeping the accepted length near verifying all; "throughput": the same without that
-floor, the drafter skipped while drafting does not pay; "fixed": all of them). A step rolls back at most ``lookahead`` positions, so
-``num_draft_tokens`` must stay below it.
+floor, the drafter skipped while drafting does not pay; "fixed": all of them). A step rolls back
+at most ``lookahead`` positions, so ``num_draft_tokens`` must stay below it.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 A plan for V4-Flash's 43 layers takes seconds of numpy on small arrays; run on a thread of the
 engine process it would slow every step it overlaps. ``PlannerProcess`` has ``plan``'s signature;
 it starts a child Python on first use (numpy and the planner only: no torch; its priority and
-CPUs set before numpy loads, so every thread of the child has them) and talks to it over its stdin/stdout in frames of an 8-byte length and
-one .npy array (no pickle):
+CPUs set before numpy loads, so every thread of the child has them) and talks to it over its
+stdin/stdout in frames of an 8-byte length and one .npy array (no pickle):
 
     request:  header int64 [num_physical, num_gpus, num_nodes, has_history, has_current],
               load, [history], [current]

@@ -43,7 +43,7 @@ cost more target time than they saved). "confidence" and "fixed" always draft an
 
 Verify buckets (a runner that replays CUDA graphs): a graph replays only a forward of the token
 count it was captured with, and the schedule's total (requests + chosen drafts) changes nearly
-every step. So there the total moves to a bucket (``verify_bucket``: four per octave): the one
+every step. So there the total moves to a bucket (``cuda_graphs.shape_bucket``: four per octave): the one
 above, filled with the next candidates in the schedule's own order (highest survival first,
 ``fill_budget``), or the one below, the lowest-survival chosen drafts dropped, whichever has the
 better E x SPS(B) while keeping the policy's accepted-length floor. When every draft is already
@@ -62,6 +62,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from deepinfer.engine.core.cuda_graphs import shape_bucket, shape_bucket_below
 from deepinfer.engine.core.request import RequestStatus
 from deepinfer.engine.spec.length_policy import SCHEDULES, make_length_policy
 from deepinfer.engine.spec.length_schedule import fill_budget, schedule_lengths
@@ -75,7 +76,7 @@ class SpecConfig:
     schedule: str = "confidence"  # "confidence" | "throughput" | "fixed" (every request verifies D)
     budget_delay: int = 0  # confidence / throughput: size the budget from confidences this many steps old
     gate_drafter: bool = True  # throughput schedule: skip the drafter when drafting does not pay
-    # confidence / throughput: round each step's verify tokens up to ``verify_bucket`` with the next
+    # confidence / throughput: move each step's verify tokens to a ``shape_bucket`` size with the next
     # candidates (the module docstring; the engine sets it when its runner replays CUDA graphs)
     pad_to_buckets: bool = False
 
@@ -193,13 +194,12 @@ class SpecDecoding:
         keeping the policy's accepted-length floor (never past a cap or the verify budget)."""
         num_requests = len(lengths)
         tokens = num_requests + int(lengths.sum())
-        up = verify_bucket(tokens)
+        up = shape_bucket(tokens)
         if up == tokens:
             return lengths
         if self.max_verify_tokens is not None:
             up = min(up, self.max_verify_tokens)
-        step = max(4, 1 << max(tokens.bit_length() - 3, 0))
-        down = tokens // step * step  # the bucket below
+        down = shape_bucket_below(tokens)
         floor = getattr(self.policy, "min_share", 0.0)
         best, best_f = lengths, -1.0
         everything = None
@@ -311,16 +311,6 @@ class SpecDecoding:
     def request_counts(self, request_id: str) -> tuple[int, int, int]:
         """(drafted, verified, accepted) drafts of one request so far."""
         return tuple(self._counts.get(request_id, (0, 0, 0)))
-
-
-def verify_bucket(tokens: int) -> int:
-    """The token count a verify step of ``tokens`` tokens is padded to: 4, 8, 12, 16, then four
-    buckets per octave (20, 24, 28, 32, 40, 48, 56, 64, 80, ...): at most 25 % more tokens, about 4
-    CUDA graphs per doubling of the batch."""
-    if tokens <= 0:
-        return 0
-    step = max(4, 1 << max(tokens.bit_length() - 3, 0))
-    return -(-tokens // step) * step
 
 
 def _length_cap(req, num_drafts: int) -> int:

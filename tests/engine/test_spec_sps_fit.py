@@ -143,12 +143,12 @@ def test_drafter_gate_memoises_its_test_until_an_input_changes():
 
 
 def test_verify_buckets_move_to_the_better_neighbouring_bucket():
-    """A graphed runner's verify steps: the token total moves to a ``verify_bucket`` (four per
+    """A graphed runner's verify steps: the token total moves to a ``shape_bucket`` size (four per
     octave, at most 25 % above from 16 up): the one above, filled with the highest-survival
     candidates not yet chosen, or the one below, the lowest-survival chosen ones dropped, whichever
     has the better E x SPS(B) among those keeping the policy's accepted-length floor; never past a
     request's cap; fixed is never padded."""
-    from deepinfer.engine.spec.decoding import verify_bucket
+    from deepinfer.engine.core.cuda_graphs import shape_bucket as verify_bucket
     from deepinfer.engine.spec.length_schedule import fill_budget
 
     last = 0

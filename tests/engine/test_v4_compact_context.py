@@ -263,12 +263,13 @@ def test_padded_entries_write_only_the_dump_block(ref, ref_wide, wide):
 @pytest.mark.timeout(300)
 def test_padding_steps_change_no_real_row(ref):
     """A graphed runner pads a decode or verify batch of more than PAD_FROM tokens with padding
-    steps (one token each, the dump slot and dump block) up to ``padded_tokens``: the real rows'
+    steps (one token each, the dump slot and dump block) up to ``shape_bucket``: the real rows'
     logits equal the unpadded forward's, every real cache row and ring slot too, and a batch's
     signature on its padded token and step counts alone."""
     from types import SimpleNamespace
 
-    from deepinfer.engine.core.model_runner import PAD_FROM, padded_tokens
+    from deepinfer.engine.core.cuda_graphs import shape_bucket as padded_tokens
+    from deepinfer.engine.core.model_runner import PAD_FROM
 
     runners = []
     for _ in range(2):
@@ -311,7 +312,7 @@ def test_padding_steps_change_no_real_row(ref):
     assert all(not plain.swa.flat(s.layer, s.name)[SLOTS * s.capacity:].any() for s in plain.swa.specs)
     # the signature of batches of 9..12 tokens over 2..SLOTS steps depends on the padded token
     # count and the padded step count (steps + padding steps) alone
-    from deepinfer.engine.models.deepseek_v4.index_plans import padded_count
+    from deepinfer.engine.core.cuda_graphs import shape_bucket as padded_count
 
     sigs: dict = {}
     for n_steps in range(2, SLOTS + 1):

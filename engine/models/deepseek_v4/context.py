@@ -204,7 +204,7 @@ class Geometry:
     # which tokens crossed a bucket at each step (most decode steps of 60 requests ran eagerly)
     merge_step_tokens: int = 0
     # >= 0 (a runner replaying CUDA graphs): the block cache's dump block, and decode / verify
-    # forwards pad their closing entries to ``index_plans.padded_count`` with writes to it
+    # forwards pad their closing entries (``cuda_graphs.shape_bucket`` sizes) with writes to it
     # (``index_plans._padded_entries``), so their shapes do not change with how many windows close
     dump_block: int = -1
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from deepinfer.engine.core.cuda_graphs import pads_shapes, shape_bucket
 from deepinfer.engine.models.deepseek_v4.context import (
     NEG_INF,
     WINDOW_GRANULE,
@@ -351,30 +352,22 @@ def _compress_groups(ratio: int, a: StepArrays, geo: Geometry) -> list[TokenGrou
 def padded_steps(lengths: np.ndarray, geo) -> int:
     """Steps a forward's per-step pools are laid out for: a decode or verify forward of a model
     replaying CUDA graphs (``geo.dump_block`` >= 0, every step <= ``merge_step_tokens``) pads its
-    step count S to ``padded_count(S)`` (window and Engram ring rows, candidate tables: rows no
+    step count S to ``shape_bucket(S)`` (window and Engram ring rows, candidate tables: rows no
     token reads), so a request joining or leaving a verify batch keeps its shapes; else S."""
     num_steps = len(lengths)
-    if geo.dump_block < 0 or not geo.merge_step_tokens or int(lengths.max()) > geo.merge_step_tokens:
-        return num_steps
-    return padded_count(num_steps)
-
-
-def padded_count(n: int) -> int:
-    """A count of padded shape: 4, 8, 12, 16, then four sizes per octave (20, 24, 28, 32, 40, ..)."""
-    step = max(4, 1 << max(n.bit_length() - 3, 0))
-    return max(4, -(-n // step) * step)
+    return shape_bucket(num_steps) if pads_shapes(geo, int(lengths.max())) else num_steps
 
 
 def _entry_shape(ratio: int, a: StepArrays, geo: Geometry, num_entries: int, num_closing: int) -> tuple[int, int]:
     """(entries, closing steps) a padded forward's plan has. A ratio up to ``merge_step_tokens``
     (CSA's 4) closes entries at nearly every step: its shape comes from bounds the forward's
     other shapes already fix (T tokens over S steps close at most (T + S (r - 1)) // r entries, in
-    at most S steps; S the padded step count, ``padded_steps``), so it adds no signature of its own. A larger ratio (HCA's 128) closes an
-    entry in few steps (at most one each): a power of two >= 4 over the actual count, so a handful
-    of entries are pooled for nothing instead of up to S."""
+    at most S steps; S the padded step count, ``padded_steps``), so it adds no signature of its
+    own. A larger ratio (HCA's 128) closes an entry in few steps (at most one each): a power of two
+    >= 4 over the actual count, so a handful of entries are pooled for nothing instead of up to S."""
     num_steps, num_tokens = a.ring_steps, int(a.offsets[-1])  # the padded step count (>= S)
     if ratio <= geo.merge_step_tokens:
-        return padded_count((num_tokens + num_steps * (ratio - 1)) // ratio), num_steps
+        return shape_bucket((num_tokens + num_steps * (ratio - 1)) // ratio), num_steps
     return max(4, 1 << (num_entries - 1).bit_length()), max(4, 1 << (num_closing - 1).bit_length())
 
 
@@ -384,7 +377,7 @@ def _padded_entries(plan: EntryPlan | None, ratio: int, span: int, a: StepArrays
     never None, so a step's shapes do not change with how many windows close in it. A padding
     entry reads pool row 0 and writes the block cache's dump block (block_cache.py); a padding
     ring row reads ring row 0. The fresh rows' indices shift by the ring rows added in front."""
-    if geo.dump_block < 0 or not geo.merge_step_tokens or int(a.lengths.max()) > geo.merge_step_tokens:
+    if not pads_shapes(geo, int(a.lengths.max())):
         return plan
     ring_per = span - 1
     num_entries = 0 if plan is None else int(plan.dst_rows.shape[0])
